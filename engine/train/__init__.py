@@ -1,0 +1,1 @@
+"""The training recipe for the bundled tiny-coder target and its DFlash drafter."""

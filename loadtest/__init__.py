@@ -1,0 +1,1 @@
+"""Load testing and benchmarks: Locust user, interactivity sweep, engine and gateway benches."""

@@ -1,0 +1,40 @@
+"""`dflash-bench`: one entry point, one module per benchmark.
+
+Each subcommand lives in its own module with a `main(argv) -> int` and is imported only when
+chosen, so `dflash-bench gateway` never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "engine": ("loadtest.engine_bench", "embedded engine: tokens/s, acceptance, DFlash vs plain"),
+    "gateway": ("loadtest.gateway_bench", "latency the gateway adds and its max requests/s"),
+    "sweep": ("loadtest.sweep", "throughput at fixed interactivity: Locust over concurrencies"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: dflash-bench {" + ",".join(SUBCOMMANDS) + "} [options]", ""]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in {"-h", "--help"}:
+        print(_usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"dflash-bench: unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    result: int = module.main(rest)
+    return result
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
