@@ -1,0 +1,300 @@
+"""Request state of the embedded engine: parameters, stop conditions, metrics. No torch.
+
+A `Sequence` is one request as the scheduler sees it. The engine appends the tokens that a
+step committed with `Sequence.append`, which applies every stop condition in vLLM's order
+(EOS, stop token ids, stop strings, then max_tokens and the context limit) and truncates
+whatever a block of speculated tokens produced past the stop. `take_output` turns what is
+new since the last call into an incremental `RequestOutput`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+FinishReason = Literal["stop", "length", "abort"]
+MetricsDetail = Literal["summary", "detailed"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks for; temperature 0 is greedy, top_k 0 is off."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # Callers often hand in lists (JSON); keep the object hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+@dataclass
+class SpecDecodeStats:
+    """Per-request speculation counts, one entry per verify step (vLLM's definitions)."""
+
+    num_spec_tokens: int
+    per_step_accepted: list[int] = field(default_factory=list)
+    per_step_drafted: list[int] = field(default_factory=list)
+
+    def observe(self, num_drafted: int, num_accepted: int) -> None:
+        self.per_step_drafted.append(num_drafted)
+        self.per_step_accepted.append(num_accepted)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.per_step_accepted)
+
+    @property
+    def num_accepted(self) -> int:
+        return sum(self.per_step_accepted)
+
+    @property
+    def num_drafted(self) -> int:
+        return sum(self.per_step_drafted)
+
+    def histogram(self) -> list[int]:
+        """Index j: verify steps that accepted exactly j drafts (bonus token excluded)."""
+        counts = [0] * (self.num_spec_tokens + 1)
+        for accepted in self.per_step_accepted:
+            counts[accepted] += 1
+        return counts
+
+    def to_vllm(self, detail: MetricsDetail = "summary") -> dict[str, Any]:
+        steps, accepted, drafted = self.num_steps, self.num_accepted, self.num_drafted
+        out: dict[str, Any] = {
+            "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "acceptance_histogram": self.histogram(),
+            "num_spec_steps": steps,
+            "num_accepted_draft_tokens": accepted,
+            "num_draft_tokens": drafted,
+            "num_spec_tokens": self.num_spec_tokens,
+        }
+        if detail == "detailed":
+            out["per_step_accepted"] = list(self.per_step_accepted)
+            out["per_step_drafted"] = list(self.per_step_drafted)
+        return out
+
+
+def _ms(start: float | None, end: float | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return (end - start) * 1000.0
+
+
+@dataclass
+class RequestMetrics:
+    """Monotonic timestamps of one request plus its speculation stats (None: no drafter)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_output_tokens: int = 0
+    spec: SpecDecodeStats | None = None
+
+    def to_vllm(self, detail: MetricsDetail = "summary") -> dict[str, Any]:
+        """vLLM 0.33's per-request `metrics` object, with vLLM's interval definitions:
+        TTFT from first scheduling, generation time = first to last token, tokens/s over
+        first scheduling to last token, mean ITL over the gaps (None for one token)."""
+        n = self.num_output_tokens
+        decode_ms = _ms(self.first_token_time, self.last_token_time)
+        inference_ms = _ms(self.first_scheduled_time, self.last_token_time)
+        out: dict[str, Any] = {
+            "time_to_first_token_ms": _ms(self.first_scheduled_time, self.first_token_time),
+            "generation_time_ms": decode_ms,
+            "queue_time_ms": _ms(self.arrival_time, self.first_scheduled_time),
+            "mean_itl_ms": decode_ms / (n - 1) if decode_ms is not None and n > 1 else None,
+            "tokens_per_second": (
+                n / inference_ms * 1000.0 if inference_ms is not None and inference_ms > 0 else None
+            ),
+        }
+        if self.spec is not None:
+            out["speculative_decoding"] = self.spec.to_vllm(detail)
+        return out
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step produced for one request (deltas since the previous output)."""
+
+    request_id: str
+    text_delta: str
+    token_ids_delta: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    metrics: RequestMetrics
+
+
+class Detokenizer(Protocol):
+    """Turns appended token ids into newly complete text (see engine.tokenizer)."""
+
+    def push(self, token_ids: Seq[int]) -> str: ...
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request's mutable state; touched only by the engine's step thread."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        detokenizer: Detokenizer,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        arrival_time: float,
+        num_spec_tokens: int | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.slot: int | None = None
+        self.finish_reason: FinishReason | None = None
+        self.abort_requested = False
+        self.text = ""
+        self._detokenizer = detokenizer
+        self._stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids
+        )
+        self._max_len = min(params.max_tokens, max_model_len - len(prompt_token_ids))
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._sent_tokens = 0
+        self._sent_chars = 0
+        spec = None if num_spec_tokens is None else SpecDecodeStats(num_spec_tokens)
+        self.metrics = RequestMetrics(arrival_time=arrival_time, spec=spec)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1]
+
+    @property
+    def position(self) -> int:
+        """Tokens in the slot's target cache: all but the last committed token."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - 1
+
+    def finish(self, reason: FinishReason, now: float) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finished_time = now
+
+    def append(self, token_ids: Seq[int], now: float) -> int:
+        """Commit a step's tokens, stopping at the first stop condition; returns how many
+        were kept (the rest, speculated past the stop, are dropped)."""
+        if self.finished or not token_ids:
+            return 0
+        kept = self._append_tokens(token_ids)
+        metrics = self.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        metrics.num_output_tokens = len(self.output_token_ids)
+        if self.finish_reason is not None:
+            self.metrics.finished_time = now
+        return kept
+
+    def _append_tokens(self, token_ids: Seq[int]) -> int:
+        if not self.params.stop:
+            return self._append_without_stop_strings(token_ids)
+        # Stop strings: text is checked after every token so no token past the one that
+        # completed a stop string is kept.
+        for kept, token in enumerate(token_ids, start=1):
+            if self._append_one(token):
+                return kept
+        return len(token_ids)
+
+    def _append_without_stop_strings(self, token_ids: Seq[int]) -> int:
+        room = self._max_len - len(self.output_token_ids)
+        window = list(token_ids[:room])
+        cut = next((i for i, t in enumerate(window) if t in self._stop_ids), None)
+        if cut is not None:
+            window = window[: cut + 1]
+            self.output_token_ids.extend(window)
+            self.text += self._detokenizer.push(window[:-1])
+            self._set_finished("stop")
+            return len(window)
+        self.output_token_ids.extend(window)
+        self.text += self._detokenizer.push(window)
+        if len(self.output_token_ids) >= self._max_len:
+            self._set_finished("length")
+        return len(window)
+
+    def _append_one(self, token: int) -> bool:
+        """Append one token; True when the sequence finished on it."""
+        self.output_token_ids.append(token)
+        if token in self._stop_ids:
+            self._set_finished("stop")
+            return True
+        old_len = len(self.text)
+        self.text += self._detokenizer.push((token,))
+        if self._truncate_at_stop_string(old_len):
+            self._set_finished("stop")
+            return True
+        if len(self.output_token_ids) >= self._max_len:
+            self._set_finished("length")
+            return True
+        return False
+
+    def _truncate_at_stop_string(self, old_len: int) -> bool:
+        start = max(0, old_len - self._holdback)
+        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True
+
+    def _set_finished(self, reason: FinishReason) -> None:
+        # The timestamp is set by `append`, which knows the step's time.
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def take_output(self) -> RequestOutput | None:
+        """Everything new since the last call, or None when there is nothing to say.
+        While running, text that could still become a stop string is held back."""
+        end = len(self.text) if self.finished else max(0, len(self.text) - self._holdback)
+        end = max(end, self._sent_chars)
+        tokens = self.output_token_ids[self._sent_tokens :]
+        text = self.text[self._sent_chars : end]
+        if not tokens and not text and not self.finished:
+            return None
+        self._sent_tokens = len(self.output_token_ids)
+        self._sent_chars = end
+        return RequestOutput(
+            request_id=self.request_id,
+            text_delta=text,
+            token_ids_delta=tokens,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=len(self.prompt_token_ids),
+            num_output_tokens=len(self.output_token_ids),
+            metrics=self.metrics,
+        )

@@ -1,0 +1,155 @@
+"""Tokenizer of a Hugging Face model folder, without transformers: `tokenizer.json` through
+the `tokenizers` library, the chat template of `tokenizer_config.json` through Jinja (the
+same sandboxed rendering transformers uses), and the EOS ids from the tokenizer config,
+`generation_config.json` and `config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+# A UTF-8 character is at most 4 bytes and a byte-level token at least 1: once this many
+# tokens are pending, a trailing replacement character is real, not a split character.
+_MAX_PENDING_TOKENS = 4
+# Prompt tokens a detokenizer starts from, so the first output token decodes with the
+# spacing it has in context (SentencePiece-style leading spaces).
+_CONTEXT_TOKENS = 4
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _id_list(value: Any) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class IncrementalDetokenizer:
+    """Streams text for appended tokens; never emits half a UTF-8 character.
+
+    Decodes a short window (`prefix_offset`..end) and emits what it adds over the already
+    emitted part (`prefix_offset`..`read_offset`), so each push costs O(window), not
+    O(output length)."""
+
+    def __init__(self, tokenizer: HFTokenizer, context: Sequence[int] = ()) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = list(context[-_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        if not token_ids:
+            return ""
+        self._ids.extend(token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        pending = len(self._ids) - self._read_offset
+        if len(full) <= len(prefix):
+            return ""  # nothing printable yet (a skipped special token)
+        if full.endswith("\ufffd") and pending < _MAX_PENDING_TOKENS:
+            return ""  # the last token ends inside a character: wait for the rest
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return full[len(prefix) :]
+
+
+class Tokenizer:
+    """encode / decode / chat template / EOS ids of one model folder."""
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        chat_template: str | None,
+        special_tokens: dict[str, str],
+        eos_token_ids: set[int],
+    ) -> None:
+        self._tok = tokenizer
+        self._special_tokens = special_tokens
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._template: jinja2.Template | None = None
+        if chat_template is not None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> Tokenizer:
+        folder = Path(path)
+        tok_file = folder / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {folder}")
+        tokenizer = HFTokenizer.from_file(str(tok_file))
+        config = _read_json(folder / "tokenizer_config.json")
+        specials = {
+            key: content
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (content := _token_content(config.get(key))) is not None
+        }
+        eos: set[int] = set()
+        eos_id = tokenizer.token_to_id(specials.get("eos_token", ""))
+        if eos_id is not None:
+            eos.add(eos_id)
+        eos.update(_id_list(_read_json(folder / "generation_config.json").get("eos_token_id")))
+        eos.update(_id_list(_read_json(folder / "config.json").get("eos_token_id")))
+        template = config.get("chat_template")
+        return cls(
+            tokenizer,
+            chat_template=template if isinstance(template, str) else None,
+            special_tokens=specials,
+            eos_token_ids=eos,
+        )
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        if self._template is None:
+            raise ValueError("this tokenizer has no chat_template")
+        return self._template.render(
+            messages=messages, add_generation_prompt=True, **self._special_tokens
+        )
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of the conversation with the assistant turn opened."""
+        # The template writes special tokens as text; they must not be added twice.
+        return self.encode(self.render_chat(messages), add_special_tokens=False)
+
+    def detokenizer(self, context: Sequence[int] = ()) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self._tok, context)

@@ -1,0 +1,109 @@
+"""Tokenizer of a model folder: encode/decode, chat template, EOS ids, streaming text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from engine.tokenizer import Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TEMPLATE = (
+    "{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content']"
+    " + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "café crème brûlée, naïve façade — 中文字符 and emoji 🙂🚀 mixed in",
+    "for i in range(10):\n    print(i * i)\n",
+] * 20
+SAMPLE = "def façade(x):\n    return '中文 🙂🚀 crème' + x\n"
+
+
+def write_tokenizer(folder: Path, *, template: str | None = TEMPLATE) -> None:
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config: dict[str, object] = {"eos_token": {"content": "<|im_end|>"}, "bos_token": None}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder = tmp_path_factory.mktemp("tok")
+    write_tokenizer(folder)
+    return Tokenizer.from_dir(folder)
+
+
+def test_round_trip_and_vocab(tok: Tokenizer) -> None:
+    ids = tok.encode(SAMPLE)
+    assert len(ids) > 5 and tok.decode(ids) == SAMPLE
+    assert 259 < tok.vocab_size <= 400  # 256 bytes + 3 specials + merges
+    assert all(0 <= i < tok.vocab_size for i in ids)
+
+
+def test_eos_ids_from_config_and_generation_config(tok: Tokenizer) -> None:
+    assert tok.eos_token_ids == {0, 2}  # <|im_end|> is id 2, <|endoftext|> id 0
+
+
+def test_chat_template_opens_the_assistant_turn(tok: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = tok.apply_chat_template(messages)
+    assert ids.count(1) == 3  # <|im_start|> is one token per turn, not spelled out
+    assert ids.count(2) == 2
+    rendered = tok.decode(ids, skip_special_tokens=False)
+    assert rendered == tok.render_chat(messages)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert tok.decode(ids) == "system\nbe brief\nuser\nhi\nassistant\n"
+
+
+def test_no_template_and_no_tokenizer_are_clear_errors(tmp_path: Path) -> None:
+    write_tokenizer(tmp_path / "a", template=None)
+    bare = Tokenizer.from_dir(tmp_path / "a")
+    with pytest.raises(ValueError, match="chat_template"):
+        bare.apply_chat_template([{"role": "user", "content": "x"}])
+    with pytest.raises(FileNotFoundError, match=r"tokenizer\.json"):
+        Tokenizer.from_dir(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_streaming_never_splits_a_character(tok: Tokenizer, chunk: int) -> None:
+    prompt = tok.encode("x = ")
+    ids = tok.encode(SAMPLE)
+    # Byte-level tokens split the multi-byte characters: the stream must hold them back.
+    assert any("\ufffd" in tok.decode([i]) for i in ids)
+    detok = tok.detokenizer(prompt)
+    deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == SAMPLE
+
+
+def test_streaming_skips_special_tokens(tok: Tokenizer) -> None:
+    detok = tok.detokenizer()
+    ids = [*tok.encode("ab"), 2, *tok.encode("cd")]
+    assert "".join(detok.push([i]) for i in ids) == "abcd"
+
+
+def test_invalid_bytes_are_eventually_emitted(tok: Tokenizer) -> None:
+    # A random model can emit a lone continuation byte forever: text must not stall.
+    lone = next(i for i in range(3, tok.vocab_size) if tok.decode([i]) == "\ufffd")
+    detok = tok.detokenizer()
+    text = "".join(detok.push([lone]) for _ in range(12))
+    assert text.count("\ufffd") >= 8
