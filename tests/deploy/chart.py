@@ -1,0 +1,89 @@
+"""Render the Helm chart with the real helm binary; regenerate rules/alerts.yaml.
+
+`python -m tests.deploy.chart` rewrites helm/dflash-serving/rules/alerts.yaml from
+templates/_alerts.tpl rendered with the default values (a test keeps them identical).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "dflash-serving"
+RULES_FILE = CHART / "rules" / "alerts.yaml"
+RULES_TEST_FILE = CHART / "rules" / "alerts_test.yaml"
+DASHBOARD_FILE = CHART / "dashboards" / "dflash-serving.json"
+MONITORING_APIS = ("monitoring.coreos.com/v1/ServiceMonitor",
+                   "monitoring.coreos.com/v1/PodMonitor",
+                   "monitoring.coreos.com/v1/PrometheusRule")
+RULES_HEADER = (
+    "# Generated from templates/_alerts.tpl with the chart's default values; do not edit.\n"
+    "# Regenerate: .venv/bin/python -m tests.deploy.chart\n"
+)
+
+
+def helm_binary() -> str:
+    """The helm that `make tools` installs, else one on PATH."""
+    local = ROOT / ".tools" / "bin" / "helm"
+    if local.exists():
+        return str(local)
+    found = shutil.which("helm")
+    if found is None:
+        raise FileNotFoundError("helm not found: run `make tools`")
+    return found
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/dflash-helm-cache",
+           "HELM_CONFIG_HOME": "/tmp/dflash-helm-config", "HELM_DATA_HOME": "/tmp/dflash-helm-data"}
+    return subprocess.run([helm_binary(), *args], capture_output=True, text=True,
+                          timeout=60, env=env, check=False)
+
+
+def template_args(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
+                  api_versions: tuple[str, ...] = ()) -> list[str]:
+    args = ["template", "rel", str(CHART), "--namespace", "llm"]
+    for name in values:
+        args += ["-f", str(CHART / name)]
+    for item in sets:
+        args += ["--set", item]
+    for api in api_versions:
+        args += ["--api-versions", api]
+    return args
+
+
+def render(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
+           api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Every object `helm template` renders, parsed."""
+    proc = helm(*template_args(values, sets, api_versions))
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm template failed: {proc.stderr}")
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
+    hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
+    assert len(hits) == 1, f"expected one {kind} *{suffix}, got {[h['metadata']['name'] for h in hits]}"
+    return hits[0]
+
+
+def rendered_rule_groups(sets: tuple[str, ...] = ()) -> dict[str, Any]:
+    docs = render(sets=("monitoring.prometheusRule.enabled=true", *sets))
+    spec: dict[str, Any] = find(docs, "PrometheusRule")["spec"]
+    return spec
+
+
+def write_rules_file() -> None:
+    body = yaml.safe_dump(rendered_rule_groups(), sort_keys=False, width=1000, allow_unicode=True)
+    RULES_FILE.write_text(RULES_HEADER + body, encoding="utf-8")
+
+
+if __name__ == "__main__":
+    write_rules_file()
+    print(f"wrote {RULES_FILE}")
