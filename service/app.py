@@ -1,3 +1,155 @@
-"""Gateway application factory (filled in by the gateway issue)."""
+"""Gateway application factory: `create_app(settings)`."""
 
 from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.api import REQUEST_ID_KEY, STARTED_KEY, GatewayState, Runtime, router
+from service.auth import ApiKeyAuth
+from service.errors import AuthenticationFailed, GatewayError, error_body, status_error_type
+from service.metrics import GatewayMetrics
+from service.pool import WorkerPool
+from service.proxy import Proxy
+from service.schemas import ChatCompletionRequest, CompletionRequest
+from service.settings import GatewaySettings
+
+log = logging.getLogger("dflash.gateway")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+class RequestContext:
+    """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer the SSE path): request id
+    in and out, arrival time, and the API-key check."""
+
+    def __init__(self, app: ASGIApp, auth: ApiKeyAuth) -> None:
+        self.app, self.auth = app, auth
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        scope[STARTED_KEY] = time.perf_counter()
+        headers = dict(scope["headers"])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        scope[REQUEST_ID_KEY] = request_id
+        rid = request_id.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+            await send(message)
+
+        if self.auth.protects(scope["path"]):
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not self.auth.allows(authorization):
+                error = AuthenticationFailed("Missing or invalid API key (Authorization: Bearer).")
+                await render(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send_with_id)
+                return
+        await self.app(scope, receive, send_with_id)
+
+
+def render(error: GatewayError, extra: dict[str, str] | None = None) -> JSONResponse:
+    headers = {**error.headers, **(extra or {})}
+    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def gateway_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, GatewayError)
+        return render(exc)
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        body = error_body(str(exc.detail), status_error_type(exc.status_code), None, None)
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse(
+            error_body("Internal gateway error.", "internal_error"), status_code=500
+        )
+
+    app.add_exception_handler(GatewayError, gateway_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+def build_openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema plus the request models, which the handlers validate themselves (so
+    that unknown fields pass through and errors come out as OpenAI bodies)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (ChatCompletionRequest, CompletionRequest):
+            ref = "#/components/schemas/{model}"
+            definition = model.model_json_schema(ref_template=ref)
+            components.update(definition.pop("$defs", {}))
+            components[model.__name__] = definition
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
+    # No read timeout here: the proxy applies first-byte and idle-stream deadlines itself.
+    timeout = httpx.Timeout(
+        connect=settings.connect_timeout_s,
+        read=None,
+        write=settings.connect_timeout_s * 5,
+        pool=settings.first_byte_timeout_s,
+    )
+    size = settings.max_upstream_connections
+    limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    metrics = GatewayMetrics()
+    keys = settings.load_api_keys()
+    auth = ApiKeyAuth(keys, protect_metrics=settings.metrics_auth)
+    state = GatewayState(settings=settings, metrics=metrics, auth=auth)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not auth.enabled:
+            log.warning(
+                "API-key auth is DISABLED: no key configured (set DFLASH_GATEWAY_API_KEYS "
+                "or DFLASH_GATEWAY_API_KEY_FILE)"
+            )
+        client = upstream_client(settings)
+        pool = WorkerPool(settings, client, metrics)
+        await pool.start()
+        state.runtime = Runtime(client, pool, Proxy(settings, pool, client, metrics))
+        log.info("gateway ready: %d of %d workers healthy", len(pool.routable()), len(pool.workers))
+        try:
+            yield
+        finally:
+            state.runtime = None
+            await pool.stop()
+            await client.aclose()
+
+    app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = state
+    app.include_router(router)
+    install_error_handlers(app)
+    app.add_middleware(RequestContext, auth=auth)
+    app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,182 @@
+"""The HTTP surface: OpenAI endpoints, models, probes and metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from service.auth import ApiKeyAuth
+from service.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    NoHealthyWorker,
+    PayloadTooLarge,
+    error_body,
+)
+from service.metrics import GatewayMetrics
+from service.pool import WorkerPool
+from service.proxy import Proxy, ProxyCall
+from service.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    prompt_text,
+    validate_request,
+)
+from service.settings import GatewaySettings
+
+REQUEST_ID_KEY = "dflash.request_id"
+STARTED_KEY = "dflash.started"
+
+
+@dataclass
+class Runtime:
+    """What the lifespan opens: the upstream client, the pool and the proxy over them."""
+
+    client: httpx.AsyncClient
+    pool: WorkerPool
+    proxy: Proxy
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    auth: ApiKeyAuth
+    draining: bool = False
+    runtime: Runtime | None = field(default=None)
+
+    def live(self) -> Runtime:
+        if self.runtime is None:
+            raise NoHealthyWorker("The gateway is starting.", headers={"Retry-After": "1"})
+        return self.runtime
+
+
+def gateway(request: Request) -> GatewayState:
+    state: GatewayState = request.app.state.gateway
+    return state
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"{name} is not valid JSON.", code="invalid_json")
+
+
+async def read_json(request: Request, limit: int) -> tuple[bytes, Any]:
+    """The raw body and its JSON, refusing more than `limit` bytes without reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise InvalidRequest(
+            "The request body is empty; expected a JSON object.", code="invalid_json"
+        )
+    try:
+        return raw, json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
+
+
+def upstream_body(raw: bytes, payload: dict[str, Any], stream: bool) -> bytes:
+    """Non-streaming: the client's bytes untouched. Streaming: always ask the worker for the
+    usage chunk (it carries usage and the per-request metrics); the proxy strips it again
+    when the client did not ask for it."""
+    if not stream:
+        return raw
+    options = payload.get("stream_options") or {}
+    forwarded = {**payload, "stream_options": {**options, "include_usage": True}}
+    return json.dumps(forwarded, separators=(",", ":")).encode()
+
+
+async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> Response:
+    state = gateway(request)
+    raw, payload = await read_json(request, state.settings.max_body_bytes)
+    parsed = validate_request(schema, payload)
+    runtime = state.live()
+    retry_after = {"Retry-After": str(state.settings.retry_after_s)}
+    if not runtime.pool.routable():
+        raise NoHealthyWorker("No healthy worker is available.", headers=retry_after)
+    if not runtime.pool.knows_model(parsed.model):
+        raise ModelNotFound(f"The model `{parsed.model}` does not exist.", param="model")
+    served = {m["id"] for m in runtime.pool.models()}
+    options = parsed.stream_options
+    call = ProxyCall(
+        endpoint=endpoint,
+        body=upstream_body(raw, payload, bool(parsed.stream)),
+        stream=bool(parsed.stream),
+        wants_usage=bool(options is not None and options.include_usage),
+        model=parsed.model,
+        label=parsed.model if parsed.model in served else "unknown",
+        affinity_key=prompt_text(parsed, state.settings.affinity_prefix_chars),
+        request_id=request.scope.get(REQUEST_ID_KEY, ""),
+        single_choice=(parsed.n or 1) == 1,
+        started=request.scope.get(STARTED_KEY, time.perf_counter()),
+    )
+    return runtime.proxy.response(call)
+
+
+def _body_schema(name: str) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{name}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/chat/completions",
+    openapi_extra=_body_schema("ChatCompletionRequest"),
+    summary="OpenAI chat completions (streaming and not), proxied to a worker",
+)
+async def chat_completions(request: Request) -> Response:
+    return await proxy_endpoint(request, ChatCompletionRequest, "/v1/chat/completions")
+
+
+@router.post(
+    "/v1/completions",
+    openapi_extra=_body_schema("CompletionRequest"),
+    summary="OpenAI text completions (streaming and not), proxied to a worker",
+)
+async def completions(request: Request) -> Response:
+    return await proxy_endpoint(request, CompletionRequest, "/v1/completions")
+
+
+@router.get("/v1/models", summary="Models served by the healthy workers")
+async def list_models(request: Request) -> dict[str, Any]:
+    runtime = gateway(request).runtime
+    data = runtime.pool.models() if runtime is not None else []
+    return {"object": "list", "data": data}
+
+
+@router.get("/health", summary="Liveness: the gateway process answers")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", summary="Readiness: a healthy worker exists and no drain is under way")
+async def ready(request: Request) -> JSONResponse:
+    state = gateway(request)
+    healthy = len(state.runtime.pool.routable()) if state.runtime is not None else 0
+    if state.draining or not healthy:
+        reason = "draining" if state.draining else "no healthy worker"
+        body = error_body(f"Not ready: {reason}.", "service_unavailable", None, "not_ready")
+        return JSONResponse(body, status_code=503)
+    return JSONResponse({"status": "ready", "healthy_workers": healthy})
+
+
+@router.get("/metrics", summary="Prometheus exposition of the gateway's metrics")
+async def metrics(request: Request) -> Response:
+    body, content_type = gateway(request).metrics.render()
+    return Response(body, media_type=content_type)

@@ -1,0 +1,211 @@
+"""The gateway's Prometheus metrics (DESIGN §3b) and defensive parsing of what workers report."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
+ACCEPT_LEN_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 16)
+RATE_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """One request's speculation summary, as far as the worker reported it."""
+
+    steps: int
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_length: float | None
+    acceptance_rate: float | None
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < 0:
+        return None
+    return int(value)
+
+
+def _ratio(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def parse_usage(body: object) -> Usage | None:
+    """`usage` of a response body or final chunk; None when missing or malformed."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    if prompt is None and completion is None:
+        return None
+    return Usage(prompt or 0, completion or 0)
+
+
+def _histogram_counts(hist: object) -> dict[int, int]:
+    """`acceptance_histogram` as {accepted: steps}: a list, or a sparse map with str/int keys."""
+    items: list[tuple[object, object]] = []
+    if isinstance(hist, list):
+        items = list(enumerate(hist))
+    elif isinstance(hist, dict):
+        items = list(hist.items())
+    counts: dict[int, int] = {}
+    for key, value in items:
+        index, count = (
+            _count(int(key) if isinstance(key, str) and key.isdigit() else key),
+            _count(value),
+        )
+        if index is not None and count:
+            counts[index] = counts.get(index, 0) + count
+    return counts
+
+
+def _one_spec(spec: object) -> SpecStats | None:
+    if not isinstance(spec, dict):
+        return None
+    hist = _histogram_counts(spec.get("acceptance_histogram"))
+    steps = _count(spec.get("num_spec_steps"))
+    accepted = _count(spec.get("num_accepted_draft_tokens"))
+    drafted = _count(spec.get("num_draft_tokens"))
+    steps = steps if steps is not None else sum(hist.values())
+    accepted = accepted if accepted is not None else sum(k * v for k, v in hist.items())
+    if drafted is None:
+        per_step = _count(spec.get("num_spec_tokens"))
+        drafted = steps * per_step if per_step is not None else 0
+    length = _ratio(spec.get("mean_acceptance_length"))
+    if length is None and steps:
+        length = 1.0 + accepted / steps
+    rate = _ratio(spec.get("draft_acceptance_rate"))
+    if rate is None and drafted:
+        rate = accepted / drafted
+    if not steps and length is None:
+        return None
+    return SpecStats(steps, drafted, accepted, length, rate)
+
+
+def parse_spec(body: object) -> list[SpecStats]:
+    """`metrics.speculative_decoding` of a body or final chunk: missing, null, or a list per
+    choice (n > 1) all parse; what is malformed is skipped, never raised."""
+    metrics = body.get("metrics") if isinstance(body, dict) else None
+    entries = metrics if isinstance(metrics, list) else [metrics]
+    found = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            stats = _one_spec(entry.get("speculative_decoding"))
+            if stats is not None:
+                found.append(stats)
+    return found
+
+
+class GatewayMetrics:
+    """All gateway series in one registry owned by the app (no process-global state)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "dflash_requests", "Requests answered", ["model", "endpoint", "status"], registry=r
+        )
+        self.in_flight = Gauge(
+            "dflash_requests_in_flight", "Requests in flight", ["model"], registry=r
+        )
+        self.duration = Histogram(
+            "dflash_request_duration_seconds",
+            "End-to-end latency, client view",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "dflash_time_to_first_token_seconds",
+            "Time to first token, client view (streaming)",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "dflash_time_per_output_token_seconds",
+            "(end - first token) / (tokens - 1) per request",
+            ["model"],
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens", ["model"], registry=r)
+        self.completion_tokens = Counter(
+            "dflash_completion_tokens", "Completion tokens", ["model"], registry=r
+        )
+        self._spec_series(r)
+        self.worker_healthy = Gauge(
+            "dflash_worker_healthy", "1 when the worker takes traffic", ["worker"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "dflash_upstream_errors", "Failed upstream attempts", ["worker", "kind"], registry=r
+        )
+        self.retries = Counter(
+            "dflash_retries", "Attempts retried on another worker", ["model"], registry=r
+        )
+
+    def _spec_series(self, r: CollectorRegistry) -> None:
+        self.spec_length = Histogram(
+            "dflash_spec_acceptance_length",
+            "Per-request mean acceptance length (bonus included)",
+            ["model"],
+            buckets=ACCEPT_LEN_BUCKETS,
+            registry=r,
+        )
+        self.spec_rate = Histogram(
+            "dflash_spec_draft_acceptance_rate",
+            "Per-request accepted / drafted tokens",
+            ["model"],
+            buckets=RATE_BUCKETS,
+            registry=r,
+        )
+        self.spec_steps = Counter("dflash_spec_steps", "Verify steps", ["model"], registry=r)
+        self.spec_drafted = Counter(
+            "dflash_spec_draft_tokens", "Draft tokens", ["model"], registry=r
+        )
+        self.spec_accepted = Counter(
+            "dflash_spec_accepted_tokens", "Accepted draft tokens", ["model"], registry=r
+        )
+
+    def observe_usage(self, model: str, usage: Usage | None) -> None:
+        if usage is not None:
+            self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
+            self.completion_tokens.labels(model).inc(usage.completion_tokens)
+
+    def observe_spec(self, model: str, body: Any) -> None:
+        for stats in parse_spec(body):
+            self.spec_steps.labels(model).inc(stats.steps)
+            self.spec_drafted.labels(model).inc(stats.draft_tokens)
+            self.spec_accepted.labels(model).inc(stats.accepted_tokens)
+            if stats.acceptance_length is not None:
+                self.spec_length.labels(model).observe(stats.acceptance_length)
+            if stats.acceptance_rate is not None:
+                self.spec_rate.labels(model).observe(stats.acceptance_rate)
+
+    def set_worker_health(self, worker: str, healthy: bool | None) -> None:
+        """healthy None: the worker left the pool, so its series goes too (bounded labels)."""
+        if healthy is None:
+            with contextlib.suppress(KeyError):
+                self.worker_healthy.remove(worker)
+            return
+        self.worker_healthy.labels(worker).set(1 if healthy else 0)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,320 @@
+"""Forwarding one request to a worker: retries before the first byte, SSE pass-through after,
+client disconnects closing the upstream request, per-request metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
+
+from service.errors import (
+    GatewayError,
+    NoHealthyWorker,
+    UpstreamError,
+    UpstreamTimeout,
+    WorkersBusy,
+    sse_error_event,
+)
+from service.metrics import GatewayMetrics, parse_usage
+from service.pool import Worker, WorkerPool
+from service.settings import GatewaySettings
+from service.sse import SseTap
+
+log = logging.getLogger("dflash.gateway.proxy")
+CLIENT_CLOSED = 499  # status label of requests the client abandoned (nginx's convention)
+
+
+@dataclass(frozen=True)
+class ProxyCall:
+    """Everything one proxied request needs, decided by the API layer."""
+
+    endpoint: str  # "/v1/chat/completions" or "/v1/completions"
+    body: bytes  # what goes upstream (the client's JSON; include_usage forced on streams)
+    stream: bool
+    wants_usage: bool  # the client itself asked for stream_options.include_usage
+    model: str  # requested model, for routing
+    label: str  # metrics label (bounded: a served model or "unknown")
+    affinity_key: str | None
+    request_id: str
+    single_choice: bool  # n == 1: TPOT is meaningful
+    started: float  # perf_counter at arrival
+
+
+class UpstreamFailure(Exception):
+    """An attempt failed before the client saw a byte: another worker may take it."""
+
+    def __init__(self, kind: str, message: str, *, counts: bool = True) -> None:
+        super().__init__(message)
+        self.kind, self.message, self.counts = kind, message, counts
+
+
+def classify(exc: BaseException) -> UpstreamFailure:
+    if isinstance(exc, TimeoutError | httpx.TimeoutException) and not isinstance(
+        exc, httpx.ConnectTimeout | httpx.PoolTimeout
+    ):
+        return UpstreamFailure("timeout", "the worker did not answer in time")
+    if isinstance(exc, httpx.PoolTimeout):
+        return UpstreamFailure("pool", "no upstream connection free in time", counts=False)
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return UpstreamFailure("connect", f"cannot connect to the worker: {exc}")
+    return UpstreamFailure("read", f"the worker connection failed: {exc!r}")
+
+
+def status_failure(status: int) -> UpstreamFailure | None:
+    """Worker statuses worth another worker: 503 is overload (not ill health), other 5xx."""
+    if status == 503:
+        return UpstreamFailure("overloaded", "the worker is at capacity", counts=False)
+    if status >= 500:
+        return UpstreamFailure("status_5xx", f"the worker answered HTTP {status}")
+    return None
+
+
+async def close_quietly(response: httpx.Response) -> None:
+    # Shielded: a cancelled request (client gone) must still close its upstream connection,
+    # which is how the worker learns to stop generating.
+    with anyio.move_on_after(2, shield=True):
+        await response.aclose()
+
+
+async def send_body(
+    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
+) -> None:
+    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(send: Send, error: GatewayError) -> None:
+    headers = [(b"content-type", b"application/json")]
+    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
+    await send_body(send, error.status_code, json.dumps(error.body()).encode(), headers)
+
+
+@dataclass
+class Outcome:
+    status: int = CLIENT_CLOSED  # the status sent to the client, once sent
+
+
+class Proxy:
+    """Runs attempts on workers from the pool until one answers or retries run out."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        pool: WorkerPool,
+        client: httpx.AsyncClient,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.settings, self.pool, self.client, self.metrics = settings, pool, client, metrics
+
+    def response(self, call: ProxyCall) -> ProxyResponse:
+        return ProxyResponse(self, call)
+
+    async def run(self, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+        tried: set[str] = set()
+        last: UpstreamFailure | None = None
+        for attempt in range(self.settings.max_retries + 1):
+            worker = self.pool.pick(call.model, call.affinity_key, tried)
+            if worker is None:
+                break
+            if attempt:
+                self.metrics.retries.labels(call.label).inc()
+            tried.add(worker.url)
+            worker.outstanding += 1
+            try:
+                attempt_fn = self._stream if call.stream else self._unary
+                await attempt_fn(worker, call, send, outcome)
+                return
+            except UpstreamFailure as failure:
+                log.warning(
+                    "request %s: worker %s failed: %s", call.request_id, worker.url, failure
+                )
+                self.pool.report_failure(worker, failure.kind, counts=failure.counts)
+                last = failure
+            finally:
+                worker.outstanding -= 1
+        error = self._final_error(last)
+        outcome.status = error.status_code
+        await send_error(send, error)
+
+    def _final_error(self, last: UpstreamFailure | None) -> GatewayError:
+        retry_after = {"Retry-After": str(self.settings.retry_after_s)}
+        if last is None:
+            return NoHealthyWorker("No healthy worker is available.", headers=retry_after)
+        if last.kind == "overloaded" or last.kind == "pool":
+            return WorkersBusy("Every worker is at capacity; retry later.", headers=retry_after)
+        if last.kind == "timeout":
+            return UpstreamTimeout(f"Upstream timeout: {last.message}.")
+        return UpstreamError(f"Upstream failure: {last.message}.")
+
+    def _request(self, worker: Worker, call: ProxyCall) -> httpx.Request:
+        headers = {"content-type": "application/json", "x-request-id": call.request_id}
+        return self.client.build_request(
+            "POST", worker.url + call.endpoint, content=call.body, headers=headers
+        )
+
+    async def _unary(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+        response: httpx.Response | None = None
+        try:
+            async with asyncio.timeout(self.settings.request_timeout_s):
+                response = await self.client.send(self._request(worker, call), stream=True)
+                body = await response.aread()
+        except (httpx.HTTPError, TimeoutError) as exc:
+            raise classify(exc) from None
+        finally:
+            if response is not None:
+                await close_quietly(response)
+        failure = status_failure(response.status_code)
+        if failure is not None:
+            raise failure
+        self.pool.report_success(worker)
+        if response.status_code == 200:
+            self._observe_body(call, body)
+        outcome.status = response.status_code
+        content_type = response.headers.get("content-type", "application/json").encode()
+        await send_body(send, response.status_code, body, [(b"content-type", content_type)])
+
+    def _observe_body(self, call: ProxyCall, body: bytes) -> None:
+        try:
+            parsed: Any = json.loads(body)
+        except ValueError:
+            return
+        self.metrics.observe_usage(call.label, parse_usage(parsed))
+        self.metrics.observe_spec(call.label, parsed)
+
+    async def _stream(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+        response: httpx.Response | None = None
+        try:
+            first: bytes | None = None
+            try:
+                async with asyncio.timeout(self.settings.first_byte_timeout_s):
+                    response = await self.client.send(self._request(worker, call), stream=True)
+                    if response.status_code == 200:
+                        chunks = response.aiter_raw()
+                        first = await anext(chunks)
+                    else:
+                        body = await response.aread()
+            except StopAsyncIteration:
+                raise UpstreamFailure("read", "the worker closed the stream at once") from None
+            except (httpx.HTTPError, TimeoutError) as exc:
+                raise classify(exc) from None
+            if first is None:  # a non-200 answer: retry on 5xx, pass a 4xx through
+                failure = status_failure(response.status_code)
+                if failure is not None:
+                    raise failure
+                self.pool.report_success(worker)
+                outcome.status = response.status_code
+                content_type = response.headers.get("content-type", "application/json").encode()
+                await send_body(send, response.status_code, body, [(b"content-type", content_type)])
+                return
+            await self._relay(worker, call, send, outcome, chunks, first)
+        finally:
+            if response is not None:
+                await close_quietly(response)
+
+    async def _relay(
+        self,
+        worker: Worker,
+        call: ProxyCall,
+        send: Send,
+        outcome: Outcome,
+        chunks: AsyncIterator[bytes],
+        data: bytes,
+    ) -> None:
+        """From the first byte on: pass events through; a failure ends the stream in-band."""
+        tap = SseTap(strip_usage_chunk=not call.wants_usage)
+        outcome.status = 200
+        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        failure: UpstreamFailure | None = None
+        try:
+            while True:
+                out = tap.feed(data)
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                try:
+                    async with asyncio.timeout(self.settings.idle_stream_timeout_s):
+                        data = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+        except (httpx.HTTPError, TimeoutError) as exc:
+            failure = classify(exc)
+        if failure is None and not tap.done:
+            failure = UpstreamFailure("truncated", "the worker ended the stream early")
+        tail = b""
+        if failure is not None:
+            log.warning(
+                "request %s: stream from %s broke: %s", call.request_id, worker.url, failure
+            )
+            self.pool.report_failure(worker, failure.kind, counts=failure.counts)
+            tail = sse_error_event(
+                f"Upstream failure: {failure.message}.", "upstream_error", failure.kind
+            )
+        else:
+            self.pool.report_success(worker)
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
+        self._observe_stream(call, tap)
+
+    def _observe_stream(self, call: ProxyCall, tap: SseTap) -> None:
+        end = time.perf_counter()
+        usage = parse_usage(tap.final)
+        self.metrics.observe_usage(call.label, usage)
+        if tap.final is not None:
+            self.metrics.observe_spec(call.label, tap.final)
+        first = tap.first_token_at
+        if first is None:
+            return
+        self.metrics.ttft.labels(call.label).observe(first - call.started)
+        if usage is not None and call.single_choice and usage.completion_tokens > 1:
+            tpot = (end - first) / (usage.completion_tokens - 1)
+            self.metrics.tpot.labels(call.label).observe(tpot)
+
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # proxies in front must not buffer the stream either
+]
+
+
+class ProxyResponse(Response):
+    """The ASGI response of a proxied request: it runs the attempts itself, so it can watch
+    for the client leaving and cancel them (which closes the upstream connection)."""
+
+    def __init__(self, proxy: Proxy, call: ProxyCall) -> None:
+        super().__init__()
+        self.proxy, self.call = proxy, call
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        metrics, call = self.proxy.metrics, self.call
+        outcome = Outcome()
+        complete = False
+        metrics.in_flight.labels(call.label).inc()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch_disconnect, receive, group.cancel_scope)
+                await self.proxy.run(call, send, outcome)
+                complete = True
+                group.cancel_scope.cancel()
+        finally:
+            status = outcome.status if complete else CLIENT_CLOSED
+            metrics.in_flight.labels(call.label).dec()
+            metrics.requests.labels(call.label, call.endpoint, str(status)).inc()
+            elapsed = time.perf_counter() - call.started
+            metrics.duration.labels(call.label, call.endpoint).observe(elapsed)
+
+
+async def watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

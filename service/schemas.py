@@ -1,0 +1,98 @@
+"""Validation of the OpenAI request fields the gateway depends on.
+
+Models allow extra fields (vLLM's `top_k`, `chat_template_kwargs`, ...): the gateway forwards
+the client's original JSON, so validation only decides accept or 400, and never rewrites.
+Strict types: what passes here reaches the worker exactly as the client sent it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from service.errors import InvalidRequest
+
+_OPEN = ConfigDict(extra="allow", strict=True)
+
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+class StreamOptions(BaseModel):
+    model_config = _OPEN
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = _OPEN
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields shared by both endpoints that the gateway reads or that must be sane."""
+
+    model_config = _OPEN
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=128)] | None = 1
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+
+PromptItems = list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | Annotated[PromptItems, Field(min_length=1)]
+    echo: bool | None = None
+
+
+def validate_request(model: type[_Sampling], payload: object) -> _Sampling:
+    """Validate a parsed JSON body; a failure is a 400 naming the first bad field."""
+    if not isinstance(payload, dict):
+        raise InvalidRequest("The request body must be a JSON object.")
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = [str(part) for part in first["loc"]]
+        param = loc[0] if loc else None
+        message = f"{'.'.join(loc)}: {first['msg']}" if loc else str(first["msg"])
+        raise InvalidRequest(message, param=param) from None
+
+
+def prompt_text(request: _Sampling, limit: int) -> str:
+    """The first `limit` characters of the prompt: the key of prefix-affinity routing."""
+    if isinstance(request, ChatCompletionRequest):
+        parts: list[str] = []
+        for message in request.messages:
+            parts.append(message.role)
+            parts.append(message.content if isinstance(message.content, str) else "")
+            if sum(len(part) for part in parts) >= limit:
+                break
+        return "\x1f".join(parts)[:limit]
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            return prompt[:limit]
+        return repr(prompt[:1])[:limit]
+    return ""

@@ -1,0 +1,88 @@
+"""The gateway's one settings object: read once at the edge (env `DFLASH_GATEWAY_*`, CLI)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
+
+
+class GatewaySettings(BaseSettings):
+    """Every knob of one gateway process. Lists in env are comma-separated."""
+
+    model_config = SettingsConfigDict(env_prefix="DFLASH_GATEWAY_", extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    # Static worker base URLs (http://host:port) and/or a DNS name re-resolved on an
+    # interval (the headless Service of the worker StatefulSet), as NAME:PORT.
+    workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    worker_dns: str | None = None
+    dns_interval_s: float = Field(5.0, gt=0)
+    # Auth: keys from env (comma-separated) and/or a file (one per line, `#` comments).
+    api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
+    api_key_file: Path | None = None
+    metrics_auth: bool = False
+    # Routing.
+    routing: RoutingPolicy = "least_outstanding"
+    affinity_prefix_chars: int = Field(256, ge=1)
+    affinity_load_factor: float = Field(1.25, ge=1.0)
+    affinity_replicas: int = Field(64, ge=1)
+    # Health: active checks of /health, passive ejection after consecutive failures.
+    health_interval_s: float = Field(2.0, gt=0)
+    health_timeout_s: float = Field(1.0, gt=0)
+    eject_after_failures: int = Field(3, ge=1)
+    eject_cooldown_s: float = Field(10.0, ge=0)
+    max_retries: int = Field(2, ge=0)
+    retry_after_s: int = Field(1, ge=0)
+    # Timeouts of one upstream attempt.
+    connect_timeout_s: float = Field(2.0, gt=0)
+    first_byte_timeout_s: float = Field(120.0, gt=0)
+    idle_stream_timeout_s: float = Field(60.0, gt=0)
+    request_timeout_s: float = Field(600.0, gt=0)
+    max_upstream_connections: int = Field(2048, ge=1)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    # Shutdown: /ready flips at once; serving continues for shutdown_delay_s (so load
+    # balancers notice), then in-flight requests get up to drain_timeout_s.
+    shutdown_delay_s: float = Field(0.0, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0)
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = False
+
+    @field_validator("workers", "api_keys", mode="before")
+    @classmethod
+    def _split_commas(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("workers")
+    @classmethod
+    def _check_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+        return [url.rstrip("/") for url in value]
+
+    @field_validator("worker_dns")
+    @classmethod
+    def _check_dns(cls, value: str | None) -> str | None:
+        if value is not None:
+            host, _, port = value.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"worker_dns must be NAME:PORT, got {value!r}")
+        return value
+
+    def load_api_keys(self) -> list[str]:
+        """Keys from env plus the key file; empty means auth is disabled."""
+        keys = [key for key in self.api_keys if key]
+        if self.api_key_file is not None:
+            for line in self.api_key_file.read_text().splitlines():
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    keys.append(line)
+        return keys
