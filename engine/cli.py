@@ -1,13 +1,102 @@
-"""Entry point of `dflash-worker` (placeholder until issue 5 lands)."""
+"""`dflash-worker`: one CLI, two backends, flags named as in `vllm serve`.
+
+    dflash-worker [--backend embedded|vllm] [MODEL] --speculative-config JSON ...
+
+`--dry-run` prints the `vllm serve` argv these settings produce (a JSON list) and exits 0,
+whichever backend is chosen: it is the production command line of the same settings.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+from typing import Any
+
+from engine.config import ConfigError, WorkerSettings, load_settings
+from engine.vllm_backend import build_vllm_argv, exec_vllm
+
+PROG = "dflash-worker"
+
+# (flag, type, help); dest is the settings field of the same name.
+_OPTIONS: tuple[tuple[str, type, str], ...] = (
+    ("--served-model-name", str, "model name clients send (default: MODEL)"),
+    ("--max-num-seqs", int, "sequences decoded together (engine slots)"),
+    ("--max-model-len", int, "context length: prompt + completion tokens"),
+    ("--host", str, "bind address (default 127.0.0.1)"),
+    ("--port", int, "bind port (default 8001)"),
+    ("--seed", int, "engine seed"),
+    ("--tensor-parallel-size", int, "vLLM only; the embedded backend needs 1"),
+    ("--gpu-memory-utilization", float, "vLLM only"),
+    ("--dtype", str, "auto|float32|float16|bfloat16"),
+    ("--api-key", str, "require this bearer token on /v1/*"),
+    ("--device", str, "embedded only: torch device (default cpu)"),
+    ("--max-waiting", int, "embedded only: waiting-queue bound; beyond it requests get 503"),
+    ("--drain-timeout", float, "embedded only: seconds in-flight requests get after SIGTERM"),
+    ("--max-body-bytes", int, "embedded only: largest request body accepted (413 beyond)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else "")
+    sup = argparse.SUPPRESS  # unset flags stay out, so WorkerSettings' defaults apply
+    p.add_argument("model", nargs="?", default=sup, help="target checkpoint (default: bundled)")
+    p.add_argument("--backend", choices=["embedded", "vllm"], default=sup)
+    p.add_argument("--speculative-config", default=sup, help='JSON, e.g. {"method": "dflash", '
+                   '"model": PATH, "num_speculative_tokens": 7}; absent = plain decoding')
+    p.add_argument("--no-speculation", action="store_true",
+                   help="serve the target with plain decoding (the baseline)")
+    p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"],
+                   default=sup)
+    for flag, kind, text in _OPTIONS:
+        p.add_argument(flag, type=kind, default=sup, help=text)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the `vllm serve` argv as a JSON list and exit")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def settings_from_args(argv: list[str]) -> tuple[WorkerSettings, argparse.Namespace]:
+    """Parse argv into validated settings (raises ConfigError, or SystemExit on bad flags)."""
+    parser = build_parser()
+    ns, unknown = parser.parse_known_args(argv)
+    values: dict[str, Any] = {
+        k: v for k, v in vars(ns).items() if k not in {"no_speculation", "dry_run", "log_level"}
+    }
+    if unknown and values.get("backend") != "vllm":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:
+        values["extra_args"] = tuple(unknown)
+    if "speculative_config" in values:
+        values["speculative_config"] = _parse_json(values["speculative_config"])
+    if ns.no_speculation:
+        values["speculative_config"] = None
+    return load_settings(**values), ns
+
+
+def _parse_json(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"invalid worker setting speculative_config: not JSON ({exc})") from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("dflash-worker: not implemented yet (issue 5)", file=sys.stderr)
-    return 2
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        settings, ns = settings_from_args(args)
+        if ns.dry_run:
+            print(json.dumps(build_vllm_argv(settings, redact=True)))
+            return 0
+        if settings.backend == "vllm":
+            exec_vllm(settings)  # does not return
+            return 0
+    except ConfigError as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    from engine.server import serve  # torch and the engine load only when serving
+
+    return serve(settings, log_level=ns.log_level)
 
 
 if __name__ == "__main__":

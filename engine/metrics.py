@@ -1,0 +1,124 @@
+"""The worker's Prometheus exposition, with vLLM's metric names (DESIGN §3).
+
+Load and speculation counters are read from `Engine.stats()` at scrape time by a custom
+collector (the engine owns the counts; nothing is double-booked), latency histograms are
+observed here once per finished request. Each app owns its CollectorRegistry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class EngineStatsView(Protocol):
+    """What the collector reads from `Engine.stats()` (engine.engine.EngineStats)."""
+
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_usage(self) -> float: ...
+    @property
+    def num_drafts(self) -> int: ...
+    @property
+    def num_draft_tokens(self) -> int: ...
+    @property
+    def num_accepted_tokens(self) -> int: ...
+    @property
+    def accepted_per_pos(self) -> list[int]: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def generation_tokens(self) -> int: ...
+
+
+StatsSource = Callable[[], "EngineStatsView | None"]
+
+
+class EngineCollector(Collector):
+    """Gauges and cumulative counters straight from the engine, at scrape time."""
+
+    def __init__(self, source: StatsSource, model_name: str) -> None:
+        self._source = source
+        self._labels = {"model_name": model_name, "engine": "0"}
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=list(self._labels))
+        g.add_metric(list(self._labels.values()), value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=list(self._labels))
+        c.add_metric(list(self._labels.values()), value)
+        return c
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._source()
+        if s is None:  # still loading: the names exist, at zero
+            yield from self._gauges(0, 0, 0.0)
+            return
+        yield from self._gauges(s.num_running, s.num_waiting, s.kv_cache_usage)
+        yield self._counter("vllm:spec_decode_num_drafts", "Verify steps.", s.num_drafts)
+        yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                            s.num_draft_tokens)
+        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                            s.num_accepted_tokens)
+        per_pos = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by position in the block.",
+            labels=[*self._labels, "position"],
+        )
+        for pos, count in enumerate(s.accepted_per_pos):
+            per_pos.add_metric([*self._labels.values(), str(pos)], count)
+        yield per_pos
+        yield self._counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
+        yield self._counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
+
+    def _gauges(self, running: int, waiting: int, kv: float) -> Iterator[Metric]:
+        yield self._gauge("vllm:num_requests_running", "Requests in engine slots.", running)
+        yield self._gauge("vllm:num_requests_waiting", "Requests waiting for a slot.", waiting)
+        yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv)
+
+
+class WorkerMetrics:
+    """The app's registry: the engine collector plus per-request histograms."""
+
+    def __init__(self, model_name: str, source: StatsSource) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(EngineCollector(source, model_name))
+        labels = ["model_name"]
+        self._model = model_name
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds",
+                             "Gap between successive outputs of a request.", labels,
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
+                             buckets=E2E_BUCKETS, registry=self.registry)
+        self.success = Counter("vllm:request_success", "Finished requests by reason.",
+                               [*labels, "finished_reason"], registry=self.registry)
+
+    def observe_itl(self, seconds: float) -> None:
+        self.itl.labels(self._model).observe(seconds)
+
+    def observe_finished(self, ttft_s: float | None, e2e_s: float, reason: str) -> None:
+        if ttft_s is not None:
+            self.ttft.labels(self._model).observe(ttft_s)
+        self.e2e.labels(self._model).observe(e2e_s)
+        self.success.labels(self._model, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
