@@ -43,44 +43,43 @@ from loadtest.chat_stream import (
 
 
 def _add_options(parser: LocustArgumentParser, **_: Any) -> None:
-    group = parser.add_argument_group("dflash", "OpenAI chat completion load")
-    group.add_argument(
+    parser.add_argument(
         "--model",
         env_var="DFLASH_MODEL",
         default="",
         help="model name (default: the first of GET /v1/models)",
     )
-    group.add_argument("--max-tokens", type=int, env_var="DFLASH_MAX_TOKENS", default=128)
-    group.add_argument("--temperature", type=float, env_var="DFLASH_TEMPERATURE", default=0.0)
-    group.add_argument(
+    parser.add_argument("--max-tokens", type=int, env_var="DFLASH_MAX_TOKENS", default=128)
+    parser.add_argument("--temperature", type=float, env_var="DFLASH_TEMPERATURE", default=0.0)
+    parser.add_argument(
         "--api-key",
         env_var="DFLASH_API_KEY",
         default="",
         is_secret=True,
         help="sent as 'Authorization: Bearer ...'",
     )
-    group.add_argument(
+    parser.add_argument(
         "--prompt-file",
         env_var="DFLASH_PROMPT_FILE",
         default=str(DEFAULT_PROMPTS),
         help="JSONL prompt mix: {class, prompt|messages, weight?} per line",
     )
-    group.add_argument(
+    parser.add_argument(
         "--no-stream",
         action="store_true",
         env_var="DFLASH_NO_STREAM",
         help="non-streaming requests (no TTFT/TPOT events)",
     )
-    group.add_argument(
+    parser.add_argument(
         "--ignore-eos",
         action="store_true",
         env_var="DFLASH_IGNORE_EOS",
         help="send vLLM's ignore_eos: every request generates max_tokens",
     )
-    group.add_argument(
+    parser.add_argument(
         "--request-timeout", type=float, env_var="DFLASH_REQUEST_TIMEOUT", default=300.0
     )
-    group.add_argument(
+    parser.add_argument(
         "--records-file",
         env_var="DFLASH_RECORDS_FILE",
         default="",
