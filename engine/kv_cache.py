@@ -1,0 +1,79 @@
+"""Preallocated per-slot key/value caches.
+
+A request owns one slot. Each layer keeps K and V as [slots, kv_heads, capacity, head_dim];
+a slot's committed length lives on the host. Rolling back rejected draft tokens is just
+setting that length back: entries past it are dead and get overwritten by the next write.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    """K/V storage for `num_layers` layers and `num_slots` request slots."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        shape = (num_slots, num_kv_heads, capacity, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.capacity = capacity
+        self.num_slots = num_slots
+        self.lengths = [0] * num_slots
+
+    def write(self, layer: int, slots: Tensor, positions: Tensor, valid: Tensor,
+              k: Tensor, v: Tensor) -> None:
+        """Store k/v [b, kv_heads, t, d] of rows `slots` [b] at `positions` [b, t] where `valid`."""
+        rows = slots[:, None].expand_as(positions)[valid]  # [n] slot of each valid token
+        pos = positions[valid]  # [n]
+        # Advanced indices around a slice put the indexed dim first: cache[rows, :, pos] is
+        # [n, kv_heads, d]; the new k/v [b, h, t, d] -> [b, t, h, d] -> [n, h, d] to match.
+        self.k[layer][rows, :, pos] = k.transpose(1, 2)[valid].to(self.k[layer].dtype)
+        self.v[layer][rows, :, pos] = v.transpose(1, 2)[valid].to(self.v[layer].dtype)
+
+    def read(self, layer: int, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:
+        """K/V of rows `slots` [b] for positions [0, length): each [b, kv_heads, length, d]."""
+        return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
+
+    def set_length(self, slot: int, length: int) -> None:
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"slot length {length} outside [0, {self.capacity}]")
+        self.lengths[slot] = length
+
+    def length(self, slot: int) -> int:
+        return self.lengths[slot]
+
+    def usage(self) -> float:
+        """Committed positions over allocated positions, 0..1."""
+        return sum(self.lengths) / float(self.num_slots * self.capacity)
+
+
+class SlotCaches:
+    """The caches one engine step touches: the target's and (optionally) the drafter's."""
+
+    def __init__(self, target: KVCache, drafter: KVCache | None) -> None:
+        self.target = target
+        self.drafter = drafter
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Commit/rollback a slot: target and drafter context always hold the same length."""
+        self.target.set_length(slot, length)
+        if self.drafter is not None:
+            self.drafter.set_length(slot, length)
+
+    def release(self, slot: int) -> None:
+        self.set_length(slot, 0)
+
+    def usage(self) -> float:
+        return self.target.usage()
