@@ -81,7 +81,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* The worker argv after the `dflash-worker` command; one flag or value per list item. */}}
 {{- define "dflash.worker.args" -}}
 {{- if include "dflash.embedded" . -}}
-{{- /* No MODEL: the embedded worker serves the bundled target with its DFlash drafter. */}}
+{{- /* No MODEL: the embedded worker serves the bundled target with its DFlash drafter. */ -}}
 - --backend
 - embedded
 {{- if not .Values.model.speculative.enabled }}
@@ -181,4 +181,22 @@ app.kubernetes.io/component: {{ .component }}
 {{- $_ = set $r "requests" (merge (dict "nvidia.com/gpu" $gpus) ($r.requests | default dict)) -}}
 {{- toYaml $r -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Worker environment: the HF cache and token (vllm mode), HOME on the writable /tmp
+     (embedded mode runs with a read-only root filesystem), then worker.extraEnv. */}}
+{{- define "dflash.worker.env" -}}
+{{- $w := .Values.worker -}}
+{{- $env := list -}}
+{{- if include "dflash.embedded" . -}}
+{{- $env = append $env (dict "name" "HOME" "value" "/tmp") -}}
+{{- else -}}
+{{- $env = append $env (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $w.modelCache.mountPath)) -}}
+{{- if or $w.hfToken.existingSecret $w.hfToken.value -}}
+{{- $ref := dict "name" (include "dflash.worker.hfTokenSecret" .) "key" $w.hfToken.secretKey -}}
+{{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" (dict "secretKeyRef" $ref)) -}}
+{{- end -}}
+{{- end -}}
+{{- $env = concat $env $w.extraEnv -}}
+{{- toYaml $env -}}
 {{- end -}}

@@ -1,0 +1,25 @@
+# The gateway: torch-free, slim, non-root. Build from the repository root:
+#   docker build -f docker/gateway.Dockerfile -t dflash-serving/gateway .
+FROM python:3.11-slim AS build
+WORKDIR /src
+# Only the gateway's sources: the core install has no torch and no engine dependencies.
+COPY pyproject.toml README.md ./
+COPY service/ service/
+RUN python -m venv /opt/venv \
+ && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
+ && /opt/venv/bin/pip install --no-cache-dir . \
+ && ! /opt/venv/bin/python -c "import torch" 2>/dev/null
+
+FROM python:3.11-slim
+COPY --from=build /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+RUN groupadd --system --gid 10001 dflash \
+ && useradd --system --uid 10001 --gid dflash --no-create-home --shell /usr/sbin/nologin dflash
+USER 10001:10001
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=2)"]
+ENTRYPOINT ["dflash-gateway"]
+CMD ["--port", "8000"]

@@ -1,0 +1,15 @@
+# The production worker: vLLM 0.33 (CUDA, DFlash support) plus our `dflash-worker` CLI, which
+# validates the settings and execs `vllm serve` with DFlash. Build from the repository root:
+#   docker build -f docker/worker.Dockerfile -t dflash-serving/worker .
+FROM vllm/vllm-openai:v0.33.0
+WORKDIR /opt/dflash-serving
+COPY pyproject.toml README.md ./
+COPY service/ service/
+COPY engine/ engine/
+# The core dependencies only: vLLM's image already has its torch and CUDA stack, which must
+# not be replaced (the [engine] extra pins a CPU torch; the [vllm] extra is this base image).
+RUN python3 -m pip install --no-cache-dir . \
+ && python3 -c "import vllm, engine.cli; print('vllm', vllm.__version__)"
+ENV HF_HOME=/cache/huggingface
+EXPOSE 8000
+ENTRYPOINT ["dflash-worker", "--backend", "vllm"]
