@@ -26,6 +26,7 @@ from loadtest.sweep import (
     tokens_in_window,
     write_csv,
 )
+from tests.fixtures.worker import WorkerHandle
 
 
 def _record(start: float, ttft: float, latency: float, tokens: int, **kw: object) -> RequestRecord:
@@ -140,3 +141,34 @@ def test_replot_recomputes_files_from_a_recorded_csv(
     with (tmp_path / "sweep.csv").open() as src:
         assert len(list(csv.DictReader(src))) == 7
     assert "dflash" in capsys.readouterr().out
+
+
+def test_sweep_over_a_dflash_and_a_plain_worker_writes_curves_and_ratio(
+    dflash_worker: WorkerHandle, plain_worker: WorkerHandle, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
+    argv = [
+        "--target", f"plain={plain_worker.base_url}",
+        "--target", f"dflash={dflash_worker.base_url}/v1",
+        "--concurrency", "1,2", "--duration", "3", "--max-tokens", "12", "--out-dir", str(tmp_path),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    with (tmp_path / "sweep.csv").open() as src:
+        rows = list(csv.DictReader(src))
+    assert [(r["target"], r["concurrency"]) for r in rows] == [
+        ("plain", "1"), ("plain", "2"), ("dflash", "1"), ("dflash", "2")
+    ]  # fmt: skip
+    assert all(r["failures"] == "0" and int(r["requests"]) > 0 for r in rows)
+    assert all(float(r["throughput_tok_s"]) > 0 and float(r["per_user_tok_s"]) > 0 for r in rows)
+    assert {r["target"] for r in rows if r["acceptance_length"]} == {"dflash"}
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    plain_c1 = next(p for p in report["points"] if p["target"] == "plain" and p["concurrency"] == 1)
+    assert report["baseline"] == "plain"
+    assert report["interactivity_tok_s"] == pytest.approx(plain_c1["per_user_tok_s"])
+    estimates = {e["target"]: e for e in report["at_interactivity"]}
+    assert estimates["plain"]["ratio"] == pytest.approx(1.0)
+    assert set(estimates) == {"plain", "dflash"}
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "runs/dflash-c2/locust_stats.csv").exists()
+    out = capsys.readouterr().out
+    assert "tokens/s per user (baseline: plain)" in out and out.count("\ndflash ") == 2
