@@ -1,0 +1,181 @@
+"""Our production command line and drafter checkpoints are real vLLM 0.33 inputs.
+
+Runs vLLM's own `vllm serve` parser and `EngineArgs.create_engine_config()` in the isolated
+environment `make vllm-env` builds (.venv-vllm: vllm==0.33.0 without its GPU dependencies,
+VLLM_TARGET_DEVICE=cpu). One subprocess checks every case, since importing vLLM is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.cli import settings_from_args
+from engine.config import BUNDLED_DRAFTER, BUNDLED_TARGET
+from engine.vllm_backend import build_vllm_argv
+from tests.fixtures.tiny_models import TinyCheckpoint, build_tiny_checkpoint
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+BUNDLED = (BUNDLED_TARGET / "model.safetensors").exists() and (
+    BUNDLED_DRAFTER / "config.json"
+).exists()
+
+PROBE = r'''
+import json, sys
+cases = json.load(open(sys.argv[1]))
+results = {"parse": {}, "engine": {}}
+from vllm.entrypoints.common.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+for name, argv in cases["parse"].items():
+    parser = make_arg_parser(FlexibleArgumentParser())
+    try:
+        ns = parser.parse_args(argv[2:])  # vLLM's own parser, after "vllm serve"
+    except SystemExit as exc:
+        results["parse"][name] = {"ok": False, "error": f"SystemExit {exc.code}"}
+        continue
+    keys = ["model_tag", "served_model_name", "host", "port", "max_num_seqs", "max_model_len",
+            "seed", "speculative_config", "per_request_spec_decode_metrics",
+            "enable_force_include_usage", "enable_per_request_metrics", "enable_prefix_caching"]
+    results["parse"][name] = {"ok": True, "values": {k: getattr(ns, k, None) for k in keys}}
+from vllm.engine.arg_utils import EngineArgs
+for name, case in cases["engine"].items():
+    try:
+        config = EngineArgs(model=case["target"], skip_tokenizer_init=True,
+                            speculative_config=case["spec"],
+                            max_model_len=case["max_model_len"]).create_engine_config()
+    except Exception as exc:
+        results["engine"][name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:400]}
+        continue
+    sc = config.speculative_config
+    results["engine"][name] = {"ok": True, "method": sc.method,
+                     "k": sc.num_speculative_tokens,
+                     "draft_arch": list(sc.draft_model_config.architectures or []),
+                     "target_arch": list(config.model_config.architectures or [])}
+print("RESULTS " + json.dumps(results, default=str))
+'''
+
+
+def _vllm_env_or_skip() -> None:
+    if VLLM_PYTHON.exists():
+        return
+    message = ".venv-vllm is missing: run `make vllm-env` to build vLLM's contract environment"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def _argv(*args: str) -> list[str]:
+    settings, _ = settings_from_args(list(args))
+    return build_vllm_argv(settings)
+
+
+def _cases(ckpt: TinyCheckpoint, tmp: Path) -> dict[str, Any]:
+    spec = json.dumps({"method": "dflash", "model": str(ckpt.drafter_dir)})
+    good = _argv(str(ckpt.target_dir), "--speculative-config", spec, "--max-model-len", "1024",
+                 "--per-request-spec-decode-metrics", "detailed", "--max-num-seqs", "4")
+    bad_level = list(good)
+    bad_level[bad_level.index("detailed")] = "verbose"
+    parse = {
+        "tiny": good,
+        "extra": _argv("--backend", "vllm", str(ckpt.target_dir), "--enable-prefix-caching"),
+        "plain": _argv(str(ckpt.target_dir), "--no-speculation"),
+        "bad_level": bad_level,
+        "bad_flag": [*good, "--no-such-flag"],
+    }
+    wrong_arch = tmp / "wrong-arch"
+    shutil.copytree(ckpt.drafter_dir, wrong_arch)
+    config = json.loads((wrong_arch / "config.json").read_text())
+    (wrong_arch / "config.json").write_text(json.dumps({**config, "architectures": ["Nope"]}))
+    broken = tmp / "broken-json"
+    shutil.copytree(ckpt.drafter_dir, broken)
+    (broken / "config.json").write_text('{"architectures": ["DFlashDraftModel"], ')
+
+    def engine_case(target: Path, drafter: Path, k: int) -> dict[str, Any]:
+        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
+        return {"target": str(target), "spec": spec, "max_model_len": 1024}
+
+    engine = {
+        "tiny": engine_case(ckpt.target_dir, ckpt.drafter_dir, 3),
+        "wrong_arch": engine_case(ckpt.target_dir, wrong_arch, 3),
+        "broken_json": engine_case(ckpt.target_dir, broken, 3),
+    }
+    if BUNDLED:
+        parse["bundled"] = _argv("--max-model-len", "1024")
+        settings, _ = settings_from_args([])
+        engine["bundled"] = engine_case(BUNDLED_TARGET, BUNDLED_DRAFTER,
+                                        settings.num_speculative_tokens() or 1)
+    return {"parse": parse, "engine": engine}
+
+
+@pytest.fixture(scope="module")
+def contract(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    _vllm_env_or_skip()
+    tmp = tmp_path_factory.mktemp("vllm")
+    ckpt = build_tiny_checkpoint(tmp / "ckpt")
+    cases = _cases(ckpt, tmp)
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    (tmp / "probe.py").write_text(PROBE)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
+    proc = subprocess.run([str(VLLM_PYTHON), str(tmp / "probe.py"), str(tmp / "cases.json")],
+                          capture_output=True, text=True, env=env, timeout=540, cwd=tmp)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {"cases": cases, "results": json.loads(lines[-1].removeprefix("RESULTS "))}
+
+
+def test_vllm_parser_accepts_our_dry_run_argv(contract: dict[str, Any]) -> None:
+    cases, results = contract["cases"], contract["results"]["parse"]
+    got = results["tiny"]
+    assert got["ok"], got
+    values = got["values"]
+    argv = cases["parse"]["tiny"]
+    assert values["model_tag"] == argv[2]
+    assert values["speculative_config"] == json.loads(argv[argv.index("--speculative-config") + 1])
+    assert values["per_request_spec_decode_metrics"] == "detailed"
+    assert values["enable_force_include_usage"] is True
+    assert values["enable_per_request_metrics"] is True
+    assert (values["max_num_seqs"], values["max_model_len"]) == (4, 1024)
+
+
+def test_vllm_parser_takes_extra_args_and_plain_decoding(contract: dict[str, Any]) -> None:
+    results = contract["results"]["parse"]
+    assert results["extra"]["ok"] and results["extra"]["values"]["enable_prefix_caching"] is True
+    assert results["plain"]["ok"] and results["plain"]["values"]["speculative_config"] is None
+
+
+def test_vllm_parser_rejects_bad_argv(contract: dict[str, Any]) -> None:
+    results = contract["results"]["parse"]
+    assert results["bad_level"] == {"ok": False, "error": "SystemExit 2"}
+    assert results["bad_flag"] == {"ok": False, "error": "SystemExit 2"}
+
+
+def test_vllm_resolves_our_drafter_as_dflash(contract: dict[str, Any]) -> None:
+    tiny = contract["results"]["engine"]["tiny"]
+    assert tiny["ok"], tiny
+    assert tiny["method"] == "dflash" and tiny["k"] == 3
+    assert tiny["draft_arch"] == ["DFlashDraftModel"]
+    assert tiny["target_arch"] == ["Qwen3ForCausalLM"]
+
+
+def test_vllm_rejects_malformed_drafters(contract: dict[str, Any]) -> None:
+    results = contract["results"]["engine"]
+    assert not results["wrong_arch"]["ok"] and "Nope" in results["wrong_arch"]["error"]
+    assert not results["broken_json"]["ok"]
+
+
+@pytest.mark.skipif(not BUNDLED, reason="bundled tiny-coder weights not trained yet")
+def test_vllm_accepts_the_bundled_checkpoint(contract: dict[str, Any]) -> None:
+    parse, engine = contract["results"]["parse"], contract["results"]["engine"]
+    assert parse["bundled"]["ok"], parse["bundled"]
+    assert engine["bundled"]["ok"], engine["bundled"]
+    assert engine["bundled"]["method"] == "dflash"
