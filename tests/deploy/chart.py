@@ -47,21 +47,23 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def template_args(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
-                  api_versions: tuple[str, ...] = ()) -> list[str]:
+                  api_versions: tuple[str, ...] = (), set_json: tuple[str, ...] = ()) -> list[str]:
     args = ["template", "rel", str(CHART), "--namespace", "llm"]
     for name in values:
         args += ["-f", str(CHART / name)]
     for item in sets:
         args += ["--set", item]
+    for item in set_json:
+        args += ["--set-json", item]
     for api in api_versions:
         args += ["--api-versions", api]
     return args
 
 
 def render(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
-           api_versions: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Every object `helm template` renders, parsed."""
-    proc = helm(*template_args(values, sets, api_versions))
+           api_versions: tuple[str, ...] = (), set_json: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Every object `helm template` renders (release "rel", namespace "llm"), parsed."""
+    proc = helm(*template_args(values, sets, api_versions, set_json))
     if proc.returncode != 0:
         raise RuntimeError(f"helm template failed: {proc.stderr}")
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]

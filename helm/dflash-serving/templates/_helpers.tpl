@@ -122,7 +122,10 @@ app.kubernetes.io/component: {{ .component }}
 - {{ int .Values.worker.port | quote }}
 - --per-request-spec-decode-metrics
 - {{ .Values.worker.perRequestSpecDecodeMetrics | quote }}
-{{- if not (include "dflash.embedded" .) }}
+{{- if include "dflash.embedded" . }}
+- --drain-timeout
+- {{ int .Values.worker.shutdownTimeoutSeconds | quote }}
+{{- else }}
 - --shutdown-timeout
 - {{ int .Values.worker.shutdownTimeoutSeconds | quote }}
 {{- range .Values.worker.extraArgs }}
