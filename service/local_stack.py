@@ -1,13 +1,205 @@
-"""Entry point of `dflash-serve` (placeholder until issue 6 lands)."""
+"""`dflash-serve`: the local stack in one command.
+
+Starts N embedded `dflash-worker` subprocesses (bundled model) and a gateway in front of them
+on 127.0.0.1. `--compare` adds a second pool of plain-decoding workers behind a second
+gateway (port + 1), so DFlash and plain decoding can be load-tested side by side.
+Ctrl-C / SIGTERM: the gateways drain, then the workers are stopped.
+"""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from service.cli import GatewayServer, configure_logging, run_servers
+from service.settings import GatewaySettings
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """One gateway and the workers behind it."""
+
+    name: str
+    port: int
+    workers: int
+    speculation: bool
+    worker_args: tuple[str, ...] = ()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+
+@dataclass
+class WorkerProcess:
+    url: str
+    process: subprocess.Popen[bytes]
+
+
+@dataclass
+class Stack:
+    pools: list[PoolSpec]
+    workers: dict[str, list[WorkerProcess]] = field(default_factory=dict)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
+    p.add_argument("--workers", type=int, default=1, help="embedded workers per pool (default 1)")
+    p.add_argument("--no-speculation", action="store_true", help="plain decoding (no drafter)")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="also serve a plain-decoding pool on --compare-port, beside the DFlash one",
+    )
+    p.add_argument("--compare-port", type=int, default=None, help="default: --port + 1")
+    p.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra argument for every dflash-worker (repeat), e.g. --worker-arg=--max-num-seqs=4",
+    )
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def plan(args: argparse.Namespace) -> list[PoolSpec]:
+    """The pools to start: one, or DFlash and plain side by side with --compare."""
+    extra = tuple(args.worker_arg)
+    if not args.compare:
+        name = "plain" if args.no_speculation else "dflash"
+        return [PoolSpec(name, args.port, args.workers, not args.no_speculation, extra)]
+    compare_port = args.compare_port if args.compare_port is not None else args.port + 1
+    return [
+        PoolSpec("dflash", args.port, args.workers, True, extra),
+        PoolSpec("plain", compare_port, args.workers, False, extra),
+    ]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def worker_env(total_workers: int) -> dict[str, str]:
+    # Every worker would otherwise use every core: split them between the workers.
+    threads = max(1, (os.cpu_count() or 1) // max(1, total_workers))
+    return {"OMP_NUM_THREADS": str(threads), **os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def start_worker(pool: PoolSpec, env: dict[str, str]) -> WorkerProcess:
+    port = free_port()
+    argv = [sys.executable, "-m", "engine.cli", "--host", "127.0.0.1", "--port", str(port)]
+    if not pool.speculation:
+        argv.append("--no-speculation")
+    argv += list(pool.worker_args)
+    return WorkerProcess(f"http://127.0.0.1:{port}", subprocess.Popen(argv, env=env))
+
+
+def wait_ready(workers: Sequence[WorkerProcess], timeout: float) -> None:
+    """Block until every worker answers /health 200; fail fast when one exits."""
+    deadline = time.monotonic() + timeout
+    pending = list(workers)
+    while pending:
+        for worker in list(pending):
+            if worker.process.poll() is not None:
+                raise RuntimeError(f"worker {worker.url} exited with {worker.process.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{worker.url}/health", timeout=1.0).status_code == 200:
+                    pending.remove(worker)
+        if pending and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"workers not healthy after {timeout:.0f}s: {[w.url for w in pending]}"
+            )
+        if pending:
+            time.sleep(0.25)
+
+
+def stop_workers(workers: Sequence[WorkerProcess], timeout: float = 15.0) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            worker.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for worker in workers:
+        try:
+            worker.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.process.kill()
+            worker.process.wait(timeout=5)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """During startup SIGTERM must unwind through `finally` (and stop the workers)."""
+
+    def raise_exit(signum: int, frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, raise_exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def gateway_settings(pool: PoolSpec, urls: list[str], log_level: str) -> GatewaySettings:
+    # Env (DFLASH_GATEWAY_*) still applies to everything not decided here.
+    fixed: dict[str, Any] = {"host": "127.0.0.1", "port": pool.port, "workers": urls}
+    fixed.update(log_level=log_level, drain_timeout_s=10)
+    return GatewaySettings(**fixed)
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("dflash-serve: not implemented yet (issue 6)", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    if args.workers < 1:
+        print("dflash-serve: --workers must be at least 1", file=sys.stderr)
+        return 2
+    configure_logging(args.log_level)
+    pools = plan(args)
+    env = worker_env(sum(pool.workers for pool in pools))
+    started: list[WorkerProcess] = []
+    try:
+        with sigterm_as_exit():
+            urls: dict[str, list[str]] = {}
+            for pool in pools:
+                procs = [start_worker(pool, env) for _ in range(pool.workers)]
+                started += procs
+                urls[pool.name] = [w.url for w in procs]
+            wait_ready(started, args.startup_timeout)
+            servers = [
+                GatewayServer(gateway_settings(p, urls[p.name], args.log_level)) for p in pools
+            ]
+        for pool in pools:
+            kind = "DFlash speculative" if pool.speculation else "plain"
+            print(
+                f"dflash-serve: {pool.name} ({kind} decoding, {pool.workers} worker(s)) "
+                f"OpenAI base URL: {pool.base_url}",
+                flush=True,
+            )
+        run_servers(servers)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"dflash-serve: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop_workers(started)
+    return 0
 
 
 if __name__ == "__main__":

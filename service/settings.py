@@ -17,39 +17,39 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DFLASH_GATEWAY_", extra="forbid")
 
     host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
+    port: int = Field(default=8000, ge=0, le=65535)
     # Static worker base URLs (http://host:port) and/or a DNS name re-resolved on an
     # interval (the headless Service of the worker StatefulSet), as NAME:PORT.
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     worker_dns: str | None = None
-    dns_interval_s: float = Field(5.0, gt=0)
+    dns_interval_s: float = Field(default=5.0, gt=0)
     # Auth: keys from env (comma-separated) and/or a file (one per line, `#` comments).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     api_key_file: Path | None = None
     metrics_auth: bool = False
     # Routing.
     routing: RoutingPolicy = "least_outstanding"
-    affinity_prefix_chars: int = Field(256, ge=1)
-    affinity_load_factor: float = Field(1.25, ge=1.0)
-    affinity_replicas: int = Field(64, ge=1)
+    affinity_prefix_chars: int = Field(default=256, ge=1)
+    affinity_load_factor: float = Field(default=1.25, ge=1.0)
+    affinity_replicas: int = Field(default=64, ge=1)
     # Health: active checks of /health, passive ejection after consecutive failures.
-    health_interval_s: float = Field(2.0, gt=0)
-    health_timeout_s: float = Field(1.0, gt=0)
-    eject_after_failures: int = Field(3, ge=1)
-    eject_cooldown_s: float = Field(10.0, ge=0)
-    max_retries: int = Field(2, ge=0)
-    retry_after_s: int = Field(1, ge=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    health_timeout_s: float = Field(default=1.0, gt=0)
+    eject_after_failures: int = Field(default=3, ge=1)
+    eject_cooldown_s: float = Field(default=10.0, ge=0)
+    max_retries: int = Field(default=2, ge=0)
+    retry_after_s: int = Field(default=1, ge=0)
     # Timeouts of one upstream attempt.
-    connect_timeout_s: float = Field(2.0, gt=0)
-    first_byte_timeout_s: float = Field(120.0, gt=0)
-    idle_stream_timeout_s: float = Field(60.0, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
-    max_upstream_connections: int = Field(2048, ge=1)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    idle_stream_timeout_s: float = Field(default=60.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    max_upstream_connections: int = Field(default=2048, ge=1)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # Shutdown: /ready flips at once; serving continues for shutdown_delay_s (so load
     # balancers notice), then in-flight requests get up to drain_timeout_s.
-    shutdown_delay_s: float = Field(0.0, ge=0)
-    drain_timeout_s: float = Field(30.0, ge=0)
+    shutdown_delay_s: float = Field(default=0.0, ge=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
 
