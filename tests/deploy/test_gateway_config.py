@@ -1,0 +1,56 @@
+"""The gateway's rendered settings (ConfigMap env + container args + API-key Secret) are what
+the real `dflash-gateway` parses into its settings object."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from service.cli import settings_from_args
+from service.settings import GatewaySettings
+from tests.deploy.chart import find, render
+
+
+def gateway_settings(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> GatewaySettings:
+    env = find(docs, "ConfigMap", "-gateway")["data"]
+    assert all(key.startswith("DFLASH_GATEWAY_") for key in env)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    c = find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["dflash-gateway"]
+    return settings_from_args([str(a) for a in c["args"]])
+
+
+def test_every_rendered_setting_is_a_gateway_setting() -> None:
+    docs = render(sets=("gateway.extraSettings.max_retries=4",
+                        "gateway.extraSettings.shutdown_delay_s=2"))
+    fields = {f"DFLASH_GATEWAY_{name.upper()}" for name in GatewaySettings.model_fields}
+    keys = set(find(docs, "ConfigMap", "-gateway")["data"])
+    assert keys <= fields, keys - fields  # pydantic-settings would ignore a misspelled one
+
+
+def test_gateway_reads_the_rendered_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    docs = render(sets=("gateway.routingPolicy=prefix_affinity", "gateway.extraSettings.max_retries=4",
+                        "gateway.metricsRequireAuth=true"),
+                  set_json=('gateway.apiKeys.keys=["sk-one-1234","sk-two-5678"]',))
+    s = gateway_settings(docs, monkeypatch)
+    assert (s.host, s.port) == ("0.0.0.0", 8000)
+    assert s.worker_dns == "rel-dflash-serving-worker.llm.svc.cluster.local:8000"
+    assert s.routing == "prefix_affinity" and s.max_retries == 4 and s.metrics_auth is True
+    assert s.drain_timeout_s == 30.0 and s.dns_interval_s == 5.0
+    # The key file path is where the Secret is mounted; its content is the rendered Secret.
+    c = find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["api-keys"]
+    assert str(s.api_key_file) == f"{mount}/api-keys"
+    secret = find(docs, "Secret", "-gateway-api-keys")["data"]["api-keys"]
+    (tmp_path / "api-keys").write_bytes(base64.b64decode(secret))
+    local = s.model_copy(update={"api_key_file": tmp_path / "api-keys"})
+    assert local.load_api_keys() == ["sk-one-1234", "sk-two-5678"]
+
+
+def test_auth_off_renders_no_key_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = gateway_settings(render(sets=("gateway.apiKeys.enabled=false",)), monkeypatch)
+    assert s.api_key_file is None and s.load_api_keys() == []

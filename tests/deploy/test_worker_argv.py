@@ -1,0 +1,138 @@
+"""The worker command the chart renders is a valid `dflash-worker` command, and the `vllm
+serve` argv it becomes (`--dry-run`) is accepted by vLLM 0.33's own parser with our values."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.cli import build_parser, settings_from_args
+from engine.config import BUNDLED_TARGET
+from tests.deploy.chart import ROOT, find, render
+
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+VLLM_PRESETS = {"default": (), "b200": ("values-b200.yaml",), "b300": ("values-b300.yaml",)}
+TP4 = ("worker.tensorParallelSize=4", "worker.extraArgs[0]=--enable-prefix-caching")
+
+
+@lru_cache(maxsize=None)
+def worker_command(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[str]:
+    c = find(render(values, sets), "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"] == ["dflash-worker"]
+    return [str(a) for a in c["args"]]
+
+
+@lru_cache(maxsize=None)
+def dry_run(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[str]:
+    """The real CLI, as the container runs it: `dflash-worker <args> --dry-run`."""
+    proc = subprocess.run([sys.executable, "-m", "engine.cli", *worker_command(values, sets),
+                           "--dry-run"], capture_output=True, text=True, timeout=60,
+                          cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stderr
+    argv: list[str] = json.loads(proc.stdout)
+    return argv
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+@pytest.mark.parametrize("preset", list(VLLM_PRESETS))
+def test_dry_run_gives_the_vllm_command(preset: str) -> None:
+    argv = dry_run(VLLM_PRESETS[preset])
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
+    assert json.loads(flag(argv, "--speculative-config")) == {
+        "method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15}
+    assert flag(argv, "--served-model-name") == "qwen3-8b-dflash"
+    assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "8000"
+    assert flag(argv, "--per-request-spec-decode-metrics") == "summary"
+    assert "--enable-force-include-usage" in argv and "--enable-per-request-metrics" in argv
+    rendered = worker_command(VLLM_PRESETS[preset])
+    for name in ("--max-num-seqs", "--max-model-len", "--gpu-memory-utilization", "--dtype",
+                 "--tensor-parallel-size", "--shutdown-timeout", "--seed"):
+        assert flag(argv, name) == flag(rendered, name), name
+
+
+def test_tensor_parallel_and_extra_args_pass_through() -> None:
+    argv = dry_run(VLLM_PRESETS["b300"], TP4)
+    assert flag(argv, "--tensor-parallel-size") == "4"
+    assert argv[-1] == "--enable-prefix-caching"
+
+
+def test_speculation_off_renders_plain_decoding() -> None:
+    argv = dry_run((), ("model.speculative.enabled=false",))
+    assert "--speculative-config" not in argv
+
+
+def test_embedded_command_parses_with_no_unknown_flag() -> None:
+    ns, unknown = build_parser().parse_known_args(worker_command(("values-embedded.yaml",)))
+    assert unknown == []  # the embedded backend takes no vLLM pass-through arguments
+    assert (ns.backend, ns.served_model_name, ns.host, ns.port) == ("embedded", "tiny-coder",
+                                                                     "0.0.0.0", 8000)
+    assert ns.drain_timeout == 20.0 and ns.max_num_seqs == 8 and not hasattr(ns, "model")
+
+
+@pytest.mark.skipif(not (BUNDLED_TARGET / "config.json").exists(),
+                    reason="bundled tiny-coder not trained yet (make train)")
+def test_embedded_command_is_valid_worker_settings() -> None:
+    settings, _ = settings_from_args(worker_command(("values-embedded.yaml",)))
+    assert settings.backend == "embedded"
+    assert settings.model_name == "tiny-coder"
+    assert settings.speculative  # the bundled DFlash drafter
+    off, _ = settings_from_args(worker_command(("values-embedded.yaml",),
+                                               ("model.speculative.enabled=false",)))
+    assert not off.speculative
+
+
+PROBE = r"""
+import json, sys
+from vllm.entrypoints.common.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+out = {}
+for name, argv in json.load(open(sys.argv[1])).items():
+    try:
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[2:])
+    except SystemExit as exc:
+        out[name] = {"error": f"SystemExit {exc.code}"}
+        continue
+    keys = ["model_tag", "speculative_config", "tensor_parallel_size", "shutdown_timeout",
+            "max_num_seqs", "max_model_len", "gpu_memory_utilization",
+            "per_request_spec_decode_metrics", "enable_prefix_caching"]
+    out[name] = {k: getattr(ns, k, None) for k in keys}
+print("RESULTS " + json.dumps(out, default=str))
+"""
+
+
+@pytest.mark.vllm
+def test_vllm_parser_accepts_the_rendered_commands(tmp_path: Path) -> None:
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(".venv-vllm is missing: run `make vllm-env`")
+        pytest.skip(".venv-vllm is missing: run `make vllm-env`")
+    cases = {name: dry_run(values) for name, values in VLLM_PRESETS.items()}
+    cases["tp4"] = dry_run(VLLM_PRESETS["b300"], TP4)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "probe.py").write_text(PROBE)
+    proc = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "probe.py"), str(tmp_path / "cases.json")],
+                          capture_output=True, text=True, timeout=240, check=False,
+                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results: dict[str, Any] = json.loads(line[0].removeprefix("RESULTS "))
+    for name, got in results.items():
+        assert "error" not in got, (name, got)
+        assert got["model_tag"] == "Qwen/Qwen3-8B"
+        assert got["shutdown_timeout"] == 60
+        assert got["per_request_spec_decode_metrics"] == "summary"
+        spec = got["speculative_config"]
+        spec = json.loads(spec) if isinstance(spec, str) else spec
+        assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 15
+    assert results["b200"]["max_num_seqs"] == 128 and results["b300"]["max_model_len"] == 32768
+    assert results["tp4"]["tensor_parallel_size"] == 4 and results["tp4"]["enable_prefix_caching"]
