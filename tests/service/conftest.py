@@ -1,0 +1,114 @@
+"""Gateway test fixtures: real `dflash-worker` subprocesses (tiny random checkpoint) and the
+real gateway app served by uvicorn on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI
+
+from service.api import GatewayState
+from service.app import create_app
+from service.settings import GatewaySettings
+from tests.fixtures.worker import WorkerHandle, free_port, running_worker
+
+MODEL = "tiny"
+
+
+def worker_args(checkpoint: Any, *extra: str) -> list[str]:
+    spec = {"method": "dflash", "model": str(checkpoint.drafter_dir), "num_speculative_tokens": 3}
+    return [
+        str(checkpoint.target_dir),
+        "--speculative-config",
+        json.dumps(spec),
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        "1024",
+        "--per-request-spec-decode-metrics",
+        "summary",
+        *extra,
+    ]
+
+
+@dataclass
+class Gateway:
+    base_url: str  # http://127.0.0.1:PORT
+    app: FastAPI
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    @property
+    def state(self) -> GatewayState:
+        state: GatewayState = self.app.state.gateway
+        return state
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of the gateway's /metrics (0 when absent)."""
+        return scrape(self.base_url, name, **labels)
+
+
+def scrape(base_url: str, name: str, **labels: str) -> float:
+    text = httpx.get(base_url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{key}="{value}"' in line for key, value in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@contextlib.contextmanager
+def running_gateway(**overrides: Any) -> Iterator[Gateway]:
+    """The gateway app on a free port in a background thread (uvicorn, real HTTP)."""
+    overrides.setdefault("health_interval_s", 0.3)
+    settings = GatewaySettings(host="127.0.0.1", port=free_port(), log_level="warning", **overrides)
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.02)
+    try:
+        yield Gateway(f"http://127.0.0.1:{settings.port}", app)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+
+
+def wait_until(predicate: Any, timeout: float = 15.0, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def worker(tiny_checkpoint: Any) -> Iterator[WorkerHandle]:
+    """One DFlash worker shared by the tests that do not stop it."""
+    with running_worker(*worker_args(tiny_checkpoint)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def gateway(worker: WorkerHandle) -> Iterator[Gateway]:
+    with running_gateway(workers=[worker.base_url]) as gw:
+        yield gw

@@ -1,0 +1,121 @@
+"""The OpenAI SDK against the gateway in front of a real embedded worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.service.conftest import MODEL, Gateway
+
+MESSAGES: list[Any] = [{"role": "user", "content": "def fib(n):"}]
+
+
+def client(gw: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+
+
+def test_chat_non_streaming_carries_usage_and_metrics(gateway: Gateway) -> None:
+    reply = client(gateway).chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    assert reply.choices[0].message.content
+    assert reply.usage is not None and reply.usage.completion_tokens >= 1
+    spec = (reply.model_extra or {})["metrics"]["speculative_decoding"]
+    assert spec["num_spec_tokens"] == 3
+
+
+def test_extra_fields_reach_the_worker(gateway: Gateway) -> None:
+    # ignore_eos is not OpenAI: only the worker understands it, so exactly 12 tokens prove it
+    # passed through untouched.
+    reply = client(gateway).completions.create(
+        model=MODEL, prompt="import os", max_tokens=12, extra_body={"ignore_eos": True}
+    )
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+
+
+def test_stream_without_include_usage_has_no_usage_chunk(gateway: Gateway) -> None:
+    chunks = list(
+        client(gateway).chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=8, stream=True
+        )
+    )
+    assert chunks and all(chunk.choices for chunk in chunks)
+    assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
+
+
+def test_stream_with_include_usage_ends_with_usage_and_metrics(gateway: Gateway) -> None:
+    chunks = list(
+        client(gateway).completions.create(
+            model=MODEL,
+            prompt="class Stack:",
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert (last.model_extra or {})["metrics"]["speculative_decoding"]["num_spec_steps"] >= 1
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text
+
+
+def test_metrics_reach_prometheus_with_the_values_clients_saw(gateway: Gateway) -> None:
+    before = {n: gateway.metric(n, model=MODEL) for n in SERIES}
+    seen = {n: 0.0 for n in SERIES}
+    sdk = client(gateway)
+    for _ in range(2):
+        reply = sdk.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6)
+        add_seen(seen, reply.model_dump())
+    stream = sdk.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    add_seen(seen, [c for c in stream][-1].model_dump())
+    after = {n: gateway.metric(n, model=MODEL) for n in SERIES}
+    assert {n: after[n] - before[n] for n in SERIES} == seen
+    assert gateway.metric("dflash_time_to_first_token_seconds_count", model=MODEL) >= 1
+    assert gateway.metric("dflash_time_per_output_token_seconds_count", model=MODEL) >= 1
+    assert gateway.metric("dflash_spec_acceptance_length_count", model=MODEL) >= 3
+    assert gateway.metric("dflash_requests_total", model=MODEL, status="200") >= 3
+    assert gateway.metric("dflash_worker_healthy") == 1
+
+
+SERIES = {
+    "dflash_prompt_tokens_total": ("usage", "prompt_tokens"),
+    "dflash_completion_tokens_total": ("usage", "completion_tokens"),
+    "dflash_spec_steps_total": ("spec", "num_spec_steps"),
+    "dflash_spec_draft_tokens_total": ("spec", "num_draft_tokens"),
+    "dflash_spec_accepted_tokens_total": ("spec", "num_accepted_draft_tokens"),
+}
+
+
+def add_seen(seen: dict[str, float], body: dict[str, Any]) -> None:
+    spec = body["metrics"]["speculative_decoding"]
+    for name, (where, key) in SERIES.items():
+        seen[name] += (body["usage"] if where == "usage" else spec)[key]
+
+
+def test_models_health_ready(gateway: Gateway) -> None:
+    assert [m.id for m in client(gateway).models.list()] == [MODEL]
+    assert httpx.get(gateway.base_url + "/health").status_code == 200
+    ready = httpx.get(gateway.base_url + "/ready")
+    assert ready.status_code == 200 and ready.json()["healthy_workers"] == 1
+
+
+def test_request_id_is_echoed_or_generated(gateway: Gateway) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+    given = httpx.post(
+        gateway.v1 + "/chat/completions", json=body, headers={"X-Request-Id": "abc-123"}, timeout=30
+    )
+    assert given.headers["x-request-id"] == "abc-123"
+    fresh = httpx.post(gateway.v1 + "/chat/completions", json=body, timeout=30)
+    assert len(fresh.headers["x-request-id"]) == 32
+    bad = httpx.get(gateway.base_url + "/nope", headers={"X-Request-Id": "bad id\t!"})
+    assert bad.headers["x-request-id"] != "bad id\t!" and bad.status_code == 404

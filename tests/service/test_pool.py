@@ -1,0 +1,107 @@
+"""Routing decisions of the pool, and membership by DNS re-resolution against a real worker."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import httpx
+import pytest
+
+from service.metrics import GatewayMetrics
+from service.pool import HashRing, Worker, WorkerPool, parse_waiting
+from service.settings import GatewaySettings
+from tests.fixtures.worker import WorkerHandle
+
+URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
+
+
+def make_pool(routing: str = "least_outstanding") -> WorkerPool:
+    settings = GatewaySettings(workers=URLS, routing=routing)  # type: ignore[arg-type]
+    pool = WorkerPool(settings, httpx.AsyncClient(), GatewayMetrics())
+    for worker in pool.workers.values():
+        worker.healthy = True
+    return pool
+
+
+def test_least_outstanding_prefers_idle_then_fewest_waiting() -> None:
+    pool = make_pool()
+    for url, busy in zip(URLS, (2, 1, 1, 3), strict=True):
+        pool.workers[url].outstanding = busy
+    pool.workers[URLS[1]].waiting = 4
+    pool.workers[URLS[2]].waiting = 0
+    assert pool.pick("m", None, set()).url == URLS[2]  # type: ignore[union-attr]
+    assert pool.pick("m", None, {URLS[2]}).url == URLS[1]  # type: ignore[union-attr]
+
+
+def test_exact_ties_spread_over_the_pool() -> None:
+    pool = make_pool()
+    picks = Counter(pool.pick("m", None, set()).url for _ in range(40))  # type: ignore[union-attr]
+    assert set(picks) == set(URLS)
+
+
+def test_unhealthy_ejected_and_other_model_workers_are_skipped() -> None:
+    pool = make_pool()
+    pool.workers[URLS[0]].healthy = False
+    pool.workers[URLS[1]].ejected_until = float("inf")
+    pool.workers[URLS[2]].models = [{"id": "other"}]
+    assert {pool.pick("m", None, set()).url for _ in range(8)} == {URLS[3]}  # type: ignore[union-attr]
+    assert pool.pick("m", None, {URLS[3]}) is None
+
+
+def test_passive_ejection_after_consecutive_failures() -> None:
+    pool = make_pool()
+    worker = pool.workers[URLS[0]]
+    pool.report_failure(worker, "connect")
+    pool.report_success(worker)  # success resets the count
+    pool.report_failure(worker, "connect")
+    pool.report_failure(worker, "connect")
+    assert worker.routable(0.0)
+    pool.report_failure(worker, "connect")  # third consecutive (eject_after_failures=3)
+    assert not worker.healthy and worker.ejected_until > 0
+    pool.report_failure(pool.workers[URLS[1]], "overloaded", counts=False)
+    assert pool.workers[URLS[1]].failures == 0
+
+
+def test_prefix_affinity_is_sticky_and_bounded() -> None:
+    pool = make_pool("prefix_affinity")
+    first = pool.pick("m", "def fib(n):", set())
+    assert first is not None
+    assert all(pool.pick("m", "def fib(n):", set()) is first for _ in range(5))
+    first.outstanding = 10  # far above ceil(1.25 * 11 / 4): the key moves on
+    moved = pool.pick("m", "def fib(n):", set())
+    assert moved is not None and moved is not first
+    first.outstanding = 0
+    keys = Counter(pool.pick("m", f"prompt {i}", set()).url for i in range(200))  # type: ignore[union-attr]
+    assert len(keys) == 4
+
+
+def test_ring_changes_little_when_a_worker_leaves() -> None:
+    before = HashRing(URLS, 64)
+    after = HashRing(URLS[:-1], 64)
+    keys = [f"k{i}" for i in range(400)]
+    moved = sum(before.walk(k)[0] != after.walk(k)[0] for k in keys)
+    owned_by_gone = sum(before.walk(k)[0] == URLS[-1] for k in keys)
+    assert moved == owned_by_gone
+
+
+def test_parse_waiting_sums_labelled_samples() -> None:
+    text = (
+        "# HELP vllm:num_requests_waiting x\n"
+        'vllm:num_requests_waiting{model_name="a"} 2.0\n'
+        'vllm:num_requests_waiting{model_name="b"} 3 1700000000\n'
+        "vllm:num_requests_waiting_other 9\n"
+    )
+    assert parse_waiting(text) == 5.0
+
+
+@pytest.mark.anyio
+async def test_dns_discovery_finds_the_worker(worker: WorkerHandle) -> None:
+    settings = GatewaySettings(worker_dns=f"localhost:{worker.port}")
+    async with httpx.AsyncClient() as client:
+        pool = WorkerPool(settings, client, GatewayMetrics())
+        await pool.resolve_dns()
+        await pool.check_all()
+        healthy = [w.url for w in pool.routable()]
+        assert f"http://127.0.0.1:{worker.port}" in healthy
+        assert pool.models()[0]["id"] == "tiny"
+        assert isinstance(pool.workers[healthy[0]], Worker)
