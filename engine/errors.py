@@ -111,10 +111,23 @@ def from_validation_errors(errors: list[Any]) -> InvalidRequest:
     if not errors:
         return InvalidRequest("invalid request")
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
-    param = ".".join(loc) or None
+    param = _param_path(first.get("loc", ())) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_path(loc: Any) -> str:
+    """pydantic's loc as a client would write it: messages[0].role (union tags dropped)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and "[" not in str(part) and str(part) not in _UNION_TAGS:
+            path += f".{part}" if path else str(part)
+    return path
 
 
 def _http_error(exc: StarletteHTTPException) -> WorkerError:

@@ -93,11 +93,14 @@ class WorkerState:
         self.load_error: str | None = None
         self.on_fatal: Callable[[], None] | None = None
         self.metrics = WorkerMetrics(settings.model_name, self._stats)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._shutdown: asyncio.Task[None] | None = None
 
     def _stats(self) -> EngineStatsView | None:
         return self.engine.stats() if self.ready and self.engine is not None else None
 
     async def load(self) -> None:
+        self._loop = asyncio.get_running_loop()
         try:
             if self.engine is None:
                 self.engine = await asyncio.to_thread(build_engine, self.settings)
@@ -110,15 +113,28 @@ class WorkerState:
             if self.on_fatal is not None:
                 self.on_fatal()
 
+    def begin_drain(self) -> None:
+        """SIGTERM: refuse new work now; in-flight requests get `drain_timeout` seconds,
+        then the engine aborts them (their streams end with an in-band error)."""
+        self.draining = True
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._start_engine_shutdown)
+
+    def _start_engine_shutdown(self) -> None:
+        if self._shutdown is None and self.engine is not None and self.ready:
+            timeout = self.settings.drain_timeout
+            self._shutdown = asyncio.ensure_future(self.engine.shutdown(drain_timeout=timeout))
+
     async def close(self, load_task: asyncio.Task[None]) -> None:
         self.draining = True
         if not load_task.done():
             load_task.cancel()  # the loading thread finishes on its own; nothing waits for it
             with contextlib.suppress(asyncio.CancelledError):
                 await load_task
-        if self.ready and self.engine is not None:
-            self.ready = False
-            await self.engine.shutdown(drain_timeout=self.settings.drain_timeout)
+        self._start_engine_shutdown()
+        if self._shutdown is not None:
+            await self._shutdown
+        self.ready = False
 
 
 def create_app(settings: WorkerSettings, engine: Engine | None = None) -> FastAPI:
@@ -152,7 +168,8 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         return Response(status_code=200)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        _check_key(state, request)
         s = state.settings
         card = {"id": s.model_name, "object": "model", "created": 0,
                 "owned_by": "dflash-serving", "root": s.model,
@@ -172,14 +189,18 @@ def _add_routes(app: FastAPI, state: WorkerState) -> None:
         return await _complete(state, request, CompletionRequest)
 
 
-def _admit(state: WorkerState, request: Request) -> Engine:
-    if state.draining:
-        raise Unavailable("the worker is shutting down", code="draining")
+def _check_key(state: WorkerState, request: Request) -> None:
     key = state.settings.api_key
     if key is not None:
         given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise AuthenticationFailed("invalid or missing API key")
+
+
+def _admit(state: WorkerState, request: Request) -> Engine:
+    if state.draining:
+        raise Unavailable("the worker is shutting down", code="draining")
+    _check_key(state, request)
     if not state.ready or state.engine is None:
         raise Unavailable("the model is loading", code="loading")
     return state.engine
@@ -254,7 +275,7 @@ class DrainingServer(uvicorn.Server):
         self._state = state
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        self._state.draining = True
+        self._state.begin_drain()
         super().handle_exit(sig, frame)
 
 
@@ -266,7 +287,8 @@ def serve(settings: WorkerSettings, *, log_level: str = "info") -> int:
     state: WorkerState = app.state.worker
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=log_level, lifespan="on",
-        timeout_graceful_shutdown=max(1, int(settings.drain_timeout)),
+        # Backstop only: the engine ends in-flight requests at drain_timeout itself.
+        timeout_graceful_shutdown=int(settings.drain_timeout) + 10,
         access_log=log_level == "debug",
     )
     server = DrainingServer(config, state)

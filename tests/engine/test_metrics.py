@@ -1,0 +1,164 @@
+"""Per-request `metrics` (vLLM 0.33) and the worker's /metrics: fields, arithmetic, agreement."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine.config import load_settings
+from engine.responses import metrics_object
+from engine.sequence import RequestMetrics, SpecDecodeStats
+from tests.fixtures.tiny_models import build_tiny_checkpoint
+from tests.fixtures.worker import AppHandle, metric, scrape, serving_app
+
+NAME = "tiny"
+K = 3
+DESIGN_NAMES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:spec_decode_num_drafts": "counter",
+    "vllm:spec_decode_num_draft_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens_per_pos": "counter",
+    "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter",
+}
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppHandle]:
+    ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+    settings = load_settings(
+        model=str(ckpt.target_dir), served_model_name=NAME, max_model_len=512,
+        speculative_config={"method": "dflash", "model": str(ckpt.drafter_dir)},
+        per_request_spec_decode_metrics="detailed",
+    )
+    with serving_app(settings) as handle:
+        yield handle
+
+
+@pytest.fixture
+def client(worker: AppHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key="x", max_retries=0)
+
+
+def chat(client: openai.OpenAI, max_tokens: int, **kwargs: Any) -> Any:
+    return client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "for i in range(10):"}],
+        max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}, **kwargs)
+
+
+def check_spec_arithmetic(sd: dict[str, Any], completion_tokens: int) -> None:
+    steps, hist = sd["num_spec_steps"], sd["acceptance_histogram"]
+    accepted, drafted = sd["num_accepted_draft_tokens"], sd["num_draft_tokens"]
+    assert sd["num_spec_tokens"] == K and len(hist) == K + 1
+    assert sum(hist) == steps >= 1
+    assert sum(j * n for j, n in enumerate(hist)) == accepted
+    assert 0 <= accepted <= drafted == steps * K
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + accepted / steps)
+    assert sd["draft_acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert sd["per_step_accepted"] == [a for a in sd["per_step_accepted"] if 0 <= a <= K]
+    assert len(sd["per_step_accepted"]) == steps and sum(sd["per_step_accepted"]) == accepted
+    assert sum(sd["per_step_drafted"]) == drafted
+    # One token from prefill, then accepted + 1 bonus per step (the last step may be cut).
+    assert steps < completion_tokens <= 1 + steps + accepted
+
+
+def test_response_metrics_fields_and_arithmetic(client: openai.OpenAI) -> None:
+    resp = chat(client, 40)
+    assert resp.usage is not None
+    n = resp.usage.completion_tokens
+    m = (resp.model_extra or {})["metrics"]
+    assert set(m) == {"time_to_first_token_ms", "generation_time_ms", "queue_time_ms",
+                      "mean_itl_ms", "tokens_per_second", "speculative_decoding"}
+    assert m["time_to_first_token_ms"] >= 0 and m["queue_time_ms"] >= 0
+    assert m["mean_itl_ms"] == pytest.approx(m["generation_time_ms"] / (n - 1))
+    assert m["tokens_per_second"] > 0
+    check_spec_arithmetic(m["speculative_decoding"], n)
+
+
+def test_stream_usage_chunk_metrics_agree_with_prometheus(
+    client: openai.OpenAI, worker: AppHandle
+) -> None:
+    before = scrape(worker.base_url)
+    chunks = list(chat(client, 30, stream=True, stream_options={"include_usage": True}))
+    after = scrape(worker.base_url)
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    sd = (last.model_extra or {})["metrics"]["speculative_decoding"]
+    check_spec_arithmetic(sd, last.usage.completion_tokens)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert delta("vllm:spec_decode_num_drafts_total") == sd["num_spec_steps"]
+    assert delta("vllm:spec_decode_num_draft_tokens_total") == sd["num_draft_tokens"]
+    assert delta("vllm:spec_decode_num_accepted_tokens_total") == sd["num_accepted_draft_tokens"]
+    for pos in range(K):  # steps that accepted draft `pos` = steps accepting more than pos
+        expected = sum(1 for a in sd["per_step_accepted"] if a > pos)
+        got = delta("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(pos))
+        assert got == expected
+    assert delta("vllm:generation_tokens_total") == last.usage.completion_tokens
+    assert delta("vllm:prompt_tokens_total") == last.usage.prompt_tokens
+    for name in ("vllm:e2e_request_latency_seconds_count",
+                 "vllm:time_to_first_token_seconds_count"):
+        assert delta(name) == 1
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") >= 1
+    assert metric(after, "vllm:num_requests_running") == 0
+
+
+def test_exposition_has_vllm_names_and_types(worker: AppHandle) -> None:
+    text = httpx.get(f"{worker.base_url}/metrics").text
+    for name, kind in DESIGN_NAMES.items():
+        exposed = f"{name}_total" if kind == "counter" else name  # text format 0.0.4
+        assert f"# TYPE {exposed} {kind}" in text, name
+    assert f'model_name="{NAME}"' in text
+
+
+def test_promtool_accepts_the_exposition(worker: AppHandle) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not on PATH (make tools)")
+    text = httpx.get(f"{worker.base_url}/metrics").text
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                          text=True, timeout=60)
+    report = proc.stdout + proc.stderr
+    # Exit 3 = lint findings only; vLLM's names carry ':', which promtool's lint dislikes.
+    assert proc.returncode in (0, 3), report
+    findings = [line for line in report.splitlines() if line.strip()]
+    assert all("should not contain ':'" in line for line in findings), report
+
+
+def _request_metrics() -> RequestMetrics:
+    spec = SpecDecodeStats(num_spec_tokens=K, per_step_accepted=[3, 0, 1],
+                           per_step_drafted=[3, 3, 3])
+    return RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5, first_token_time=2.0,
+                          last_token_time=4.0, finished_time=4.0, num_output_tokens=5, spec=spec)
+
+
+@pytest.mark.parametrize("level", ["none", "summary", "detailed"])
+def test_metrics_levels(level: str) -> None:
+    m = metrics_object(_request_metrics(), level)
+    assert m["queue_time_ms"] == pytest.approx(500.0)
+    assert m["time_to_first_token_ms"] == pytest.approx(500.0)
+    assert m["mean_itl_ms"] == pytest.approx(500.0)
+    if level == "none":
+        assert "speculative_decoding" not in m
+        return
+    sd = m["speculative_decoding"]
+    assert sd["acceptance_histogram"] == [1, 1, 0, 1]
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + 4 / 3)
+    assert ("per_step_accepted" in sd) == (level == "detailed")
+
+
+def test_plain_decoding_has_no_speculative_block() -> None:
+    m = metrics_object(RequestMetrics(arrival_time=0.0), "summary")
+    assert "speculative_decoding" not in m and m["mean_itl_ms"] is None

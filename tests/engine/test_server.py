@@ -1,0 +1,377 @@
+"""The embedded worker over real HTTP: the OpenAI SDK as client, a tiny random model."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from engine.config import WorkerSettings, load_settings
+from engine.server import create_app
+from tests.fixtures.tiny_models import TinyCheckpoint, build_tiny_checkpoint
+from tests.fixtures.worker import AppHandle, metric, running_worker, scrape, serving_app
+
+NAME = "tiny"
+KEY = "test-key"
+MAX_LEN = 256
+AUTH = {"Authorization": f"Bearer {KEY}"}
+HI = [{"role": "user", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def settings(ckpt: TinyCheckpoint) -> WorkerSettings:
+    return load_settings(
+        model=str(ckpt.target_dir), served_model_name=NAME, max_model_len=MAX_LEN,
+        speculative_config={"method": "dflash", "model": str(ckpt.drafter_dir)},
+        max_num_seqs=2, api_key=KEY, max_body_bytes=64 * 1024,
+    )
+
+
+@pytest.fixture(scope="module")
+def worker(settings: WorkerSettings) -> Iterator[AppHandle]:
+    with serving_app(settings) as handle:
+        yield handle
+
+
+@pytest.fixture
+def client(worker: AppHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{worker.base_url}/v1", api_key=KEY, max_retries=0)
+
+
+def metrics_of(obj: Any) -> dict[str, Any]:
+    extra = obj.model_extra or {}
+    assert "metrics" in extra, obj
+    metrics: dict[str, Any] = extra["metrics"]
+    return metrics
+
+
+def test_chat_non_streaming(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model=NAME, messages=HI, max_tokens=8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert resp.object == "chat.completion" and resp.model == NAME
+    assert resp.id.startswith("chatcmpl-")
+    assert choice.message.role == "assistant" and isinstance(choice.message.content, str)
+    assert choice.finish_reason == "length"
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == 8
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 8
+    m = metrics_of(resp)
+    assert m["time_to_first_token_ms"] >= 0 and m["tokens_per_second"] > 0
+    assert m["speculative_decoding"]["num_spec_tokens"] == 3
+
+
+def test_chat_stream_equals_non_stream_and_ends_with_usage(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = {"model": NAME, "messages": HI, "max_tokens": 12,
+                              "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) <= {None}
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 12
+    assert metrics_of(last)["speculative_decoding"]["num_spec_steps"] >= 1
+
+
+@pytest.mark.anyio
+async def test_async_completions_stream_and_not(worker: AppHandle) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{worker.base_url}/v1", api_key=KEY, max_retries=0)
+    args: dict[str, Any] = {"model": NAME, "prompt": "import os\n", "max_tokens": 10,
+                            "temperature": 0, "extra_body": {"ignore_eos": True}}
+    resp = await client.completions.create(**args)
+    assert resp.object == "text_completion" and resp.choices[0].finish_reason == "length"
+    stream = await client.completions.create(**args, stream=True)
+    chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == resp.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None  # forced usage, as vLLM
+    await client.close()
+
+
+def test_stop_strings_truncate_and_finish_with_stop(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = {"model": NAME, "prompt": "class A:\n", "max_tokens": 24,
+                            "temperature": 0, "extra_body": {"ignore_eos": True}}
+    full = client.completions.create(**args).choices[0].text
+    assert len(full) >= 10, full
+    stop = full[6:9]
+    for value in (stop, [stop, "\x00never"]):
+        got = client.completions.create(**args, stop=value).choices[0]
+        assert got.text == full[: full.find(stop)]
+        assert got.finish_reason == "stop"
+
+
+def test_top_k_one_is_greedy_and_seed_reproduces(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = {"model": NAME, "messages": HI, "max_tokens": 10}
+    body = {"ignore_eos": True}
+    greedy = client.chat.completions.create(**args, temperature=0, extra_body=body)
+    top1 = client.chat.completions.create(**args, temperature=1.0,
+                                          extra_body={**body, "top_k": 1})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+    a, b = (client.chat.completions.create(**args, temperature=1.0, top_p=0.9, seed=7,
+                                           extra_body=body) for _ in range(2))
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def test_max_completion_tokens(client: openai.OpenAI) -> None:
+    resp = client.chat.completions.create(model=NAME, messages=HI, max_completion_tokens=5,
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert resp.usage is not None and resp.usage.completion_tokens == 5
+
+
+def test_models_health_and_request_id(client: openai.OpenAI, worker: AppHandle) -> None:
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert httpx.get(f"{worker.base_url}/health").status_code == 200
+    r = httpx.post(f"{worker.base_url}/v1/completions", headers={**AUTH, "X-Request-Id": "r-1"},
+                   json={"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "r-1"
+
+
+def test_sdk_errors_are_typed(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="n == 1"):
+        client.chat.completions.create(model=NAME, messages=HI, n=2)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=HI)
+    bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=NAME, prompt="x")
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+LONG_PROMPT = "word " * 2000
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        (CHAT, b"{not json", 400, None),
+        (CHAT, b"[1, 2]", 400, None),
+        (CHAT, {"messages": "hi"}, 400, "messages"),
+        (CHAT, {"messages": HI, "temperature": "hot"}, 400, "temperature"),
+        (CHAT, {"messages": HI, "max_tokens": "ten"}, 400, "max_tokens"),
+        (CHAT, {"messages": HI, "model": "nope"}, 404, "model"),
+        (CHAT, {"messages": []}, 400, "messages"),
+        (CHAT, {}, 400, "messages"),
+        (CHAT, {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400,
+         "messages[0].content"),
+        (CHAT, {"messages": [{"content": "no role"}]}, 400, "messages[0].role"),
+        (CHAT, {"messages": HI, "temperature": -0.5}, 400, "temperature"),
+        (CHAT, {"messages": HI, "top_p": 0}, 400, "top_p"),
+        (CHAT, {"messages": HI, "top_p": 1.5}, 400, "top_p"),
+        (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+        (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+        (CHAT, {"messages": HI, "max_tokens": MAX_LEN}, 400, "max_tokens"),
+        (CHAT, {"messages": HI, "n": 3}, 400, "n"),
+        (CHAT, {"messages": HI, "logprobs": True}, 400, "logprobs"),
+        (CHAT, {"messages": HI, "stop": [""]}, 400, "stop"),
+        (COMP, {"prompt": LONG_PROMPT}, 400, "prompt"),
+        (COMP, {"prompt": ""}, 400, "prompt"),
+        (COMP, {"prompt": [10**9]}, 400, "prompt"),
+        (COMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+        (COMP, {"prompt": 5}, 400, "prompt"),
+    ],
+)
+def test_bad_input_gets_an_openai_error(
+    worker: AppHandle, path: str, body: Any, status: int, param: str | None
+) -> None:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{worker.base_url}{path}", content=content,
+                   headers={**AUTH, "Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_context_errors_say_so(worker: AppHandle) -> None:
+    r = httpx.post(f"{worker.base_url}{COMP}", headers=AUTH, timeout=30,
+                   json={"prompt": LONG_PROMPT})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert "maximum context length is 256" in r.json()["error"]["message"]
+
+
+def test_oversized_bodies_get_413(worker: AppHandle) -> None:
+    big = json.dumps({"prompt": "x" * 100_000}).encode()
+    r = httpx.post(f"{worker.base_url}{COMP}", content=big, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunked() -> Iterator[bytes]:  # no Content-Length: counted while reading
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"y" * 8192
+        yield b'"}'
+
+    r = httpx.post(f"{worker.base_url}{COMP}", content=chunked(), headers=AUTH)
+    assert r.status_code == 413
+
+
+def test_unknown_routes_and_methods_are_openai_errors(worker: AppHandle) -> None:
+    r = httpx.get(f"{worker.base_url}/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(f"{worker.base_url}{CHAT}")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_missing_api_key_is_401(worker: AppHandle) -> None:
+    r = httpx.post(f"{worker.base_url}{COMP}", json={"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.anyio
+async def test_health_is_503_until_the_engine_is_loaded(settings: WorkerSettings) -> None:
+    app = create_app(settings)  # lifespan not run: the engine never loads
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://w") as http:
+        r = await http.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+        r = await http.post(CHAT, json={"messages": HI}, headers=AUTH)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        r = await http.get("/metrics")
+        assert r.status_code == 200 and "vllm:num_requests_running" in r.text
+
+
+# ---- a one-slot plain-decoding worker: full queue, disconnects, shutdown -----------------
+
+LONG = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def busy(ckpt: TinyCheckpoint) -> Iterator[AppHandle]:
+    settings = load_settings(model=str(ckpt.target_dir), served_model_name=NAME,
+                             max_model_len=2048, max_num_seqs=1, max_waiting=0)
+    with serving_app(settings) as handle:
+        yield handle
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def running(base_url: str) -> float:
+    return metric(scrape(base_url), "vllm:num_requests_running")
+
+
+def first_data_line(lines: Iterator[str]) -> str:
+    return next(line for line in lines if line.startswith("data: "))
+
+
+def test_plain_worker_reports_no_speculation(busy: AppHandle) -> None:
+    r = httpx.post(f"{busy.base_url}{COMP}", json={"prompt": "x", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200
+    assert "speculative_decoding" not in r.json()["metrics"]
+    assert metric(scrape(busy.base_url), "vllm:spec_decode_num_drafts_total") == 0
+
+
+def test_full_worker_answers_503_with_retry_after(busy: AppHandle) -> None:
+    with httpx.Client(timeout=60) as http, \
+            http.stream("POST", f"{busy.base_url}{COMP}", json={**LONG, "stream": True}) as r:
+        lines = r.iter_lines()  # kept: dropping it would close the connection
+        first_data_line(lines)
+        second = httpx.post(f"{busy.base_url}{COMP}", json={"prompt": "y", "max_tokens": 2},
+                            timeout=30)
+        assert second.status_code == 503
+        assert second.headers["retry-after"] == "1"
+        assert second.json()["error"]["code"] == "queue_full"
+    assert wait_for(lambda: running(busy.base_url) == 0)
+
+
+def test_stream_disconnect_cancels_the_generation(busy: AppHandle) -> None:
+    before = scrape(busy.base_url)
+    with httpx.Client(timeout=60) as http, \
+            http.stream("POST", f"{busy.base_url}{COMP}", json={**LONG, "stream": True}) as r:
+        lines = r.iter_lines()  # kept: dropping it would close the connection
+        first_data_line(lines)
+        assert running(busy.base_url) == 1
+    assert wait_for(lambda: running(busy.base_url) == 0)
+    after = scrape(busy.base_url)
+    aborted = metric(after, "vllm:request_success_total", finished_reason="abort") - metric(
+        before, "vllm:request_success_total", finished_reason="abort")
+    generated = metric(after, "vllm:generation_tokens_total") - metric(
+        before, "vllm:generation_tokens_total")
+    assert aborted == 1 and generated < LONG["max_tokens"]
+
+
+def test_non_stream_disconnect_cancels_the_generation(busy: AppHandle) -> None:
+    before = scrape(busy.base_url)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{busy.base_url}{COMP}", json=LONG, timeout=httpx.Timeout(30, read=1.0))
+    assert wait_for(lambda: running(busy.base_url) == 0)
+    after = scrape(busy.base_url)
+    generated = metric(after, "vllm:generation_tokens_total") - metric(
+        before, "vllm:generation_tokens_total")
+    assert metric(after, "vllm:request_success_total", finished_reason="abort") > metric(
+        before, "vllm:request_success_total", finished_reason="abort")
+    assert generated < LONG["max_tokens"]
+
+
+def sse_payloads(lines: Iterator[str]) -> list[Any]:
+    out: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def test_sigterm_drains_in_flight_then_exits(ckpt: TinyCheckpoint) -> None:
+    body = {**LONG, "max_tokens": 200, "stream": True}
+    with running_worker(str(ckpt.target_dir), "--max-model-len", "2048",
+                        "--drain-timeout", "60") as w, \
+            httpx.Client(timeout=60) as http, \
+            http.stream("POST", f"{w.base_url}{COMP}", json=body) as r:
+        lines = r.iter_lines()
+        first_data_line(lines)
+        w.process.send_signal(signal.SIGTERM)
+        assert wait_for(lambda: not _admits(w.base_url), timeout=20)
+        rest = sse_payloads(lines)
+        assert rest[-1] == "[DONE]"
+        usage_chunk = rest[-2]
+        assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 200
+        assert rest[-3]["choices"][0]["finish_reason"] == "length"
+        assert w.process.wait(timeout=60) in (0, -signal.SIGTERM)
+
+
+def test_sigterm_aborts_what_outlives_the_drain_timeout(ckpt: TinyCheckpoint) -> None:
+    with running_worker(str(ckpt.target_dir), "--max-model-len", "2048",
+                        "--drain-timeout", "0.5") as w, \
+            httpx.Client(timeout=60) as http, \
+            http.stream("POST", f"{w.base_url}{COMP}", json={**LONG, "stream": True}) as r:
+        lines = r.iter_lines()
+        first_data_line(lines)
+        w.process.send_signal(signal.SIGTERM)
+        rest = sse_payloads(lines)
+        assert rest[-1] == "[DONE]"
+        assert rest[-2]["error"]["code"] == "aborted"
+        assert w.process.wait(timeout=60) in (0, -signal.SIGTERM)
+
+
+def _admits(base_url: str) -> bool:
+    """True while a new request would still be taken (refused connection or 503: not)."""
+    try:
+        return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
