@@ -115,10 +115,12 @@ class Qwen3Target(nn.Module):
         cache: KVCache | None = None,
         slots: Tensor | None = None,
         layer_ids: Sequence[int] = (),
+        logit_index: Tensor | None = None,
     ) -> TargetOutput:
         """input_ids/positions/valid [b, t]. With a cache, rows `slots` [b] attend to their
         cached prefix and new K/V are written at `positions`; padded (invalid) tokens are
-        neither written nor meaningful. Without a cache, attention is causal by position."""
+        neither written nor meaningful. Without a cache, attention is causal by position.
+        `logit_index` [b, k] limits logits to those token indices (prefill: the last one)."""
         valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
@@ -129,6 +131,8 @@ class Qwen3Target(nn.Module):
             x = self._layer(layer, i, x, cos, sin, mask, positions, valid, cache, slots)
             if i in wanted:
                 collected[wanted[i]] = x
+        if logit_index is not None:  # [b, t, hidden] -> [b, k, hidden]
+            x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
         logits = self.lm_head(self.model.norm(x))
         hidden = torch.cat([h for h in collected if h is not None], dim=-1) if layer_ids else None
         return TargetOutput(logits=logits, hidden=hidden)

@@ -8,9 +8,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from engine.loader import CheckpointError, load_drafter, load_target
-from tests.fixtures.tiny_models import TinyCheckpoint, build_tiny_checkpoint
+from engine.loader import CheckpointError, load_drafter, load_target, save_target
+from tests.fixtures.tiny_models import (
+    TinyCheckpoint,
+    build_tiny_checkpoint,
+    random_target,
+    tiny_target_config,
+)
 
 
 def test_tiny_checkpoint_loads_and_pairs(tiny_checkpoint: TinyCheckpoint) -> None:
@@ -47,7 +53,9 @@ def test_broken_folders_raise_checkpoint_error(tmp_path: Path,
         load_target(bad)
 
 
-def test_dtype_and_device_are_applied(tiny_checkpoint: TinyCheckpoint) -> None:
-    target = load_target(tiny_checkpoint.target_dir, "cpu", torch.bfloat16)
+def test_dtype_is_applied_and_tied_weights_stay_tied(tmp_path: Path) -> None:
+    save_target(random_target(tiny_target_config(16, 1, tie_word_embeddings=True)), tmp_path)
+    assert "lm_head.weight" not in load_file(str(tmp_path / "model.safetensors"))
+    target = load_target(tmp_path, "cpu", torch.bfloat16)
     assert target.lm_head.weight.dtype == torch.bfloat16
-    assert target.lm_head.weight is target.model.embed_tokens.weight  # tied stays tied
+    assert target.lm_head.weight is target.model.embed_tokens.weight

@@ -1,0 +1,72 @@
+"""Token choice: temperature / top-k / top-p to probabilities, greedy, seeded sampling.
+
+Randomness always comes from the row's own `torch.Generator` (per-request seed) when it
+has one, so a seeded request is reproducible whatever else is batched with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """Per-row sampling settings; temperature 0 means greedy."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def probabilities(logits: Tensor, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0) -> Tensor:
+    """logits [n, vocab] -> float32 probabilities [n, vocab] after temperature, then top-k
+    (ties at the k-th value are kept), then top-p (smallest prefix of the sorted
+    distribution whose mass reaches top_p), renormalised."""
+    if temperature <= 0.0:
+        raise ValueError("probabilities need temperature > 0 (use greedy for 0)")
+    scores = logits.float() / temperature
+    if 0 < top_k < scores.shape[-1]:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [n, 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def row_probabilities(logits: Tensor, sampling: RowSampling) -> Tensor:
+    return probabilities(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+
+
+def greedy(logits: Tensor) -> Tensor:
+    """logits [..., vocab] -> argmax token ids [...]."""
+    return logits.argmax(dim=-1)
+
+
+def _on_generator_device(x: Tensor, generator: torch.Generator | None) -> Tensor:
+    return x if generator is None else x.to(generator.device)
+
+
+def sample(probs: Tensor, generator: torch.Generator | None) -> int:
+    """One token id from a probability vector [vocab]."""
+    probs = _on_generator_device(probs, generator)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def uniform(generator: torch.Generator | None) -> float:
+    """One U[0, 1) draw from the row's generator."""
+    device = "cpu" if generator is None else generator.device
+    return float(torch.rand((), generator=generator, device=device).item())

@@ -1,0 +1,208 @@
+"""The tensor work of one engine step: prefill, one batched speculative step, release.
+
+A step over rows (one running request each, in its own cache slot):
+1. ONE drafter forward over every row's block [last, MASK, ...] gives block_size - 1
+   deterministic (argmax) draft tokens per row.
+2. ONE target forward verifies every block on top of the rows' target caches.
+3. Per row: greedy rows accept the longest prefix matching the target's argmax; sampled
+   rows accept draft x with probability p(x) and otherwise sample from p with x removed
+   (renormalised). Either way one bonus token from the target follows. Since the drafts
+   are deterministic this keeps the output distribution exactly the target's.
+4. Commit: the target hidden states of the committed block positions become drafter
+   context (K/V in its cache); rollback: both caches' slot lengths are set back.
+block_size 1 (or no drafter) runs the same code as plain decoding.
+
+Invariant between steps: for a running slot, target length == drafter context length ==
+position of `last_token`, which is committed but not yet in any cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.drafter import DFlashDrafter
+from engine.kv_cache import SlotCaches
+from engine.model import Qwen3Target
+from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
+
+__all__ = ["DecodeRow", "PrefillRow", "RowResult", "RowSampling", "SpecState",
+           "accept_greedy", "accept_sampled", "prefill", "release", "spec_step"]
+
+
+@dataclass(frozen=True)
+class PrefillRow:
+    slot: int
+    token_ids: list[int]  # prompt tokens to put into the slot's caches
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    slot: int
+    last_token: int  # last committed token; NOT yet in the target cache
+    position: int  # its position == number of tokens in the slot's target cache
+
+
+@dataclass(frozen=True)
+class RowResult:
+    token_ids: list[int]  # committed this step: accepted drafts + 1 bonus (1..block_size)
+    num_drafted: int  # drafts proposed for this row (block_size - 1; 0 when plain)
+    num_accepted: int  # len(token_ids) - 1
+
+
+@dataclass
+class SpecState:
+    """What a step needs; built once by the engine with `SpecState.create`."""
+
+    target: Qwen3Target
+    drafter: DFlashDrafter | None  # None = plain decoding
+    caches: SlotCaches
+    block_size: int  # tokens verified per step (1 = plain)
+    device: torch.device
+
+    @classmethod
+    def create(cls, target: Qwen3Target, drafter: DFlashDrafter | None, max_num_seqs: int,
+               max_model_len: int, block_size: int, device: torch.device | str,
+               dtype: torch.dtype) -> SpecState:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        active = drafter if block_size > 1 else None
+        size = block_size if active is not None else 1
+        capacity = max_model_len + size  # a step near the limit never overflows
+        target_cache = target.new_cache(max_num_seqs, capacity, device, dtype)
+        draft_cache = None if active is None else active.new_cache(
+            max_num_seqs, capacity, device, dtype)
+        return cls(target=target, drafter=active, caches=SlotCaches(target_cache, draft_cache),
+                   block_size=size, device=torch.device(device))
+
+    def layer_ids(self) -> list[int]:
+        return [] if self.drafter is None else list(self.drafter.config.target_layer_ids)
+
+    def kv_cache_usage(self) -> float:
+        return self.caches.usage()
+
+
+def release(state: SpecState, slot: int) -> None:
+    """Empty a slot's caches (length 0); its storage is reused by the next request."""
+    state.caches.release(slot)
+
+
+def _choose(logits: Tensor, sampling: RowSampling) -> int:
+    """One token from a logit vector [vocab]."""
+    if sampling.greedy:
+        return int(greedy(logits).item())
+    return sample(row_probabilities(logits[None], sampling)[0], sampling.generator)
+
+
+def _prompt_batch(rows: list[PrefillRow], starts: list[int]
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Right-padded ids, positions, valid [b, width] and the last index [b, 1]."""
+    lengths = [len(r.token_ids) for r in rows]
+    if min(lengths) < 1:
+        raise ValueError("prefill needs at least one token per row")
+    width = max(lengths)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
+    offsets = torch.arange(width)[None, :]  # [1, width]
+    lens = torch.tensor(lengths)[:, None]  # [b, 1]
+    valid = offsets < lens  # [b, width]
+    positions = torch.tensor(starts)[:, None] + torch.minimum(offsets, lens - 1)  # pads repeat
+    return ids, positions, valid, lens - 1
+
+
+@torch.inference_mode()
+def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling]) -> list[int]:
+    """Run the target over each prompt (appended after whatever the slot already holds),
+    fill target + drafter context caches, and return the first sampled token per row."""
+    if not rows:
+        return []
+    dev = state.device
+    starts = [state.caches.target.length(r.slot) for r in rows]
+    ids, positions, valid, last = (t.to(dev) for t in _prompt_batch(rows, starts))
+    slots = torch.tensor([r.slot for r in rows], device=dev)
+    out = state.target(ids, positions, valid, state.caches.target, slots,
+                       state.layer_ids(), logit_index=last)
+    if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
+        state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
+    for row, start in zip(rows, starts, strict=True):
+        state.caches.set_length(row.slot, start + len(row.token_ids))
+    return [_choose(out.logits[i, 0], s) for i, s in enumerate(sampling)]
+
+
+def _propose(state: SpecState, rows: list[DecodeRow], block: Tensor, positions: Tensor,
+             slots: Tensor) -> None:
+    """Fill block[:, 1:] with the drafter's argmax proposals (one forward for all rows)."""
+    assert state.drafter is not None and state.caches.drafter is not None
+    lengths = torch.tensor([r.position for r in rows], device=state.device)
+    hidden = state.drafter.draft_hidden(block, positions, state.caches.drafter, slots, lengths)
+    block[:, 1:] = greedy(state.drafter.logits(hidden[:, 1:]))  # [b, B-1]
+
+
+def accept_greedy(target_choice: list[int], drafts: list[int]) -> tuple[int, int]:
+    """target_choice: the target's argmax at each of the B block positions; drafts: the
+    B-1 proposals. Returns (accepted drafts, bonus token)."""
+    n = 0
+    while n < len(drafts) and drafts[n] == target_choice[n]:
+        n += 1
+    return n, target_choice[n]
+
+
+def accept_sampled(probs: Tensor, drafts: list[int],
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """probs [B, vocab]: the target's processed distribution at each block position.
+    Draft x at position i is accepted with probability probs[i, x]; on rejection the
+    bonus is drawn from probs[i] with x zeroed and renormalised; if all are accepted the
+    bonus is drawn from probs[B-1]. Returns (accepted drafts, bonus token)."""
+    for i, x in enumerate(drafts):
+        if uniform(generator) < float(probs[i, x]):
+            continue
+        residual = probs[i].clone()
+        residual[x] = 0.0
+        if float(residual.sum()) <= 0.0:  # unreachable in exact arithmetic (p(x) = 1)
+            return i, x
+        return i, sample(residual / residual.sum(), generator)
+    return len(drafts), sample(probs[len(drafts)], generator)
+
+
+def _accept(logits: Tensor, drafts: list[int], sampling: RowSampling) -> tuple[int, int]:
+    """logits [B, vocab] of one row -> (accepted drafts, bonus)."""
+    if sampling.greedy:
+        return accept_greedy(greedy(logits).tolist(), drafts)
+    return accept_sampled(row_probabilities(logits, sampling), drafts, sampling.generator)
+
+
+@torch.inference_mode()
+def spec_step(state: SpecState, rows: list[DecodeRow],
+              sampling: list[RowSampling]) -> list[RowResult]:
+    """One decoding step for every row: draft, verify, accept, commit, roll back."""
+    if not rows:
+        return []
+    size, dev = state.block_size, state.device
+    for r in rows:
+        if r.position + size > state.caches.target.capacity:
+            raise ValueError(f"slot {r.slot}: position {r.position} + block exceeds capacity")
+    slots = torch.tensor([r.slot for r in rows], device=dev)
+    starts = torch.tensor([r.position for r in rows], device=dev)
+    positions = starts[:, None] + torch.arange(size, device=dev)[None, :]  # [b, B]
+    mask_id = state.drafter.mask_token_id if state.drafter is not None else 0
+    block = torch.full((len(rows), size), mask_id, dtype=torch.long, device=dev)
+    block[:, 0] = torch.tensor([r.last_token for r in rows], device=dev)
+    if size > 1:
+        _propose(state, rows, block, positions, slots)
+    out = state.target(block, positions, None, state.caches.target, slots, state.layer_ids())
+    drafts = block[:, 1:].tolist()
+    decisions = [_accept(out.logits[i], drafts[i], s) for i, s in enumerate(sampling)]
+    accepted = torch.tensor([n for n, _ in decisions], device=dev)
+    if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
+        # context for the committed block positions: last_token and the accepted drafts
+        valid = torch.arange(size, device=dev)[None, :] <= accepted[:, None]  # [b, B]
+        state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
+    results = []
+    for row, draft, (n, bonus) in zip(rows, drafts, decisions, strict=True):
+        state.caches.set_length(row.slot, row.position + n + 1)  # commit + roll back
+        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=size - 1,
+                                 num_accepted=n))
+    return results
