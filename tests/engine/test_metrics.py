@@ -14,6 +14,7 @@ import pytest
 from engine.config import load_settings
 from engine.responses import metrics_object
 from engine.sequence import RequestMetrics, SpecDecodeStats
+from engine.server import build_engine
 from tests.fixtures.tiny_models import build_tiny_checkpoint
 from tests.fixtures.worker import AppHandle, metric, scrape, serving_app
 
@@ -40,7 +41,8 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppHandle]:
         speculative_config={"method": "dflash", "model": str(ckpt.drafter_dir)},
         per_request_spec_decode_metrics="detailed",
     )
-    with serving_app(settings) as handle:
+    # A pre-built engine handed to create_app (test_server covers the app loading its own).
+    with serving_app(settings, engine=build_engine(settings)) as handle:
         yield handle
 
 

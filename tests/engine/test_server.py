@@ -337,35 +337,27 @@ def sse_payloads(lines: Iterator[str]) -> list[Any]:
     return out
 
 
-def test_sigterm_drains_in_flight_then_exits(ckpt: TinyCheckpoint) -> None:
-    body = {**LONG, "max_tokens": 200, "stream": True}
-    with running_worker(str(ckpt.target_dir), "--max-model-len", "2048",
-                        "--drain-timeout", "60") as w, \
-            httpx.Client(timeout=60) as http, \
-            http.stream("POST", f"{w.base_url}{COMP}", json=body) as r:
-        lines = r.iter_lines()
-        first_data_line(lines)
+def test_sigterm_drains_in_flight_then_aborts_past_the_timeout(ckpt: TinyCheckpoint) -> None:
+    """After SIGTERM: no new work; a short stream finishes normally; a stream that outlives
+    --drain-timeout ends with an in-band `aborted` error and [DONE]; the process exits."""
+    short = {**LONG, "max_tokens": 40, "stream": True}
+    long = {**LONG, "max_tokens": 4000, "stream": True}
+    with running_worker(str(ckpt.target_dir), "--max-model-len", "4096", "--max-num-seqs", "2",
+                        "--drain-timeout", "4") as w, httpx.Client(timeout=60) as http, \
+            http.stream("POST", f"{w.base_url}{COMP}", json=short) as a, \
+            http.stream("POST", f"{w.base_url}{COMP}", json=long) as b:
+        a_lines, b_lines = a.iter_lines(), b.iter_lines()
+        first_data_line(a_lines)
+        first_data_line(b_lines)
         w.process.send_signal(signal.SIGTERM)
         assert wait_for(lambda: not _admits(w.base_url), timeout=20)
-        rest = sse_payloads(lines)
-        assert rest[-1] == "[DONE]"
-        usage_chunk = rest[-2]
-        assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 200
-        assert rest[-3]["choices"][0]["finish_reason"] == "length"
-        assert w.process.wait(timeout=60) in (0, -signal.SIGTERM)
-
-
-def test_sigterm_aborts_what_outlives_the_drain_timeout(ckpt: TinyCheckpoint) -> None:
-    with running_worker(str(ckpt.target_dir), "--max-model-len", "2048",
-                        "--drain-timeout", "0.5") as w, \
-            httpx.Client(timeout=60) as http, \
-            http.stream("POST", f"{w.base_url}{COMP}", json={**LONG, "stream": True}) as r:
-        lines = r.iter_lines()
-        first_data_line(lines)
-        w.process.send_signal(signal.SIGTERM)
-        rest = sse_payloads(lines)
-        assert rest[-1] == "[DONE]"
-        assert rest[-2]["error"]["code"] == "aborted"
+        finished = sse_payloads(a_lines)
+        assert finished[-1] == "[DONE]"
+        assert finished[-2]["choices"] == [] and finished[-2]["usage"]["completion_tokens"] == 40
+        assert finished[-3]["choices"][0]["finish_reason"] == "length"
+        cut = sse_payloads(b_lines)
+        assert cut[-1] == "[DONE]"
+        assert cut[-2]["error"]["code"] == "aborted"
         assert w.process.wait(timeout=60) in (0, -signal.SIGTERM)
 
 
