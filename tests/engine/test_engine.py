@@ -1,0 +1,412 @@
+"""The engine end to end on tiny random checkpoints: DFlash greedy == plain greedy under
+continuous batching, queueing, cancellation, rejection, stop conditions, metrics, seeds."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.engine import Engine, EngineConfig, QueueFull, RequestRejected
+from engine.loader import load_drafter, load_target, save_drafter, save_target
+from engine.sequence import RequestOutput, SamplingParams
+from tests.fixtures.tiny_models import (
+    TinyCheckpoint,
+    build_tiny_checkpoint,
+    make_agreeable,
+    randomize,
+)
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny matmuls on a shared 2-core box: extra intra-op threads only spin."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    """Block size 16, with a target far enough from a bigram model (body_scale 1) that
+    drafts are accepted only in part (mean acceptance length ~1.7 at k=7) and outputs
+    depend on positions and the whole context: every acceptance length gets exercised."""
+    base = build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt16"), block_size=16)
+    target = load_target(base.target_dir)
+    drafter = load_drafter(base.drafter_dir, target)
+    with torch.no_grad():
+        randomize(target, seed=0)
+        randomize(drafter, seed=1)
+    make_agreeable(target, drafter, body_scale=1.0)
+    save_target(target, base.target_dir)
+    save_drafter(drafter, base.drafter_dir)
+    return base
+
+
+def make_engine(ckpt: TinyCheckpoint, k: int | None = None, **kw: object) -> Engine:
+    """k None: plain decoding (no drafter); else DFlash with k speculative tokens."""
+    config = EngineConfig(
+        target_path=ckpt.target_dir,
+        drafter_path=None if k is None else ckpt.drafter_dir,
+        num_speculative_tokens=k,
+        max_num_seqs=4,
+        max_model_len=128,
+    )
+    return Engine(replace(config, **kw))  # type: ignore[arg-type]
+
+
+def random_requests(seed: int, n: int, vocab: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = random.Random(seed)
+    return [
+        (
+            [rng.randrange(vocab) for _ in range(rng.randint(1, 40))],
+            replace(GREEDY, max_tokens=rng.randint(1, 24)),
+        )
+        for _ in range(n)
+    ]
+
+
+def run(
+    engine: Engine,
+    requests: list[tuple[list[int], SamplingParams]],
+    join_at: list[int] | None = None,
+) -> dict[str, RequestOutput]:
+    """Drive `step()` directly; request i joins at step join_at[i]. Returns the final
+    output of each request with the whole token list in token_ids_delta."""
+    join_at = join_at or [0] * len(requests)
+    tokens: dict[str, list[int]] = {}
+    final: dict[str, RequestOutput] = {}
+    for step in range(10_000):
+        for i, (prompt, params) in enumerate(requests):
+            if join_at[i] == step:
+                engine.add_request(str(i), prompt, params)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids_delta)
+            if out.finished:
+                final[out.request_id] = replace(out, token_ids_delta=tokens[out.request_id])
+        if len(final) == len(requests) and step >= max(join_at):
+            return final
+    raise AssertionError("engine did not finish")
+
+
+@pytest.fixture(scope="module")
+def requests(ckpt: TinyCheckpoint) -> list[tuple[list[int], SamplingParams]]:
+    return random_requests(0, 16, make_engine(ckpt).vocab_size)
+
+
+@pytest.fixture(scope="module")
+def reference(
+    ckpt: TinyCheckpoint, requests: list[tuple[list[int], SamplingParams]]
+) -> dict[str, list[int]]:
+    """Plain greedy decoding, one request at a time: the oracle."""
+    engine = make_engine(ckpt, max_num_seqs=1)
+    out = run(engine, requests, join_at=[i * 200 for i in range(len(requests))])
+    return {rid: o.token_ids_delta for rid, o in out.items()}
+
+
+def test_plain_batched_matches_plain_alone(
+    ckpt: TinyCheckpoint,
+    requests: list[tuple[list[int], SamplingParams]],
+    reference: dict[str, list[int]],
+) -> None:
+    out = run(
+        make_engine(ckpt), requests, join_at=[0, 0, 0, 1, 2, 2, 5, 6, 9, 9, 9, 12, 13, 13, 20, 30]
+    )
+    assert {rid: o.token_ids_delta for rid, o in out.items()} == reference
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8, 16])
+def test_dflash_greedy_equals_plain_greedy(
+    ckpt: TinyCheckpoint,
+    requests: list[tuple[list[int], SamplingParams]],
+    reference: dict[str, list[int]],
+    block_size: int,
+) -> None:
+    engine = make_engine(ckpt, k=block_size - 1)
+    assert engine.block_size == block_size
+    # Unbatched, then batched with requests joining mid-run (4 slots, 16 requests).
+    alone = run(engine, requests[:3], join_at=[0, 100, 200])
+    for rid, o in alone.items():
+        assert o.token_ids_delta == reference[rid], f"request {rid} alone"
+    rng = random.Random(block_size)
+    join_at = sorted(rng.randrange(12) for _ in requests)
+    batched = run(engine, requests, join_at=join_at)
+    for rid, o in batched.items():
+        assert o.token_ids_delta == reference[rid], f"request {rid} batched"
+        assert o.finish_reason == "length"
+    stats = engine.stats()
+    assert stats.num_accepted_tokens > 0  # the agreeable drafter's drafts were used
+    assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_leaving_mid_run_changes_nothing_for_the_others(
+    ckpt: TinyCheckpoint,
+    requests: list[tuple[list[int], SamplingParams]],
+    reference: dict[str, list[int]],
+) -> None:
+    engine = make_engine(ckpt, k=3, max_num_seqs=3)
+    seqs = [engine.add_request(str(i), p, s) for i, (p, s) in enumerate(requests[:6])]
+    tokens: dict[str, list[int]] = {}
+    finished: dict[str, str | None] = {}
+    for step in range(500):
+        if step == 2:
+            engine.abort(seqs[1])  # running
+            engine.abort(seqs[5])  # still waiting
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.token_ids_delta)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        if len(finished) == 6:
+            break
+    assert finished["1"] == "abort" and finished["5"] == "abort"
+    for rid in ("0", "2", "3", "4"):
+        assert finished[rid] == "length" and tokens[rid] == reference[rid]
+
+
+def test_full_slots_queue_instead_of_failing(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, k=3, max_num_seqs=2, max_waiting=8)
+    for i in range(6):
+        engine.add_request(str(i), [5 + i, 6, 7], GREEDY)
+    engine.step()
+    stats = engine.stats()
+    assert stats.num_running == 2 and stats.num_waiting == 4
+    assert 0 < stats.kv_cache_usage < 1
+    while engine.stats().num_running or engine.stats().num_waiting:
+        engine.step()
+    assert engine.stats().num_requests_finished == 6
+    assert engine.stats().kv_cache_usage == 0
+
+
+@pytest.mark.anyio
+async def test_queue_full_when_slots_and_queue_are_taken(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, max_num_seqs=1, max_waiting=1)
+    await engine.start()
+    try:
+        long = replace(GREEDY, max_tokens=100)
+        streams = [engine.generate(str(i), [3, 4, 5], long) for i in range(2)]
+        with pytest.raises(QueueFull):
+            engine.generate("2", [3, 4, 5], long)
+        for s in streams:
+            await s.aclose()  # type: ignore[attr-defined]
+    finally:
+        await engine.shutdown(drain_timeout=0)
+
+
+@pytest.mark.anyio
+async def test_closing_or_cancelling_a_stream_frees_the_slot(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, k=3, max_num_seqs=1, max_waiting=4)
+    await engine.start()
+    try:
+        long = replace(GREEDY, max_tokens=120)
+        stream = engine.generate("a", [3, 4, 5], long)
+        first = await anext(stream)
+        assert not first.finished and first.token_ids_delta
+        await stream.aclose()  # type: ignore[attr-defined]
+
+        async def consume() -> None:
+            async for _ in engine.generate("b", [3, 4, 5], long):
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Both aborted: the only slot serves the next request to its end.
+        outs = [o async for o in engine.generate("c", [3, 4, 5], replace(GREEDY, max_tokens=5))]
+        assert outs[-1].finished and outs[-1].finish_reason == "length"
+        assert sum(len(o.token_ids_delta) for o in outs) == 5
+        assert engine.stats().num_running == 0
+    finally:
+        await engine.shutdown(drain_timeout=0)
+
+
+@pytest.mark.anyio
+async def test_bad_requests_are_rejected_with_the_parameter(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, max_model_len=16)
+    await engine.start()
+    cases = [
+        ([], GREEDY, "prompt", "empty"),
+        (list(range(16)), GREEDY, "prompt", "maximum context length is 16"),
+        ([1, 2], replace(GREEDY, max_tokens=0), "max_tokens", "at least 1"),
+        ([1, 2], replace(GREEDY, max_tokens=-3), "max_tokens", "got -3"),
+        ([1, 2], replace(GREEDY, temperature=-1.0), "temperature", ">= 0"),
+        ([1, 2], replace(GREEDY, top_p=0.0), "top_p", "(0, 1]"),
+        ([engine.vocab_size], GREEDY, "prompt", "token ids"),
+    ]
+    try:
+        for prompt, params, param, text in cases:
+            with pytest.raises(RequestRejected) as err:
+                engine.generate("x", prompt, params)
+            assert err.value.param == param and text in err.value.message
+        assert engine.stats().num_waiting == 0
+    finally:
+        await engine.shutdown(drain_timeout=0)
+
+
+def test_stop_strings_and_stop_token_ids(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, k=7)
+    prompt = [11, 12, 13, 14]
+    ref = run(engine, [(prompt, replace(GREEDY, max_tokens=24))])["0"]
+    text = engine.tokenizer.decode(ref.token_ids_delta)
+    assert len(text) > 8
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    got = run(engine, [(prompt, replace(GREEDY, max_tokens=24, stop=(stop,)))])["0"]
+    assert got.finish_reason == "stop"
+    assert engine.tokenizer.decode(got.token_ids_delta).startswith(text[: text.index(stop)])
+    assert len(got.token_ids_delta) < len(ref.token_ids_delta)
+
+    tok = ref.token_ids_delta[6]
+    cut = ref.token_ids_delta.index(tok)
+    got = run(engine, [(prompt, replace(GREEDY, max_tokens=24, stop_token_ids=(tok,)))])["0"]
+    assert got.finish_reason == "stop" and got.token_ids_delta == ref.token_ids_delta[: cut + 1]
+
+
+@pytest.mark.anyio
+async def test_stream_text_matches_tokens_and_stop_string_truncates(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, k=3)
+    await engine.start()
+    try:
+        prompt = [21, 22, 23]
+        outs = [o async for o in engine.generate("a", prompt, replace(GREEDY, max_tokens=20))]
+        tokens = [t for o in outs for t in o.token_ids_delta]
+        text = "".join(o.text_delta for o in outs)
+        assert text == engine.tokenizer.decode(tokens).rstrip("\ufffd")
+        stop = text[5:8]
+        params = replace(GREEDY, max_tokens=20, stop=(stop,))
+        outs = [o async for o in engine.generate("b", prompt, params)]
+        assert "".join(o.text_delta for o in outs) == text[: text.index(stop)]
+        assert outs[-1].finish_reason == "stop"
+    finally:
+        await engine.shutdown(drain_timeout=0)
+
+
+def test_context_limit_is_length(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, k=15, max_model_len=32)
+    out = run(engine, [(list(range(3, 31)), replace(GREEDY, max_tokens=100))])["0"]
+    assert out.finish_reason == "length" and len(out.token_ids_delta) == 4
+
+
+def test_speculation_metrics_add_up(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, k=7)
+    reqs = random_requests(5, 6, engine.vocab_size)
+    out = run(engine, reqs)
+    steps = drafted = accepted = 0
+    for o in out.values():
+        m = o.metrics.to_vllm("detailed")
+        sd = m["speculative_decoding"]
+        assert sum(sd["acceptance_histogram"]) == sd["num_spec_steps"]
+        assert len(sd["acceptance_histogram"]) == 8 and sd["num_spec_tokens"] == 7
+        assert sd["num_accepted_draft_tokens"] <= sd["num_draft_tokens"]
+        assert sd["num_draft_tokens"] == 7 * sd["num_spec_steps"]
+        assert sum(sd["per_step_accepted"]) == sd["num_accepted_draft_tokens"]
+        if sd["num_spec_steps"]:
+            assert sd["mean_acceptance_length"] == pytest.approx(
+                1 + sd["num_accepted_draft_tokens"] / sd["num_spec_steps"]
+            )
+        # 1 token from prefill, then at most accepted + 1 per verify step.
+        assert o.num_output_tokens <= 1 + sd["num_spec_steps"] + sd["num_accepted_draft_tokens"]
+        assert m["time_to_first_token_ms"] >= 0 and m["queue_time_ms"] >= 0
+        assert m["tokens_per_second"] > 0
+        steps += sd["num_spec_steps"]
+        drafted += sd["num_draft_tokens"]
+        accepted += sd["num_accepted_draft_tokens"]
+    stats = engine.stats()
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (
+        steps,
+        drafted,
+        accepted,
+    )
+    assert sum(stats.accepted_per_pos) == accepted and len(stats.accepted_per_pos) == 7
+    assert all(a >= b for a, b in pairwise(stats.accepted_per_pos))
+    assert stats.generation_tokens == sum(o.num_output_tokens for o in out.values())
+    assert stats.prompt_tokens == sum(len(p) for p, _ in reqs)
+
+
+def test_plain_engine_reports_no_speculation(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt)
+    out = run(engine, [([4, 5, 6], GREEDY)])["0"]
+    assert "speculative_decoding" not in out.metrics.to_vllm()
+    assert engine.stats().num_spec_tokens == 0 and engine.stats().accepted_per_pos == []
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_seeded_sampling_is_reproducible(ckpt: TinyCheckpoint, k: int | None) -> None:
+    def sample(seed: int) -> list[int]:
+        params = SamplingParams(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
+        return run(make_engine(ckpt, k=k), [([7, 8, 9], params)])["0"].token_ids_delta
+
+    first = sample(7)
+    assert sample(7) == first
+    assert any(sample(s) != first for s in (8, 9, 10))
+
+
+@pytest.mark.anyio
+async def test_shutdown_aborts_what_does_not_drain(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, max_num_seqs=1)
+    await engine.start()
+    stream = engine.generate("a", [3, 4], replace(GREEDY, max_tokens=120))
+    await anext(stream)
+    await engine.shutdown(drain_timeout=0.0)
+    rest = [o async for o in stream]
+    assert rest and rest[-1].finished and rest[-1].finish_reason == "abort"
+    with pytest.raises(QueueFull, match="shutting down"):
+        engine.generate("b", [3, 4], GREEDY)
+
+
+def test_num_speculative_tokens_is_checked(ckpt: TinyCheckpoint, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_engine(ckpt, k=16)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        make_engine(ckpt, num_speculative_tokens=3)
+
+
+@pytest.mark.anyio
+async def test_concurrent_streams_match_the_reference(
+    ckpt: TinyCheckpoint,
+    requests: list[tuple[list[int], SamplingParams]],
+    reference: dict[str, list[int]],
+) -> None:
+    engine = make_engine(ckpt, k=3, max_num_seqs=3)
+    await engine.start()
+
+    async def one(i: int) -> list[int]:
+        await asyncio.sleep(0.002 * i)  # staggered arrivals
+        prompt, params = requests[i]
+        return [t async for o in engine.generate(str(i), prompt, params) for t in o.token_ids_delta]
+
+    try:
+        got = await asyncio.gather(*(one(i) for i in range(8)))
+    finally:
+        await engine.shutdown(drain_timeout=1.0)
+    assert got == [reference[str(i)] for i in range(8)]
+
+
+def test_reference_matches_transformers_greedy(
+    ckpt: TinyCheckpoint,
+    requests: list[tuple[list[int], SamplingParams]],
+    reference: dict[str, list[int]],
+) -> None:
+    """The oracle itself, against an independent implementation: HF Qwen3 recomputing the
+    whole sequence for every token (no cache), so a position or cache bug shared by the
+    plain and DFlash paths cannot hide."""
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(ckpt.target_dir, dtype=torch.float32).eval()
+    for i in (0, 3, 7):
+        prompt, params = requests[i]
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(params.max_tokens):
+                logits = hf(torch.tensor([ids])).logits[0, -1]
+                ids.append(int(logits.argmax()))
+        assert ids[len(prompt) :] == reference[str(i)], f"request {i}"

@@ -1,0 +1,77 @@
+"""`dflash-bench engine` on a tiny random checkpoint: the JSON's structure and arithmetic
+(never its speed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest import bench, engine_bench
+from tests.fixtures.tiny_models import build_tiny_checkpoint
+
+
+def test_engine_bench_writes_consistent_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", block_size=4)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n    def push(self, x):\n"]))
+    out = tmp_path / "engine.json"
+    argv = [
+        "engine",
+        "--model",
+        str(ckpt.target_dir),
+        "--drafter",
+        str(ckpt.drafter_dir),
+        "--concurrency",
+        "1,2",
+        "--max-tokens",
+        "6",
+        "--prompts",
+        str(prompts),
+        "--repeats",
+        "2",
+        "--max-model-len",
+        "256",
+        "--json",
+        str(out),
+    ]
+    assert bench.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "tok/s" in table and "accept len" in table
+
+    report = json.loads(out.read_text())
+    assert report["block_sizes"] == [1, 4] and report["concurrency"] == [1, 2]
+    assert report["outputs_match"] is True  # greedy DFlash == greedy plain
+    cells = {(r["concurrency"], r["block_size"]): r for r in report["results"]}
+    assert set(cells) == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    for (c, b), r in cells.items():
+        assert r["num_requests"] == 2 * max(2, 2 * c)  # 2 repeats
+        assert r["generated_tokens"] == 6 * r["num_requests"]  # ignore_eos: exactly max
+        assert len(r["runs_tokens_per_second"]) == 2
+        assert r["tokens_per_second"] == pytest.approx(r["generated_tokens"] / r["elapsed_s"])
+        base = cells[(c, 1)]["tokens_per_second"]
+        assert r["speedup_vs_block_size_1"] == pytest.approx(r["tokens_per_second"] / base)
+        if b == 1:
+            assert r["num_drafts"] == 0 and r["mean_acceptance_length"] == 1.0
+        else:
+            assert r["num_draft_tokens"] == 3 * r["num_drafts"] > 0
+            assert r["mean_acceptance_length"] == pytest.approx(
+                1 + r["num_accepted_tokens"] / r["num_drafts"]
+            )
+            assert 1.0 <= r["mean_acceptance_length"] <= 4.0
+
+
+def test_missing_checkpoint_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = engine_bench.main(["--model", str(tmp_path / "nope"), "--drafter", str(tmp_path)])
+    assert rc == 2
+    assert "no target checkpoint" in capsys.readouterr().err
+
+
+def test_bad_lists_are_usage_errors() -> None:
+    with pytest.raises(SystemExit):
+        engine_bench.parse_args(["--concurrency", "0,2"])
