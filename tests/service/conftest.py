@@ -112,3 +112,27 @@ def worker(tiny_checkpoint: Any) -> Iterator[WorkerHandle]:
 def gateway(worker: WorkerHandle) -> Iterator[Gateway]:
     with running_gateway(workers=[worker.base_url]) as gw:
         yield gw
+
+
+@contextlib.contextmanager
+def worker_on_port(port: int, args: list[str]) -> Iterator[WorkerHandle]:
+    """A worker on a chosen port, so a test can kill it and bring it back at the same URL."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.fixtures.worker import ROOT, stop_process, wait_healthy
+
+    argv = [sys.executable, "-m", "engine.cli", *args, "--host", "127.0.0.1", "--port", str(port)]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    with tempfile.NamedTemporaryFile(prefix="dflash-worker-", suffix=".log", delete=False) as log:
+        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    handle = WorkerHandle(f"http://127.0.0.1:{port}", port, process, Path(log.name))
+    try:
+        wait_healthy(handle, 120)
+        yield handle
+    finally:
+        stop_process(process)
+        handle.log_path.unlink(missing_ok=True)

@@ -6,7 +6,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from tests.service.conftest import MODEL, Gateway
 

@@ -30,7 +30,8 @@ def assert_openai_error(reply: httpx.Response, status: int) -> dict[str, Any]:
         (b"[1, 2]", 400),
         (b'"text"', 400),
         (
-            b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+            b'"temperature": NaN}',
             400,
         ),
         (b"[" * 100_000 + b"]" * 100_000, 400),
