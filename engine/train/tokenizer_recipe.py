@@ -55,14 +55,16 @@ def train_tokenizer(docs: list[str], config: TokenizerConfig) -> Tokenizer:
     return tok
 
 
+def token_id(tok: Tokenizer, name: str) -> int:
+    """Id of a reserved token; a tokenizer without it is not ours."""
+    found = tok.token_to_id(name)
+    if found is None:
+        raise ValueError(f"tokenizer lacks special token {name}")
+    return int(found)
+
+
 def special_token_ids(tok: Tokenizer) -> dict[str, int]:
-    ids: dict[str, int] = {}
-    for name in SPECIAL_TOKENS:
-        token_id = tok.token_to_id(name)
-        if token_id is None:
-            raise ValueError(f"tokenizer lacks special token {name}")
-        ids[name] = token_id
-    return ids
+    return {name: token_id(tok, name) for name in SPECIAL_TOKENS}
 
 
 def _tokenizer_config(tok: Tokenizer, config: TokenizerConfig) -> dict[str, object]:
@@ -104,7 +106,10 @@ def save_tokenizer(tok: Tokenizer, out_dir: Path, config: TokenizerConfig) -> No
 
 
 def load_tokenizer(folder: Path) -> Tokenizer:
-    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no tokenizer at {path}: run `dflash-train tokenizer`")
+    return Tokenizer.from_file(str(path))
 
 
 def run_tokenizer_stage(corpus: CorpusConfig, out_dir: Path, *, smoke: bool = False) -> None:

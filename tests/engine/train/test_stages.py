@@ -1,0 +1,65 @@
+"""A tiny smoke run of every stage of `dflash-train` (few files, few steps, tiny sizes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.loader import load_drafter, load_target
+from engine.train.cli import main
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("train")
+    out, runs = root / "out", root / "runs"
+    common = ["--smoke", "--max-files", "3", "--out-dir", str(out), "--runs-dir", str(runs),
+              "--threads", "1"]
+    for stage in ("tokenizer", "target", "distill", "drafter", "eval"):
+        assert main([stage, *common]) == 0, stage
+    return out, runs
+
+
+def test_stages_write_loadable_checkpoints(smoke_run: tuple[Path, Path]) -> None:
+    out, _ = smoke_run
+    hf = AutoModelForCausalLM.from_pretrained(out / "target", dtype=torch.float32)
+    target = load_target(out / "target")
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    ours = target(ids, torch.arange(5)[None]).logits
+    assert torch.allclose(hf(input_ids=ids).logits, ours, atol=1e-4)
+    drafter = load_drafter(out / "dflash", target)
+    config = json.loads((out / "dflash" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert config["dflash_config"]["mask_token_id"] == 3
+    assert drafter.block_size == config["block_size"] == 4
+
+
+def test_logs_and_eval_report(smoke_run: tuple[Path, Path]) -> None:
+    _, runs = smoke_run
+    for stage in ("target", "drafter"):
+        rows = [json.loads(line) for line in (runs / stage / "log.jsonl").read_text().splitlines()]
+        assert rows and all(r["loss"] > 0 for r in rows)
+    report = json.loads((runs / "eval.json").read_text())
+    assert [r["block_size"] for r in report["results"]] == [4, 8, 16]
+    assert all(r["mean_acceptance_length"] >= 1.0 for r in report["results"])
+    assert len(list((runs / "distill").glob("chunk_*.pt"))) == 2
+
+
+def test_training_resumes_from_checkpoint(smoke_run: tuple[Path, Path]) -> None:
+    out, runs = smoke_run
+    args = ["target", "--smoke", "--max-files", "3", "--out-dir", str(out),
+            "--runs-dir", str(runs), "--threads", "1"]
+    assert main([*args, "--steps", "5"]) == 0
+    state = torch.load(runs / "target" / "ckpt.pt", weights_only=True)
+    assert state["step"] == 5
+    steps = [json.loads(line)["step"] for line in (runs / "target" / "log.jsonl").open()]
+    assert steps == [0, 2, 4]  # steps 0..2 from the first run, then 3..4 resumed
+
+
+def test_missing_inputs_fail_cleanly(tmp_path: Path) -> None:
+    assert main(["drafter", "--smoke", "--out-dir", str(tmp_path), "--runs-dir",
+                 str(tmp_path / "runs")]) == 1
