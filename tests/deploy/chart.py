@@ -19,9 +19,11 @@ CHART = ROOT / "helm" / "dflash-serving"
 RULES_FILE = CHART / "rules" / "alerts.yaml"
 RULES_TEST_FILE = CHART / "rules" / "alerts_test.yaml"
 DASHBOARD_FILE = CHART / "dashboards" / "dflash-serving.json"
-MONITORING_APIS = ("monitoring.coreos.com/v1/ServiceMonitor",
-                   "monitoring.coreos.com/v1/PodMonitor",
-                   "monitoring.coreos.com/v1/PrometheusRule")
+MONITORING_APIS = (
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "monitoring.coreos.com/v1/PodMonitor",
+    "monitoring.coreos.com/v1/PrometheusRule",
+)
 RULES_HEADER = (
     "# Generated from templates/_alerts.tpl with the chart's default values; do not edit.\n"
     "# Regenerate: .venv/bin/python -m tests.deploy.chart\n"
@@ -40,14 +42,23 @@ def helm_binary() -> str:
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HELM_CACHE_HOME": "/tmp/dflash-helm-cache",
-           "HELM_CONFIG_HOME": "/tmp/dflash-helm-config", "HELM_DATA_HOME": "/tmp/dflash-helm-data"}
-    return subprocess.run([helm_binary(), *args], capture_output=True, text=True,
-                          timeout=60, env=env, check=False)
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": "/tmp/dflash-helm-cache",
+        "HELM_CONFIG_HOME": "/tmp/dflash-helm-config",
+        "HELM_DATA_HOME": "/tmp/dflash-helm-data",
+    }
+    return subprocess.run(
+        [helm_binary(), *args], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
 
 
-def template_args(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
-                  api_versions: tuple[str, ...] = (), set_json: tuple[str, ...] = ()) -> list[str]:
+def template_args(
+    values: tuple[str, ...] = (),
+    sets: tuple[str, ...] = (),
+    api_versions: tuple[str, ...] = (),
+    set_json: tuple[str, ...] = (),
+) -> list[str]:
     args = ["template", "rel", str(CHART), "--namespace", "llm"]
     for name in values:
         args += ["-f", str(CHART / name)]
@@ -60,8 +71,12 @@ def template_args(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
     return args
 
 
-def render(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
-           api_versions: tuple[str, ...] = (), set_json: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+def render(
+    values: tuple[str, ...] = (),
+    sets: tuple[str, ...] = (),
+    api_versions: tuple[str, ...] = (),
+    set_json: tuple[str, ...] = (),
+) -> list[dict[str, Any]]:
     """Every object `helm template` renders (release "rel", namespace "llm"), parsed."""
     proc = helm(*template_args(values, sets, api_versions, set_json))
     if proc.returncode != 0:
@@ -71,7 +86,9 @@ def render(values: tuple[str, ...] = (), sets: tuple[str, ...] = (),
 
 def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, Any]:
     hits = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].endswith(suffix)]
-    assert len(hits) == 1, f"expected one {kind} *{suffix}, got {[h['metadata']['name'] for h in hits]}"
+    assert len(hits) == 1, (
+        f"expected one {kind} *{suffix}, got {[h['metadata']['name'] for h in hits]}"
+    )
     return hits[0]
 
 

@@ -11,11 +11,32 @@ from typing import Any
 
 import yaml
 
-KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
-            "or", "unless", "offset", "inf", "nan", "atan2", "le"}
+KEYWORDS = {
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
+    "atan2",
+    "le",
+}
 # Grafana variables, replaced by values that keep the expression valid PromQL.
-GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h",
-                "$model": ".*", "$worker": ".*", "${datasource}": ""}
+GRAFANA_VARS = {
+    "$__rate_interval": "1m",
+    "$__interval": "15s",
+    "$__range": "1h",
+    "$model": ".*",
+    "$worker": ".*",
+    "${datasource}": "",
+}
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 _MATCHERS = re.compile(r"\{[^{}]*\}")
@@ -40,7 +61,7 @@ def metric_names(expr: str) -> set[str]:
     text = _NUMBER_SUFFIX.sub(" ", text)
     names = set()
     for match in _IDENT.finditer(text):
-        rest = text[match.end():].lstrip()
+        rest = text[match.end() :].lstrip()
         if rest.startswith("("):
             continue  # a function or an aggregation
         if match.group(0).lower() in KEYWORDS:
@@ -71,20 +92,26 @@ def _all_panels(panels: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def rule_exprs(path: Path) -> list[tuple[str, str]]:
     """(record or alert name, expr) of every rule in a Prometheus rule file."""
     data = yaml.safe_load(path.read_text())
-    return [(rule.get("record") or rule["alert"], rule["expr"])
-            for group in data["groups"] for rule in group["rules"]]
+    return [
+        (rule.get("record") or rule["alert"], rule["expr"])
+        for group in data["groups"]
+        for rule in group["rules"]
+    ]
 
 
 def recorded_names(path: Path) -> set[str]:
     data = yaml.safe_load(path.read_text())
-    return {rule["record"] for group in data["groups"] for rule in group["rules"]
-            if "record" in rule}
+    return {
+        rule["record"] for group in data["groups"] for rule in group["rules"] if "record" in rule
+    }
 
 
 def as_rule_file(exprs: list[str]) -> str:
     """A rule file with one recording rule per expression, for `promtool check rules`."""
-    rules = [{"record": f"dashboard:query_{i}", "expr": substitute_grafana_vars(e)}
-             for i, e in enumerate(exprs)]
+    rules = [
+        {"record": f"dashboard:query_{i}", "expr": substitute_grafana_vars(e)}
+        for i, e in enumerate(exprs)
+    ]
     return yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}, sort_keys=False)
 
 

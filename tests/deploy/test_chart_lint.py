@@ -30,39 +30,64 @@ def test_template_renders(values: tuple[str, ...]) -> None:
 
 BAD_VALUES = [
     # (--set or --set-json, expected text in the error)
-    ("worker.tensorParallelSize=3", "worker.tensorParallelSize must be one of the following: 1, 2, 4, 8"),
+    (
+        "worker.tensorParallelSize=3",
+        "worker.tensorParallelSize must be one of the following: 1, 2, 4, 8",
+    ),
     ("worker.tensorParallelSize=0", "worker.tensorParallelSize"),
     ("mode=tpu", 'mode must be one of the following: "vllm", "embedded"'),
     ("worker.tensorParalelSize=2", "Additional property tensorParalelSize is not allowed"),
-    ("worker.perRequestSpecDecodeMetrics=full", "worker.perRequestSpecDecodeMetrics must be one of"),
-    ("model.speculative.numSpeculativeTokens=0", "model.speculative.numSpeculativeTokens: Must be greater than or equal to 1"),
+    (
+        "worker.perRequestSpecDecodeMetrics=full",
+        "worker.perRequestSpecDecodeMetrics must be one of",
+    ),
+    (
+        "model.speculative.numSpeculativeTokens=0",
+        "model.speculative.numSpeculativeTokens: Must be greater than or equal to 1",
+    ),
     ("gateway.routingPolicy=random", "gateway.routingPolicy must be one of"),
     ("monitoring.serviceMonitor.enabled=maybe", "monitoring.serviceMonitor.enabled must be one of"),
     ("worker.modelCache.size=lots", "worker.modelCache.size: Does not match pattern"),
     ("gateway.port=70000", "gateway.port: Must be less than or equal to 65535"),
-    ("json:worker.gpuMemoryUtilization=1.5", "worker.gpuMemoryUtilization: Must be less than or equal to 1"),
-    ('json:worker.gpu.products="NVIDIA-B200"', "worker.gpu.products: Invalid type. Expected: array, given: string"),
+    (
+        "json:worker.gpuMemoryUtilization=1.5",
+        "worker.gpuMemoryUtilization: Must be less than or equal to 1",
+    ),
+    (
+        'json:worker.gpu.products="NVIDIA-B200"',
+        "worker.gpu.products: Invalid type. Expected: array, given: string",
+    ),
     ('json:gateway.apiKeys.keys=["short"]', "String length must be greater than or equal to 8"),
 ]
 
 
 @pytest.mark.parametrize(("item", "message"), BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
 def test_schema_rejects_bad_values(item: str, message: str) -> None:
-    flag = ["--set-json", item.removeprefix("json:")] if item.startswith("json:") else ["--set", item]
+    flag = (
+        ["--set-json", item.removeprefix("json:")] if item.startswith("json:") else ["--set", item]
+    )
     proc = helm("template", "rel", str(CHART), *flag)
     assert proc.returncode != 0
     assert "values don't meet the specifications of the schema" in proc.stderr
     assert message in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize(("sets", "message"), [
-    (("worker.terminationGracePeriodSeconds=60",),
-     "worker.terminationGracePeriodSeconds (60) must exceed worker.preStopSleepSeconds + "
-     "worker.shutdownTimeoutSeconds (70)"),
-    (("gateway.terminationGracePeriodSeconds=30",),
-     "gateway.terminationGracePeriodSeconds (30) must exceed gateway.preStopSleepSeconds + "
-     "gateway.drainTimeoutSeconds (35)"),
-], ids=["worker-grace", "gateway-grace"])
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (
+            ("worker.terminationGracePeriodSeconds=60",),
+            "worker.terminationGracePeriodSeconds (60) must exceed worker.preStopSleepSeconds + "
+            "worker.shutdownTimeoutSeconds (70)",
+        ),
+        (
+            ("gateway.terminationGracePeriodSeconds=30",),
+            "gateway.terminationGracePeriodSeconds (30) must exceed gateway.preStopSleepSeconds + "
+            "gateway.drainTimeoutSeconds (35)",
+        ),
+    ],
+    ids=["worker-grace", "gateway-grace"],
+)
 def test_grace_period_shorter_than_drain_is_rejected(sets: tuple[str, ...], message: str) -> None:
     proc = helm(*template_args(sets=sets))
     assert proc.returncode != 0

@@ -4,8 +4,9 @@ it matters: GPU scheduling, GPU requests, probes, drain, volumes, secrets, disco
 from __future__ import annotations
 
 import copy
+import json
 import re
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import kubernetes_validate
@@ -15,14 +16,20 @@ from tests.deploy.chart import CHART, MONITORING_APIS, find, helm, render, templ
 
 K8S_VERSIONS = ("1.25", "1.37")  # the chart's kubeVersion floor and the newest bundled schemas
 CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
-PRESETS = {"default": (), "b200": ("values-b200.yaml",), "b300": ("values-b300.yaml",),
-           "embedded": ("values-embedded.yaml",)}
+PRESETS = {
+    "default": (),
+    "b200": ("values-b200.yaml",),
+    "b300": ("values-b300.yaml",),
+    "embedded": ("values-embedded.yaml",),
+}
 # Every optional object switched on, so that validation covers them too.
 EVERYTHING = ("gateway.autoscaling.enabled=true", "worker.hfToken.value=hf_x")
 
 
-@lru_cache(maxsize=None)
-def rendered(preset: str, sets: tuple[str, ...] = (), monitoring: bool = False) -> list[dict[str, Any]]:
+@cache
+def rendered(
+    preset: str, sets: tuple[str, ...] = (), monitoring: bool = False
+) -> list[dict[str, Any]]:
     return render(PRESETS[preset], sets, MONITORING_APIS if monitoring else ())
 
 
@@ -41,8 +48,14 @@ def container(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
 def test_manifests_validate_strict(preset: str, version: str) -> None:
     docs = rendered(preset, EVERYTHING, monitoring=True)
     kinds = {d["kind"] for d in docs}
-    assert {"Deployment", "StatefulSet", "Service", "ConfigMap", "PodDisruptionBudget",
-            "HorizontalPodAutoscaler"} <= kinds
+    assert {
+        "Deployment",
+        "StatefulSet",
+        "Service",
+        "ConfigMap",
+        "PodDisruptionBudget",
+        "HorizontalPodAutoscaler",
+    } <= kinds
     for doc in docs:
         if doc["kind"] not in CRD_KINDS:  # CRDs: checked by the monitoring tests below
             kubernetes_validate.validate(doc, version, strict=True)
@@ -55,31 +68,53 @@ def test_strict_validation_catches_a_misspelled_field() -> None:
         kubernetes_validate.validate(doc, "1.37", strict=True)
 
 
-@pytest.mark.parametrize(("preset", "products"), [
-    ("b200", ["NVIDIA-B200"]),
-    ("b300", ["NVIDIA-B300-SXM6-AC", "NVIDIA-B300"]),
-    ("default", ["NVIDIA-B200", "NVIDIA-B300-SXM6-AC", "NVIDIA-B300"]),
-])
+@pytest.mark.parametrize(
+    ("preset", "products"),
+    [
+        ("b200", ["NVIDIA-B200"]),
+        ("b300", ["NVIDIA-B300-SXM6-AC", "NVIDIA-B300"]),
+        ("default", ["NVIDIA-B200", "NVIDIA-B300-SXM6-AC", "NVIDIA-B300"]),
+    ],
+)
 def test_workers_land_on_the_gpu_pool(preset: str, products: list[str]) -> None:
     pod = worker_pod(rendered(preset))
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
-    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [
-        {"key": "nvidia.com/gpu.product", "operator": "In", "values": products}]}]
-    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert terms["nodeSelectorTerms"] == [
+        {
+            "matchExpressions": [
+                {"key": "nvidia.com/gpu.product", "operator": "In", "values": products}
+            ]
+        }
+    ]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
 
 
 def test_extra_scheduling_is_added_not_replacing() -> None:
-    eks = '[{"key":"node.kubernetes.io/instance-type","operator":"In","values":["p6-b200.48xlarge"]}]'
-    docs = render(("values-b200.yaml",), (
-        "worker.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-b200",
-        "worker.tolerations[0].key=dedicated", "worker.tolerations[0].operator=Equal",
-        "worker.tolerations[0].value=llm", "worker.tolerations[0].effect=NoSchedule",
-        "worker.runtimeClassName=nvidia-cdi", "worker.priorityClassName=llm-critical",
-    ), set_json=(f"worker.extraNodeMatchExpressions={eks}",))
+    eks = (
+        '[{"key":"node.kubernetes.io/instance-type","operator":"In","values":["p6-b200.48xlarge"]}]'
+    )
+    docs = render(
+        ("values-b200.yaml",),
+        (
+            "worker.nodeSelector.cloud\\.google\\.com/gke-accelerator=nvidia-b200",
+            "worker.tolerations[0].key=dedicated",
+            "worker.tolerations[0].operator=Equal",
+            "worker.tolerations[0].value=llm",
+            "worker.tolerations[0].effect=NoSchedule",
+            "worker.runtimeClassName=nvidia-cdi",
+            "worker.priorityClassName=llm-critical",
+        ),
+        set_json=(f"worker.extraNodeMatchExpressions={eks}",),
+    )
     pod = worker_pod(docs)
     required = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     exprs = required["nodeSelectorTerms"][0]["matchExpressions"]  # one term: ANDed
-    assert [e["key"] for e in exprs] == ["nvidia.com/gpu.product", "node.kubernetes.io/instance-type"]
+    assert [e["key"] for e in exprs] == [
+        "nvidia.com/gpu.product",
+        "node.kubernetes.io/instance-type",
+    ]
     assert exprs[1]["values"] == ["p6-b200.48xlarge"]
     assert pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-b200"}
     assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu", "dedicated"]
@@ -91,7 +126,9 @@ def test_extra_scheduling_is_added_not_replacing() -> None:
 def test_empty_product_list_and_own_node_affinity() -> None:
     pod = worker_pod(render(set_json=("worker.gpu.products=[]", "worker.spreadAcrossNodes=false")))
     assert "affinity" not in pod  # any GPU node; the nvidia.com/gpu request still applies
-    own = '{"nodeAffinity":{"requiredDuringSchedulingIgnoredDuringExecution":{"nodeSelectorTerms":[{"matchExpressions":[{"key":"pool","operator":"In","values":["llm"]}]}]}}}'
+    term = {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["llm"]}]}
+    required = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}
+    own = json.dumps({"nodeAffinity": required})
     pod = worker_pod(render(set_json=(f"worker.affinity={own}",)))
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     assert terms["nodeSelectorTerms"][0]["matchExpressions"][0]["key"] == "pool"
@@ -122,8 +159,9 @@ def test_worker_volumes_shm_and_model_cache() -> None:
 
 
 def test_existing_model_claim_and_hf_token_secret() -> None:
-    docs = render(sets=("worker.modelCache.existingClaim=models-rwx",
-                        "worker.hfToken.existingSecret=hf"))
+    docs = render(
+        sets=("worker.modelCache.existingClaim=models-rwx", "worker.hfToken.existingSecret=hf")
+    )
     assert "volumeClaimTemplates" not in find(docs, "StatefulSet")["spec"]
     volumes = {v["name"]: v for v in worker_pod(docs)["volumes"]}
     assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "models-rwx"
@@ -163,7 +201,9 @@ def test_gateway_probes_drain_and_security() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
     env = find(docs, "ConfigMap", "-gateway")["data"]
-    assert pod["terminationGracePeriodSeconds"] > sleep + float(env["DFLASH_GATEWAY_DRAIN_TIMEOUT_S"])
+    assert pod["terminationGracePeriodSeconds"] > sleep + float(
+        env["DFLASH_GATEWAY_DRAIN_TIMEOUT_S"]
+    )
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
@@ -179,7 +219,9 @@ def test_gateway_discovers_workers_through_the_headless_service() -> None:
     assert svc["spec"]["selector"].items() <= pod_labels.items()
     args = container(docs, "Deployment")["args"]
     dns = args[args.index("--worker-dns") + 1]
-    assert dns == f"{svc['metadata']['name']}.llm.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+    assert (
+        dns == f"{svc['metadata']['name']}.llm.svc.cluster.local:{svc['spec']['ports'][0]['port']}"
+    )
     assert find(docs, "ConfigMap", "-gateway")["data"]["DFLASH_GATEWAY_WORKER_DNS"] == dns
 
 

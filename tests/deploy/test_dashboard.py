@@ -21,20 +21,35 @@ from tests.deploy.promql import (
 
 # DESIGN §3 (worker) and §3b (gateway); histograms expose _bucket/_sum/_count.
 _HISTOGRAMS = {
-    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds", "dflash_request_duration_seconds",
-    "dflash_time_to_first_token_seconds", "dflash_time_per_output_token_seconds",
-    "dflash_spec_acceptance_length", "dflash_spec_draft_acceptance_rate",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "dflash_request_duration_seconds",
+    "dflash_time_to_first_token_seconds",
+    "dflash_time_per_output_token_seconds",
+    "dflash_spec_acceptance_length",
+    "dflash_spec_draft_acceptance_rate",
 }
 _PLAIN = {
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total", "dflash_requests_total", "dflash_requests_in_flight",
-    "dflash_prompt_tokens_total", "dflash_completion_tokens_total", "dflash_spec_steps_total",
-    "dflash_spec_draft_tokens_total", "dflash_spec_accepted_tokens_total",
-    "dflash_worker_healthy", "dflash_upstream_errors_total", "dflash_retries_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "dflash_requests_total",
+    "dflash_requests_in_flight",
+    "dflash_prompt_tokens_total",
+    "dflash_completion_tokens_total",
+    "dflash_spec_steps_total",
+    "dflash_spec_draft_tokens_total",
+    "dflash_spec_accepted_tokens_total",
+    "dflash_worker_healthy",
+    "dflash_upstream_errors_total",
+    "dflash_retries_total",
 }
 DESIGN_METRICS = _PLAIN | {h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 
@@ -52,8 +67,10 @@ def used_metric_names() -> set[str]:
 
 
 def test_metric_name_lexer() -> None:
-    expr = ('histogram_quantile(0.95, sum by (le, model) (rate(a_bucket{model=~"$model", '
-            'x="sum(y)"}[$__rate_interval]))) / on (model) group_left b:c offset 5m')
+    expr = (
+        'histogram_quantile(0.95, sum by (le, model) (rate(a_bucket{model=~"$model", '
+        'x="sum(y)"}[$__rate_interval]))) / on (model) group_left b:c offset 5m'
+    )
     assert metric_names(expr) == {"a_bucket", "b:c"}
 
 
@@ -61,9 +78,12 @@ def test_queries_use_only_designed_metric_names() -> None:
     used = used_metric_names()
     assert used <= DESIGN_METRICS, used - DESIGN_METRICS
     # The required views are really there.
-    assert {"dflash_spec_acceptance_length_bucket",
-            "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-            "vllm:kv_cache_usage_perc", "dflash_worker_healthy"} <= used
+    assert {
+        "dflash_spec_acceptance_length_bucket",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+        "vllm:kv_cache_usage_perc",
+        "dflash_worker_healthy",
+    } <= used
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool missing: run `make tools`")
@@ -72,24 +92,42 @@ def test_every_dashboard_query_parses(tmp_path: Path) -> None:
     assert len(exprs) >= 30
     path = tmp_path / "dashboard-queries.yaml"
     path.write_text(as_rule_file(exprs))
-    proc = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        ["promtool", "check", "rules", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"{len(exprs)} rules found" in proc.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text(as_rule_file(["sum(rate(x[5m])"]))  # the check can fail
-    assert subprocess.run(["promtool", "check", "rules", str(bad)], capture_output=True,
-                          timeout=60, check=False).returncode != 0
+    assert (
+        subprocess.run(
+            ["promtool", "check", "rules", str(bad)], capture_output=True, timeout=60, check=False
+        ).returncode
+        != 0
+    )
 
 
 def test_panels_cover_the_runbook() -> None:
     panels = {p["title"]: p for p in dashboard()["panels"]}
-    wanted = ["Acceptance length distribution (per request)", "Acceptance length: quantiles and mean",
-              "Draft acceptance rate", "Acceptance by draft position",
-              "Share of output tokens from drafts", "Time to first token",
-              "Time per output token", "End-to-end latency", "Tokens per second",
-              "Requests in flight and waiting", "KV cache usage", "Errors by kind",
-              "Worker health"]
+    wanted = [
+        "Acceptance length distribution (per request)",
+        "Acceptance length: quantiles and mean",
+        "Draft acceptance rate",
+        "Acceptance by draft position",
+        "Share of output tokens from drafts",
+        "Time to first token",
+        "Time per output token",
+        "End-to-end latency",
+        "Tokens per second",
+        "Requests in flight and waiting",
+        "KV cache usage",
+        "Errors by kind",
+        "Worker health",
+    ]
     assert [w for w in wanted if w not in panels] == []
     heat = panels["Acceptance length distribution (per request)"]
     assert heat["type"] == "heatmap" and heat["targets"][0]["format"] == "heatmap"
@@ -118,22 +156,32 @@ def test_dashboard_configmap_for_the_grafana_sidecar() -> None:
     assert not [d for d in off if d["metadata"]["name"].endswith("-dashboard")]
 
 
-@pytest.mark.parametrize(("apis", "sets", "expected"), [
-    ((), (), set()),
-    (MONITORING_APIS, (), {"ServiceMonitor", "PodMonitor", "PrometheusRule"}),
-    (MONITORING_APIS, ("monitoring.serviceMonitor.enabled=false",
-                       "monitoring.prometheusRule.enabled=false"), set()),
-    ((), ("monitoring.serviceMonitor.enabled=true",), {"ServiceMonitor", "PodMonitor"}),
-    ((), ("monitoring.prometheusRule.enabled=true",), {"PrometheusRule"}),
-], ids=["auto-no-crds", "auto-crds", "off", "forced-monitors", "forced-rule"])
-def test_monitoring_objects_follow_crds_or_flags(apis: tuple[str, ...], sets: tuple[str, ...],
-                                                 expected: set[str]) -> None:
+@pytest.mark.parametrize(
+    ("apis", "sets", "expected"),
+    [
+        ((), (), set()),
+        (MONITORING_APIS, (), {"ServiceMonitor", "PodMonitor", "PrometheusRule"}),
+        (
+            MONITORING_APIS,
+            ("monitoring.serviceMonitor.enabled=false", "monitoring.prometheusRule.enabled=false"),
+            set(),
+        ),
+        ((), ("monitoring.serviceMonitor.enabled=true",), {"ServiceMonitor", "PodMonitor"}),
+        ((), ("monitoring.prometheusRule.enabled=true",), {"PrometheusRule"}),
+    ],
+    ids=["auto-no-crds", "auto-crds", "off", "forced-monitors", "forced-rule"],
+)
+def test_monitoring_objects_follow_crds_or_flags(
+    apis: tuple[str, ...], sets: tuple[str, ...], expected: set[str]
+) -> None:
     kinds = {d["kind"] for d in render(sets=sets, api_versions=apis)}
     assert kinds & {"ServiceMonitor", "PodMonitor", "PrometheusRule"} == expected
 
 
 def test_monitors_select_the_right_pods_and_ports() -> None:
-    docs = render(sets=("monitoring.serviceMonitor.labels.release=kps",), api_versions=MONITORING_APIS)
+    docs = render(
+        sets=("monitoring.serviceMonitor.labels.release=kps",), api_versions=MONITORING_APIS
+    )
     sm, pm = find(docs, "ServiceMonitor"), find(docs, "PodMonitor")
     assert sm["metadata"]["labels"]["release"] == "kps"
     gw_svc = find(docs, "Service", "-gateway")
@@ -143,4 +191,8 @@ def test_monitors_select_the_right_pods_and_ports() -> None:
     assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] in ports
-    assert sm["spec"]["endpoints"][0]["path"] == pm["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+    assert (
+        sm["spec"]["endpoints"][0]["path"]
+        == pm["spec"]["podMetricsEndpoints"][0]["path"]
+        == "/metrics"
+    )

@@ -14,7 +14,9 @@ from service.settings import GatewaySettings
 from tests.deploy.chart import find, render
 
 
-def gateway_settings(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> GatewaySettings:
+def gateway_settings(
+    docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> GatewaySettings:
     env = find(docs, "ConfigMap", "-gateway")["data"]
     assert all(key.startswith("DFLASH_GATEWAY_") for key in env)
     for key, value in env.items():
@@ -25,17 +27,25 @@ def gateway_settings(docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 
 
 def test_every_rendered_setting_is_a_gateway_setting() -> None:
-    docs = render(sets=("gateway.extraSettings.max_retries=4",
-                        "gateway.extraSettings.shutdown_delay_s=2"))
+    docs = render(
+        sets=("gateway.extraSettings.max_retries=4", "gateway.extraSettings.shutdown_delay_s=2")
+    )
     fields = {f"DFLASH_GATEWAY_{name.upper()}" for name in GatewaySettings.model_fields}
     keys = set(find(docs, "ConfigMap", "-gateway")["data"])
     assert keys <= fields, keys - fields  # pydantic-settings would ignore a misspelled one
 
 
-def test_gateway_reads_the_rendered_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    docs = render(sets=("gateway.routingPolicy=prefix_affinity", "gateway.extraSettings.max_retries=4",
-                        "gateway.metricsRequireAuth=true"),
-                  set_json=('gateway.apiKeys.keys=["sk-one-1234","sk-two-5678"]',))
+def test_gateway_reads_the_rendered_settings(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    docs = render(
+        sets=(
+            "gateway.routingPolicy=prefix_affinity",
+            "gateway.extraSettings.max_retries=4",
+            "gateway.metricsRequireAuth=true",
+        ),
+        set_json=('gateway.apiKeys.keys=["sk-one-1234","sk-two-5678"]',),
+    )
     s = gateway_settings(docs, monkeypatch)
     assert (s.host, s.port) == ("0.0.0.0", 8000)
     assert s.worker_dns == "rel-dflash-serving-worker.llm.svc.cluster.local:8000"

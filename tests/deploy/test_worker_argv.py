@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +22,24 @@ VLLM_PRESETS = {"default": (), "b200": ("values-b200.yaml",), "b300": ("values-b
 TP4 = ("worker.tensorParallelSize=4", "worker.extraArgs[0]=--enable-prefix-caching")
 
 
-@lru_cache(maxsize=None)
+@cache
 def worker_command(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[str]:
     c = find(render(values, sets), "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
     assert c["command"] == ["dflash-worker"]
     return [str(a) for a in c["args"]]
 
 
-@lru_cache(maxsize=None)
+@cache
 def dry_run(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[str]:
     """The real CLI, as the container runs it: `dflash-worker <args> --dry-run`."""
-    proc = subprocess.run([sys.executable, "-m", "engine.cli", *worker_command(values, sets),
-                           "--dry-run"], capture_output=True, text=True, timeout=60,
-                          cwd=ROOT, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.cli", *worker_command(values, sets), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     argv: list[str] = json.loads(proc.stdout)
     return argv
@@ -49,14 +54,24 @@ def test_dry_run_gives_the_vllm_command(preset: str) -> None:
     argv = dry_run(VLLM_PRESETS[preset])
     assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-8B"]
     assert json.loads(flag(argv, "--speculative-config")) == {
-        "method": "dflash", "model": "z-lab/Qwen3-8B-DFlash-b16", "num_speculative_tokens": 15}
+        "method": "dflash",
+        "model": "z-lab/Qwen3-8B-DFlash-b16",
+        "num_speculative_tokens": 15,
+    }
     assert flag(argv, "--served-model-name") == "qwen3-8b-dflash"
     assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "8000"
     assert flag(argv, "--per-request-spec-decode-metrics") == "summary"
     assert "--enable-force-include-usage" in argv and "--enable-per-request-metrics" in argv
     rendered = worker_command(VLLM_PRESETS[preset])
-    for name in ("--max-num-seqs", "--max-model-len", "--gpu-memory-utilization", "--dtype",
-                 "--tensor-parallel-size", "--shutdown-timeout", "--seed"):
+    for name in (
+        "--max-num-seqs",
+        "--max-model-len",
+        "--gpu-memory-utilization",
+        "--dtype",
+        "--tensor-parallel-size",
+        "--shutdown-timeout",
+        "--seed",
+    ):
         assert flag(argv, name) == flag(rendered, name), name
 
 
@@ -74,20 +89,27 @@ def test_speculation_off_renders_plain_decoding() -> None:
 def test_embedded_command_parses_with_no_unknown_flag() -> None:
     ns, unknown = build_parser().parse_known_args(worker_command(("values-embedded.yaml",)))
     assert unknown == []  # the embedded backend takes no vLLM pass-through arguments
-    assert (ns.backend, ns.served_model_name, ns.host, ns.port) == ("embedded", "tiny-coder",
-                                                                     "0.0.0.0", 8000)
+    assert (ns.backend, ns.served_model_name, ns.host, ns.port) == (
+        "embedded",
+        "tiny-coder",
+        "0.0.0.0",
+        8000,
+    )
     assert ns.drain_timeout == 20.0 and ns.max_num_seqs == 8 and not hasattr(ns, "model")
 
 
-@pytest.mark.skipif(not (BUNDLED_TARGET / "config.json").exists(),
-                    reason="bundled tiny-coder not trained yet (make train)")
+@pytest.mark.skipif(
+    not (BUNDLED_TARGET / "config.json").exists(),
+    reason="bundled tiny-coder not trained yet (make train)",
+)
 def test_embedded_command_is_valid_worker_settings() -> None:
     settings, _ = settings_from_args(worker_command(("values-embedded.yaml",)))
     assert settings.backend == "embedded"
     assert settings.model_name == "tiny-coder"
     assert settings.speculative  # the bundled DFlash drafter
-    off, _ = settings_from_args(worker_command(("values-embedded.yaml",),
-                                               ("model.speculative.enabled=false",)))
+    off, _ = settings_from_args(
+        worker_command(("values-embedded.yaml",), ("model.speculative.enabled=false",))
+    )
     assert not off.speculative
 
 
@@ -120,9 +142,14 @@ def test_vllm_parser_accepts_the_rendered_commands(tmp_path: Path) -> None:
     cases["tp4"] = dry_run(VLLM_PRESETS["b300"], TP4)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     (tmp_path / "probe.py").write_text(PROBE)
-    proc = subprocess.run([str(VLLM_PYTHON), str(tmp_path / "probe.py"), str(tmp_path / "cases.json")],
-                          capture_output=True, text=True, timeout=240, check=False,
-                          env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(tmp_path / "probe.py"), str(tmp_path / "cases.json")],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"},
+    )
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
     assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
     results: dict[str, Any] = json.loads(line[0].removeprefix("RESULTS "))

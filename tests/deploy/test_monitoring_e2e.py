@@ -1,0 +1,241 @@
+"""End to end: a real Prometheus scrapes a real gateway and two real embedded workers while
+the OpenAI SDK sends traffic (one worker is killed mid-way, so errors and retries happen too);
+then every metric the dashboard and the alerts read is in the components' real /metrics, and
+the dashboard's acceptance and latency queries return data."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager as ContextManager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.deploy.chart import DASHBOARD_FILE, RULES_FILE
+from tests.deploy.promql import (
+    dashboard_targets,
+    exposition_names,
+    metric_names,
+    recorded_names,
+    rule_exprs,
+    substitute_grafana_vars,
+)
+from tests.deploy.stack import finite_values, query, running_gateway, running_prometheus
+from tests.fixtures.tiny_models import TinyCheckpoint
+from tests.fixtures.worker import WorkerHandle, running_worker
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("prometheus") is None, reason="prometheus missing: run `make tools`"
+)
+
+MODEL = "tiny"
+PROMPT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "def add(a, b):"}]
+# Panels whose every query must return data once traffic has flowed.
+MUST_HAVE_DATA = {
+    "Acceptance length distribution (per request)",
+    "Acceptance length: quantiles and mean",
+    "Draft acceptance rate",
+    "Acceptance by draft position",
+    "Share of output tokens from drafts",
+    "Time to first token",
+    "Time per output token",
+    "End-to-end latency",
+    "Tokens per second",
+    "Requests in flight and waiting",
+    "KV cache usage",
+    "Requests per second by status",
+}
+
+
+@dataclass(frozen=True)
+class Stack:
+    gateway: str
+    prometheus: str
+    workers: list[str]  # host:port of both workers
+    exported: set[str]  # sample names in the gateway's and the live worker's /metrics
+
+
+def send(client: openai.OpenAI, stream: bool) -> None:
+    extra = {"ignore_eos": True}
+    if stream:
+        chunks = client.chat.completions.create(
+            model=MODEL,
+            messages=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+        assert any(c.usage for c in chunks)
+    else:
+        reply = client.chat.completions.create(
+            model=MODEL, messages=PROMPT, max_tokens=12, temperature=0, extra_body=extra
+        )
+        assert reply.usage is not None and reply.usage.completion_tokens == 12
+
+
+def traffic(client: openai.OpenAI, streams: int, unary: int) -> None:
+    for i in range(max(streams, unary)):
+        if i < streams:
+            send(client, stream=True)
+        if i < unary:
+            send(client, stream=False)
+
+
+def start_both(
+    es: contextlib.ExitStack,
+    first: ContextManager[WorkerHandle],
+    second: ContextManager[WorkerHandle],
+) -> tuple[WorkerHandle, WorkerHandle]:
+    """Enter two worker contexts at once (model loads overlap); both exit with `es`."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(cm.__enter__) for cm in (first, second)]
+    for cm, future in zip((first, second), futures, strict=True):
+        if future.exception() is None:
+            es.push(cm.__exit__)
+    return futures[0].result(), futures[1].result()
+
+
+def hostport(url: str) -> str:
+    return url.removeprefix("http://")
+
+
+def wait_for_scrapes(prometheus: str, job: str, after: float, count: int = 2) -> None:
+    """Bounded wait until `job` has been scraped `count` times after `after` (unix time)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        result = query(prometheus, f'timestamp(up{{job="{job}"}})')
+        if result and min(float(r["value"][1]) for r in result) > after + count - 1:
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"{job} not scraped {count} times after {after}")
+
+
+@pytest.fixture(scope="module")
+def stack(
+    tiny_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    spec = json.dumps(
+        {"method": "dflash", "model": str(tiny_checkpoint.drafter_dir), "num_speculative_tokens": 3}
+    )
+    args = (
+        str(tiny_checkpoint.target_dir),
+        "--speculative-config",
+        spec,
+        "--served-model-name",
+        MODEL,
+        "--max-model-len",
+        "256",
+        "--max-num-seqs",
+        "4",
+    )
+    workdir = tmp_path_factory.mktemp("stack")
+    with contextlib.ExitStack() as es:
+        live, doomed = start_both(es, running_worker(*args), running_worker(*args))
+        # Active health checks are rare here, so the killed worker is found by a request.
+        gateway = es.enter_context(
+            running_gateway([live.base_url, doomed.base_url], workdir, "--health-interval-s", "300")
+        )
+        prometheus = es.enter_context(
+            running_prometheus(
+                {
+                    "gateway": [hostport(gateway)],
+                    "worker": [hostport(live.base_url), hostport(doomed.base_url)],
+                },
+                RULES_FILE,
+            )
+        )
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+        traffic(client, streams=1, unary=1)  # every series exists before the measured phase
+        now = time.time()
+        wait_for_scrapes(prometheus, "gateway", now)
+        wait_for_scrapes(prometheus, "worker", now)
+        doomed.process.send_signal(signal.SIGKILL)
+        doomed.process.wait(timeout=10)
+        # Two at once: least-outstanding routing sends one to the dead worker, which fails
+        # before the first byte and is retried on the live one.
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(send, [client, client], [False, True]))
+        traffic(client, streams=4, unary=2)
+        exported = exposition_names(httpx.get(f"{gateway}/metrics", timeout=10).text)
+        exported |= exposition_names(httpx.get(f"{live.base_url}/metrics", timeout=10).text)
+        wait_for_scrapes(prometheus, "gateway", time.time())
+        yield Stack(
+            gateway, prometheus, [hostport(live.base_url), hostport(doomed.base_url)], exported
+        )
+
+
+def test_every_metric_used_is_exported(stack: Stack) -> None:
+    used: set[str] = set()
+    for _, expr in dashboard_targets(DASHBOARD_FILE) + rule_exprs(RULES_FILE):
+        used |= metric_names(expr)
+    used -= recorded_names(RULES_FILE)
+    assert len(used) >= 25
+    assert used <= stack.exported, sorted(used - stack.exported)
+
+
+def test_every_dashboard_query_evaluates(stack: Stack) -> None:
+    for title, expr in dashboard_targets(DASHBOARD_FILE):
+        query(stack.prometheus, substitute_grafana_vars(expr))  # raises on a PromQL error
+        assert title
+
+
+def test_acceptance_and_latency_queries_return_data(stack: Stack) -> None:
+    empty = []
+    for title, expr in dashboard_targets(DASHBOARD_FILE):
+        if title in MUST_HAVE_DATA:
+            result = query(stack.prometheus, substitute_grafana_vars(expr))
+            if not finite_values(result):
+                empty.append((title, expr))
+    assert empty == []
+
+
+def test_acceptance_values_are_plausible(stack: Stack) -> None:
+    # 3 draft tokens per step: the mean acceptance length lies in [1, 4].
+    mean = next(e for t, e in dashboard_targets(DASHBOARD_FILE) if "1 + sum(rate" in e)
+    values = finite_values(query(stack.prometheus, substitute_grafana_vars(mean)))
+    assert values and all(1.0 <= v <= 4.0 for v in values)
+    positions = query(
+        stack.prometheus,
+        substitute_grafana_vars(
+            next(e for t, e in dashboard_targets(DASHBOARD_FILE) if "per_pos" in e)
+        ),
+    )
+    assert {r["metric"]["position"] for r in positions} == {"0", "1", "2"}
+    assert all(0.0 <= v <= 1.0 for v in finite_values(positions))
+
+
+def test_errors_and_worker_health_show_the_killed_worker(stack: Stack) -> None:
+    errors = query(stack.prometheus, "sum by (worker, kind) (dflash_upstream_errors_total)")
+    assert errors and all(float(r["value"][1]) >= 1 for r in errors)
+    assert finite_values(query(stack.prometheus, "sum(dflash_retries_total)")) >= [1.0]
+    panels = {t: e for t, e in dashboard_targets(DASHBOARD_FILE)}
+    assert finite_values(query(stack.prometheus, substitute_grafana_vars(panels["Worker health"])))
+
+
+def test_variables_and_recording_rules_on_real_data(stack: Stack) -> None:
+    models = httpx.get(
+        f"{stack.prometheus}/api/v1/label/model/values",
+        params={"match[]": "dflash_requests_total"},
+        timeout=10,
+    ).json()["data"]
+    assert models == [MODEL]
+    workers = httpx.get(
+        f"{stack.prometheus}/api/v1/label/instance/values",
+        params={"match[]": "vllm:num_requests_running"},
+        timeout=10,
+    ).json()["data"]
+    assert sorted(workers) == sorted(stack.workers)  # the killed one too: it was scraped
+    length = finite_values(query(stack.prometheus, "model:dflash_spec_acceptance_length:mean15m"))
+    assert length and 1.0 <= length[0] <= 4.0
+    assert finite_values(query(stack.prometheus, "model:dflash_time_to_first_token_seconds:p95_5m"))
