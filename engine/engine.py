@@ -15,10 +15,10 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -126,13 +127,14 @@ class Engine:
         self._sampling: dict[int, RowSampling] = {}
         self._shared_generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self._counters = _Counters(accepted_per_pos=[0] * (self.num_spec_tokens or 0))
+        # Streams live on the event loop; the step thread reaches them via _post only.
         self._queues: dict[int, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()  # new work or an abort for the step thread
+        self._stepped = asyncio.Event()  # set after every dispatched step (drain waits)
         self._accepting = True
         self._stopping = False
-        self._wake: asyncio.Event | None = None
-        self._stepped = asyncio.Event()  # set after every step (drain waits on it)
-        self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
 
     @staticmethod
     def _block_size(config: EngineConfig, drafter_block: int | None) -> int:
@@ -185,8 +187,13 @@ class Engine:
             num_spec_tokens=self.num_spec_tokens,
         )
         with self._lock:
-            self._scheduler.add(seq)
             self._sampling[id(seq)] = self._row_sampling(params)
+            try:
+                self._scheduler.add(seq)
+            except QueueFull:
+                del self._sampling[id(seq)]
+                raise
+        self._wake.set()
         return seq
 
     def _row_sampling(self, params: SamplingParams) -> RowSampling:
@@ -207,8 +214,7 @@ class Engine:
         """Stop a request; its slot is freed at the next step."""
         seq.abort_requested = True
         self._queues.pop(id(seq), None)
-        if self._wake is not None:
-            self._wake.set()
+        self._wake.set()
 
     # ---- one step -------------------------------------------------------------------
 
@@ -273,7 +279,7 @@ class Engine:
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request now (RequestRejected / QueueFull raise here) and stream its
         outputs. Closing or cancelling the iterator aborts the request."""
-        if self._wake is None:
+        if self._loop is None:
             raise RuntimeError("Engine.start() has not been awaited")
         seq = self.add_request(request_id, prompt_token_ids, params)
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -297,48 +303,62 @@ class Engine:
                 self.abort(seq)
 
     async def start(self) -> None:
-        if self._task is not None:
+        """Start the step thread. It steps back to back while there is work and hands
+        each step's outputs to the event loop, so it never waits on HTTP handling."""
+        if self._thread is not None:
             return
-        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         self._stepped = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._task = asyncio.create_task(self._run(), name="engine-step-loop")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        assert self._wake is not None
+    def _run(self) -> None:
+        """The step thread."""
         while not self._stopping:
+            self._wake.clear()
             if not self._scheduler.has_work:
-                self._wake.clear()
-                await self._wake.wait()
+                self._wake.wait()
                 continue
             try:
-                results = await loop.run_in_executor(self._executor, self._step)
+                results = self._step()
             except Exception as exc:  # a broken step must not hang every client
                 logger.exception("engine step failed")
-                self._fail_all(exc)
-                self._stepped.set()
+                self._abort_everything()
+                self._post(self._fail_streams, exc)
                 continue
-            self._dispatch(results)
-            self._stepped.set()
+            self._post(self._dispatch, results)
+
+    def _post(self, callback: Callable[[_T], None], arg: _T) -> None:
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(callback, arg)
+        except RuntimeError:  # the event loop is gone: nobody is listening any more
+            self._stopping = True
 
     def _dispatch(self, results: list[tuple[Sequence, RequestOutput]]) -> None:
+        """On the event loop: route outputs to their streams."""
         for seq, out in results:
             queue = self._queues.get(id(seq))
             if queue is not None:
                 queue.put_nowait(out)
                 if out.finished:
                     del self._queues[id(seq)]
+        self._stepped.set()
 
-    def _fail_all(self, exc: Exception) -> None:
-        """After a failed step: end every request with the error and empty every slot."""
+    def _abort_everything(self) -> None:
+        """After a failed step (step thread): end every request and empty every slot."""
         with self._lock:
             self._scheduler.abort_all()
             batch = self._scheduler.retire(time.monotonic())
         self._release(batch)
+
+    def _fail_streams(self, exc: Exception) -> None:
+        """On the event loop: every open stream raises EngineError."""
         for queue in self._queues.values():
             queue.put_nowait(exc)
         self._queues.clear()
+        self._stepped.set()
 
     async def shutdown(self, drain_timeout: float) -> None:
         """Stop admitting, let running requests finish for up to `drain_timeout` seconds,
@@ -347,33 +367,25 @@ class Engine:
         await self._wait_idle(max(0.0, drain_timeout))
         with self._lock:
             self._scheduler.abort_all()
-        if self._wake is not None:
-            self._wake.set()
-        await self._wait_idle(5.0)  # the loop retires the aborted within a step
-        await self._stop_loop()
+        self._wake.set()
+        await self._wait_idle(10.0)  # the step thread retires the aborted within a step
+        self._stopping = True
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            await asyncio.to_thread(thread.join, 30.0)
+        await asyncio.sleep(0)  # let the last posted outputs reach their streams
 
     async def _wait_idle(self, seconds: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while self._scheduler.has_work and self._task is not None:
+        while self._scheduler.has_work and self._thread is not None:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 return
             self._stepped.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stepped.wait(), remaining)
-
-    async def _stop_loop(self) -> None:
-        self._stopping = True
-        if self._wake is not None:
-            self._wake.set()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
-            self._executor = None
 
     def stats(self) -> EngineStats:
         c = self._counters

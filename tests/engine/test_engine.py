@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.engine import Engine, EngineConfig, QueueFull, RequestRejected
+from engine.engine import Engine, EngineConfig, EngineError, QueueFull, RequestRejected
 from engine.loader import load_drafter, load_target, save_drafter, save_target
-from engine.sequence import RequestOutput, SamplingParams
+from engine.sequence import RequestOutput, SamplingParams, Sequence
 from tests.fixtures.tiny_models import (
     TinyCheckpoint,
     build_tiny_checkpoint,
@@ -410,3 +410,30 @@ def test_reference_matches_transformers_greedy(
                 logits = hf(torch.tensor([ids])).logits[0, -1]
                 ids.append(int(logits.argmax()))
         assert ids[len(prompt) :] == reference[str(i)], f"request {i}"
+
+
+@pytest.mark.anyio
+async def test_a_failing_step_fails_its_streams_and_the_engine_goes_on(
+    ckpt: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine(ckpt, k=3)
+    real_decode = engine._decode
+    calls = {"n": 0}
+
+    def flaky(seqs: list[Sequence]) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        real_decode(seqs)
+
+    monkeypatch.setattr(engine, "_decode", flaky)
+    await engine.start()
+    try:
+        with pytest.raises(EngineError, match="boom"):
+            async for _ in engine.generate("a", [3, 4, 5], replace(GREEDY, max_tokens=50)):
+                pass
+        assert engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0
+        outs = [o async for o in engine.generate("b", [3, 4, 5], GREEDY)]
+        assert outs[-1].finish_reason == "length"
+    finally:
+        await engine.shutdown(drain_timeout=0)
