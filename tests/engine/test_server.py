@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -371,3 +373,19 @@ def _admits(base_url: str) -> bool:
         return httpx.get(f"{base_url}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.anyio
+async def test_a_model_that_fails_to_load_is_fatal(ckpt: TinyCheckpoint, tmp_path: Path) -> None:
+    broken = tmp_path / "target"
+    shutil.copytree(ckpt.target_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    app = create_app(load_settings(model=str(broken)))
+    state = app.state.worker
+    fatal: list[bool] = []
+    state.on_fatal = lambda: fatal.append(True)
+    await state.load()
+    assert fatal == [True] and state.load_error
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
+        r = await c.get("/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
