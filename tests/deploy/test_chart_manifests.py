@@ -273,3 +273,17 @@ def test_one_object_per_template_file_with_a_component_prefix() -> None:
     files = sorted(p.name for p in (CHART / "templates").glob("*.yaml"))
     assert sorted(sources) == files  # everything rendered once, nothing extra
     assert all(f.startswith(("gateway-", "worker-", "monitoring-")) for f in files)
+
+
+def test_prometheus_gets_a_bare_key_when_metrics_need_auth() -> None:
+    docs = render(
+        sets=("gateway.metricsRequireAuth=true",),
+        set_json=('gateway.apiKeys.keys=["sk-one-1234","sk-two-5678"]',),
+        api_versions=MONITORING_APIS,
+    )
+    secret = find(docs, "Secret", "-gateway-api-keys")
+    assert secret["data"]["metrics-token"] == "c2stb25lLTEyMzQ="  # "sk-one-1234", no newline
+    auth = find(docs, "ServiceMonitor")["spec"]["endpoints"][0]["authorization"]
+    assert auth["credentials"] == {"name": secret["metadata"]["name"], "key": "metrics-token"}
+    env = find(docs, "ConfigMap", "-gateway")["data"]
+    assert env["DFLASH_GATEWAY_METRICS_AUTH"] == "true"
