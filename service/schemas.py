@@ -54,6 +54,19 @@ class _Sampling(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "tiny-coder",
+                    "messages": [{"role": "user", "content": "def fib(n):"}],
+                    "max_tokens": 8,
+                }
+            ]
+        },
+    )
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
@@ -62,6 +75,13 @@ PromptItems = list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(_Sampling):
+    model_config = ConfigDict(
+        extra="allow",
+        strict=True,
+        json_schema_extra={
+            "examples": [{"model": "tiny-coder", "prompt": "def fib(n):", "max_tokens": 8}]
+        },
+    )
     prompt: str | Annotated[PromptItems, Field(min_length=1)]
     echo: bool | None = None
 

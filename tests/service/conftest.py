@@ -21,7 +21,7 @@ from service.app import create_app
 from service.settings import GatewaySettings
 from tests.fixtures.worker import WorkerHandle, free_port, running_worker
 
-MODEL = "tiny"
+MODEL = "tiny-coder"
 
 
 def worker_args(checkpoint: Any, *extra: str) -> list[str]:

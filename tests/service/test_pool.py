@@ -11,6 +11,7 @@ from service.metrics import GatewayMetrics
 from service.pool import HashRing, Worker, WorkerPool, parse_waiting
 from service.settings import GatewaySettings
 from tests.fixtures.worker import WorkerHandle
+from tests.service.conftest import MODEL
 
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
 
@@ -103,5 +104,5 @@ async def test_dns_discovery_finds_the_worker(worker: WorkerHandle) -> None:
         await pool.check_all()
         healthy = [w.url for w in pool.routable()]
         assert f"http://127.0.0.1:{worker.port}" in healthy
-        assert pool.models()[0]["id"] == "tiny"
+        assert pool.models()[0]["id"] == MODEL
         assert isinstance(pool.workers[healthy[0]], Worker)

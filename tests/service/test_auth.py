@@ -1,0 +1,66 @@
+"""API-key auth in front of a real worker: keys from env or a file, open probes."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from service.auth import ApiKeyAuth
+from tests.fixtures.worker import WorkerHandle
+from tests.service.conftest import MODEL, running_gateway
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_keys_from_env_and_file(
+    worker: WorkerHandle, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# one key per line\nfile-key\n")
+    monkeypatch.setenv("DFLASH_GATEWAY_API_KEYS", "env-key-1, env-key-2")
+    with running_gateway(workers=[worker.base_url], api_key_file=key_file) as gw:
+        for key in ("env-key-2", "file-key"):
+            sdk = openai.OpenAI(base_url=gw.v1, api_key=key, max_retries=0)
+            assert sdk.chat.completions.create(
+                model=MODEL, messages=CHAT["messages"], max_tokens=2
+            ).choices
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=gw.v1, api_key="wrong", max_retries=0).models.list()
+        missing = httpx.post(gw.v1 + "/chat/completions", json=CHAT)
+        assert missing.status_code == 401
+        assert missing.json()["error"]["code"] == "invalid_api_key"
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert missing.headers["x-request-id"]
+        basic = httpx.get(gw.v1 + "/models", headers={"Authorization": "Basic env-key-1"})
+        assert basic.status_code == 401
+        assert httpx.get(gw.base_url + "/health").status_code == 200
+        assert httpx.get(gw.base_url + "/ready").status_code == 200
+        assert httpx.get(gw.base_url + "/metrics").status_code == 200  # open by default
+
+
+def test_metrics_auth_is_configurable(worker: WorkerHandle) -> None:
+    with running_gateway(workers=[worker.base_url], api_keys=["k"], metrics_auth=True) as gw:
+        assert httpx.get(gw.base_url + "/metrics").status_code == 401
+        ok = httpx.get(gw.base_url + "/metrics", headers={"Authorization": "Bearer k"})
+        assert ok.status_code == 200 and "dflash_requests_in_flight" in ok.text
+
+
+def test_no_key_disables_auth_and_says_so(
+    worker: WorkerHandle, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING), running_gateway(workers=[worker.base_url]) as gw:
+        assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 200
+    assert "auth is DISABLED" in caplog.text
+
+
+def test_bearer_check() -> None:
+    auth = ApiKeyAuth(["a", "bb"], protect_metrics=False)
+    assert auth.allows("Bearer bb") and auth.allows("bearer a")
+    assert not auth.allows("Bearer b") and not auth.allows("Bearer ") and not auth.allows(None)
+    assert not auth.protects("/health") and not auth.protects("/metrics")
+    assert auth.protects("/v1/models")
+    assert not ApiKeyAuth([], protect_metrics=True).protects("/v1/models")
