@@ -29,7 +29,8 @@ from engine.model import Qwen3Target
 from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
 
 __all__ = ["DecodeRow", "PrefillRow", "RowResult", "RowSampling", "SpecState",
-           "accept_greedy", "accept_sampled", "prefill", "release", "spec_step"]
+           "accept_greedy", "accept_sampled", "prefill", "release", "row_probabilities",
+           "spec_step"]
 
 
 @dataclass(frozen=True)

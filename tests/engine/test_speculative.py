@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from engine import speculative
 from engine.drafter import DFlashDrafter
 from engine.model import Qwen3Target
+from engine.sampling import sample, uniform
 from engine.speculative import (
     DecodeRow,
     PrefillRow,
@@ -205,3 +207,182 @@ def test_step_at_the_context_limit_fits_and_usage_is_reported(agreeable: Models)
     assert state.caches.target.length(1) == state.caches.drafter.length(1) == 24 + res.num_accepted
     release(state, 1)
     assert state.kv_cache_usage() == 0.0
+
+
+# ---- sampling is lossless ----------------------------------------------------------------
+# Acceptance rule under test: accept deterministic draft x with probability p(x), else
+# draw from p with x zeroed and renormalised; bonus from p after the last accepted draft.
+# Check: Pearson chi-square of sampled counts against the EXACT target distribution
+# (cells with expected count < 5 pooled). Seeds are fixed, so each verdict is
+# deterministic; the right rule must give p > 1e-3, a wrong rule p < 1e-6.
+
+PASS_P, FAIL_P = 1e-3, 1e-6
+AcceptFn = Callable[[torch.Tensor, list[int], torch.Generator | None], tuple[int, int]]
+
+
+def chi_square_p(counts: dict[tuple[int, ...], int], expected_probs: dict[tuple[int, ...], float]
+                 ) -> float:
+    """Upper-tail p-value (Wilson-Hilferty approximation of the chi-square law)."""
+    n = sum(counts.values())
+    stat, df, pooled_obs, pooled_exp = 0.0, -1, 0.0, 0.0
+    for cell in set(counts) | set(expected_probs):
+        exp, obs = n * expected_probs.get(cell, 0.0), counts.get(cell, 0)
+        if exp < 5.0:
+            pooled_obs, pooled_exp = pooled_obs + obs, pooled_exp + exp
+            continue
+        stat, df = stat + (obs - exp) ** 2 / exp, df + 1
+    if pooled_exp > 0:
+        stat, df = stat + (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9), df + 1
+    assert df >= 3, "too few cells for a meaningful test"
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def always_accept(probs: torch.Tensor, drafts: list[int],
+                  gen: torch.Generator | None) -> tuple[int, int]:
+    return len(drafts), sample(probs[len(drafts)], gen)
+
+
+def resample_without_removal(probs: torch.Tensor, drafts: list[int],
+                             gen: torch.Generator | None) -> tuple[int, int]:
+    for i, x in enumerate(drafts):
+        if uniform(gen) >= float(probs[i, x]):
+            return i, sample(probs[i], gen)  # wrong: x may be drawn again
+    return len(drafts), sample(probs[len(drafts)], gen)
+
+
+def _first_tokens(accept: AcceptFn, probs: torch.Tensor, drafts: list[int], samples: int
+                  ) -> dict[tuple[int, ...], int]:
+    """Emitted tokens of one step, truncated to 3, counted over many seeded draws."""
+    gen = torch.Generator().manual_seed(1234)
+    counts: dict[tuple[int, ...], int] = {}
+    for _ in range(samples):
+        n, bonus = accept(probs, drafts, gen)
+        key = tuple([*drafts[:n], bonus][:3])
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _direct_expected(probs: torch.Tensor, drafts: list[int]) -> dict[tuple[int, ...], float]:
+    """Exact law of the emitted prefix when the target's conditional at block position i
+    (after accepting drafts[:i]) is probs[i]; a non-draft token ends the step."""
+    out: dict[tuple[int, ...], float] = {}
+    prefix_p = 1.0
+    for i in range(3):
+        for tok in range(probs.shape[1]):
+            p = prefix_p * float(probs[i, tok])
+            if i == 2 or tok != drafts[i]:
+                out[(*drafts[:i], tok)] = p
+        prefix_p *= float(probs[i, drafts[i]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def direct_case() -> tuple[torch.Tensor, list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    probs = torch.softmax(torch.randn(4, 6, generator=gen) * 1.5, dim=-1)  # [B=4, vocab=6]
+    drafts = [int(probs[i].argmax()) if i != 1 else int(probs[i].argsort()[-2]) for i in range(3)]
+    return probs, drafts
+
+
+def test_acceptance_rule_reproduces_the_target_distribution(
+        direct_case: tuple[torch.Tensor, list[int]]) -> None:
+    probs, drafts = direct_case
+    expected = _direct_expected(probs, drafts)
+    assert sum(expected.values()) == pytest.approx(1.0)
+    counts = _first_tokens(speculative.accept_sampled, probs, drafts, 8000)
+    assert chi_square_p(counts, expected) > PASS_P
+
+
+@pytest.mark.parametrize("wrong", [always_accept, resample_without_removal])
+def test_the_check_rejects_wrong_acceptance_rules(
+        direct_case: tuple[torch.Tensor, list[int]], wrong: AcceptFn) -> None:
+    probs, drafts = direct_case
+    counts = _first_tokens(wrong, probs, drafts, 8000)
+    assert chi_square_p(counts, _direct_expected(probs, drafts)) < FAIL_P
+
+
+E2E_PROMPT, E2E_VOCAB = [1, 2, 3], 8
+E2E_SAMPLING = {"temperature": 0.9, "top_k": 6, "top_p": 0.97}
+
+
+@pytest.fixture(scope="module")
+def small_vocab() -> tuple[Qwen3Target, DFlashDrafter]:
+    """Vocabulary 8, a drafter whose first proposal is usually the target's likeliest token
+    (so drafts are accepted and rejected often), temperature/top-k/top-p all active."""
+    target = random_target(tiny_target_config(E2E_VOCAB, 2, tie_word_embeddings=False), seed=3)
+    drafter = random_drafter(target, block_size=4, seed=4)
+    make_agreeable(target, drafter, body_scale=0.5)
+    return target, drafter
+
+
+def _exact_three(target: Qwen3Target) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) after E2E_PROMPT under the target alone, by enumeration."""
+    pairs = [(a, b) for a in range(E2E_VOCAB) for b in range(E2E_VOCAB)]
+    ids = torch.tensor([[*E2E_PROMPT, a, b] for a, b in pairs])  # [64, 5]
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    with torch.no_grad():
+        logits = target(ids, pos).logits[:, -3:]  # [64, 3, vocab]: predicts t1, t2, t3
+    probs = speculative.row_probabilities(logits.reshape(-1, E2E_VOCAB),
+                                          RowSampling(**E2E_SAMPLING)).view(len(pairs), 3, -1)
+    return {(a, b, c): float(probs[i, 0, a] * probs[i, 1, b] * probs[i, 2, c])
+            for i, (a, b) in enumerate(pairs) for c in range(E2E_VOCAB)}
+
+
+def _sample_three(target: Qwen3Target, drafter: DFlashDrafter | None, batches: int,
+                  rows: int = 400) -> dict[tuple[int, ...], int]:
+    state = SpecState.create(target, drafter, rows, 16, 4, "cpu", torch.float32)
+    counts: dict[tuple[int, ...], int] = {}
+    for batch in range(batches):
+        sampling = [RowSampling(**E2E_SAMPLING,  # type: ignore[arg-type]
+                                generator=torch.Generator().manual_seed(batch * rows + r))
+                    for r in range(rows)]
+        firsts = prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(rows)], sampling)
+        out = {r: [t] for r, t in enumerate(firsts)}
+        live = [DecodeRow(r, t, len(E2E_PROMPT)) for r, t in enumerate(firsts)]
+        while live:
+            step = spec_step(state, live, [sampling[row.slot] for row in live])
+            nxt = []
+            for row, res in zip(live, step, strict=True):
+                out[row.slot] += res.token_ids
+                if len(out[row.slot]) < 3:
+                    nxt.append(DecodeRow(row.slot, res.token_ids[-1],
+                                         row.position + len(res.token_ids)))
+            live = nxt
+        for r in range(rows):
+            release(state, r)
+            key = tuple(out[r][:3])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("speculate", [True, False], ids=["block4", "plain"])
+def test_sampling_matches_the_target_distribution_end_to_end(
+        monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter],
+        speculate: bool) -> None:
+    """4000 samples of the first three generated tokens (512 cells) with and without
+    speculation, each against the exact law of the target alone."""
+    target, drafter = small_vocab
+    accepted: list[int] = []
+    real = speculative.accept_sampled
+
+    def spy(probs: torch.Tensor, drafts: list[int], gen: torch.Generator | None
+            ) -> tuple[int, int]:
+        n, bonus = real(probs, drafts, gen)
+        accepted.append(n)
+        return n, bonus
+
+    monkeypatch.setattr(speculative, "accept_sampled", spy)
+    counts = _sample_three(target, drafter if speculate else None, batches=10)
+    assert chi_square_p(counts, _exact_three(target)) > PASS_P
+    if speculate:  # the check only means something if drafts are accepted AND rejected
+        assert set(accepted) == {0, 1, 2, 3}
+        assert 0.1 < sum(n > 0 for n in accepted) / len(accepted) < 0.9
+
+
+def test_end_to_end_check_fails_for_a_wrong_rule(
+        monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter]) -> None:
+    target, drafter = small_vocab
+    monkeypatch.setattr(speculative, "accept_sampled", resample_without_removal)
+    counts = _sample_three(target, drafter, batches=10)
+    assert chi_square_p(counts, _exact_three(target)) < FAIL_P
