@@ -12,9 +12,11 @@ RUN python -m venv /opt/venv \
 
 FROM python:3.11-slim
 COPY --from=build /opt/venv /opt/venv
+# In a container the gateway listens on every interface (its default is 127.0.0.1).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1
+    PYTHONUNBUFFERED=1 \
+    DFLASH_GATEWAY_HOST=0.0.0.0
 RUN groupadd --system --gid 10001 dflash \
  && useradd --system --uid 10001 --gid dflash --no-create-home --shell /usr/sbin/nologin dflash
 USER 10001:10001

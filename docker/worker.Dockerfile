@@ -12,4 +12,5 @@ RUN python3 -m pip install --no-cache-dir . \
  && python3 -c "import vllm, engine.cli; print('vllm', vllm.__version__)"
 ENV HF_HOME=/cache/huggingface
 EXPOSE 8000
+# Arguments follow `vllm serve`: docker run IMAGE MODEL --speculative-config '{...}' --host 0.0.0.0
 ENTRYPOINT ["dflash-worker", "--backend", "vllm"]

@@ -86,6 +86,14 @@ def test_default_commands_parse() -> None:
     assert unknown == [] and ns.backend == "embedded" and ns.host == "0.0.0.0"
 
 
+def test_gateway_image_listens_on_all_interfaces(monkeypatch: pytest.MonkeyPatch) -> None:
+    envs = " ".join(arg for op, arg in last_stage("gateway.Dockerfile") if op == "ENV")
+    host = re.search(r"DFLASH_GATEWAY_HOST=(\S+)", envs)
+    assert host is not None
+    monkeypatch.setenv("DFLASH_GATEWAY_HOST", host.group(1))
+    assert gateway_settings(exec_form("gateway.Dockerfile", "CMD")).host == "0.0.0.0"
+
+
 def test_gateway_image_has_no_torch() -> None:
     core = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert not [d for d in core if d.lower().startswith("torch")]
