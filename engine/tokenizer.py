@@ -6,6 +6,7 @@ same sandboxed rendering transformers uses), and the EOS ids from the tokenizer 
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders
 
 # A UTF-8 character is at most 4 bytes and a byte-level token at least 1: once this many
 # tokens are pending, a trailing replacement character is real, not a split character.
@@ -83,6 +85,57 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """The printable-character stand-in of each byte used by byte-level BPE vocabularies
+    (printable Latin-1 bytes are themselves; the others map to 256 + n in order)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    table = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+def byte_level_table(tokenizer: HFTokenizer) -> list[bytes] | None:
+    """Bytes of every token id for a byte-level BPE tokenizer (special tokens: empty),
+    or None when the tokenizer is not byte-level or a token does not map to bytes."""
+    if not isinstance(tokenizer.decoder, decoders.ByteLevel):
+        return None
+    alphabet = _byte_level_alphabet()
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+    table: list[bytes] = []
+    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+        piece = tokenizer.id_to_token(token_id) or ""
+        if token_id in special:
+            table.append(b"")
+        elif token_id in added:
+            table.append(added[token_id].encode("utf-8"))
+        elif all(c in alphabet for c in piece):
+            table.append(bytes(alphabet[c] for c in piece))
+        else:
+            return None
+    return table
+
+
+class ByteLevelDetokenizer:
+    """Streaming text for byte-level BPE: token bytes through an incremental UTF-8
+    decoder, which holds an incomplete character until its last byte arrives (and
+    turns invalid bytes into U+FFFD at once). O(new tokens) per push, no re-decoding."""
+
+    def __init__(self, table: list[bytes]) -> None:
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        table = self._table
+        size = len(table)
+        data = b"".join(table[t] if 0 <= t < size else b"" for t in token_ids)
+        return self._utf8.decode(data)
+
+
 class Tokenizer:
     """encode / decode / chat template / EOS ids of one model folder."""
 
@@ -98,6 +151,7 @@ class Tokenizer:
         self._special_tokens = special_tokens
         self.eos_token_ids = eos_token_ids
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._byte_table = byte_level_table(tokenizer)
         self._template: jinja2.Template | None = None
         if chat_template is not None:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -151,5 +205,10 @@ class Tokenizer:
         # The template writes special tokens as text; they must not be added twice.
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
-    def detokenizer(self, context: Sequence[int] = ()) -> IncrementalDetokenizer:
+    def detokenizer(
+        self, context: Sequence[int] = ()
+    ) -> ByteLevelDetokenizer | IncrementalDetokenizer:
+        """A streaming detokenizer for one request's output (`context`: its prompt)."""
+        if self._byte_table is not None:
+            return ByteLevelDetokenizer(self._byte_table)
         return IncrementalDetokenizer(self._tok, context)

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from engine.tokenizer import Tokenizer
+from engine.sequence import Detokenizer
+from engine.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, Tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (
@@ -46,10 +48,24 @@ def write_tokenizer(folder: Path, *, template: str | None = TEMPLATE) -> None:
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    folder = tmp_path_factory.mktemp("tok")
-    write_tokenizer(folder)
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tok")
+    write_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(folder: Path) -> Tokenizer:
     return Tokenizer.from_dir(folder)
+
+
+def detokenizers(folder: Path, context: list[int]) -> list[Detokenizer]:
+    """Both streaming paths: the byte-table one and the generic re-decoding window."""
+    tok = Tokenizer.from_dir(folder)
+    fast = tok.detokenizer(context)
+    generic = IncrementalDetokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), context)
+    assert isinstance(fast, ByteLevelDetokenizer)
+    return [fast, generic]
 
 
 def test_round_trip_and_vocab(tok: Tokenizer) -> None:
@@ -84,26 +100,55 @@ def test_no_template_and_no_tokenizer_are_clear_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("chunk", [1, 2, 3])
-def test_streaming_never_splits_a_character(tok: Tokenizer, chunk: int) -> None:
+@pytest.mark.parametrize("kind", [0, 1], ids=["byte-table", "window"])
+def test_streaming_never_splits_a_character(
+    tok: Tokenizer, folder: Path, chunk: int, kind: int
+) -> None:
     prompt = tok.encode("x = ")
     ids = tok.encode(SAMPLE)
     # Byte-level tokens split the multi-byte characters: the stream must hold them back.
     assert any("\ufffd" in tok.decode([i]) for i in ids)
-    detok = tok.detokenizer(prompt)
+    detok = detokenizers(folder, prompt)[kind]
     deltas = [detok.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == SAMPLE
 
 
-def test_streaming_skips_special_tokens(tok: Tokenizer) -> None:
+def test_byte_table_agrees_with_decode_on_random_ids(tok: Tokenizer, folder: Path) -> None:
+    rng = random.Random(0)
+    for _ in range(100):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(20)]
+        detok = detokenizers(folder, [])[0]
+        text = "".join(detok.push(ids[i : i + 3]) for i in range(0, 20, 3))
+        # Only an incomplete character at the very end may still be held back.
+        full = tok.decode(ids)
+        assert full.startswith(text) and set(full[len(text) :]) <= {"\ufffd"}
+
+
+def test_non_byte_level_tokenizer_uses_the_window(tmp_path: Path) -> None:
+    wl = HFTokenizer(models.WordLevel({"[UNK]": 0, "héllo": 1, "wörld": 2}, unk_token="[UNK]"))
+    wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    wl.decoder = decoders.WordPiece()
+    wl.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
     detok = tok.detokenizer()
+    assert isinstance(detok, IncrementalDetokenizer)
+    assert (
+        "".join(detok.push([i]) for i in (1, 2, 1)) == tok.decode([1, 2, 1]) == "héllo wörld héllo"
+    )
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["byte-table", "window"])
+def test_streaming_skips_special_tokens(tok: Tokenizer, folder: Path, kind: int) -> None:
+    detok = detokenizers(folder, [])[kind]
     ids = [*tok.encode("ab"), 2, *tok.encode("cd")]
     assert "".join(detok.push([i]) for i in ids) == "abcd"
 
 
-def test_invalid_bytes_are_eventually_emitted(tok: Tokenizer) -> None:
+@pytest.mark.parametrize("kind", [0, 1], ids=["byte-table", "window"])
+def test_invalid_bytes_are_eventually_emitted(tok: Tokenizer, folder: Path, kind: int) -> None:
     # A random model can emit a lone continuation byte forever: text must not stall.
     lone = next(i for i in range(3, tok.vocab_size) if tok.decode([i]) == "\ufffd")
-    detok = tok.detokenizer()
+    detok = detokenizers(folder, [])[kind]
     text = "".join(detok.push([lone]) for _ in range(12))
     assert text.count("\ufffd") >= 8
