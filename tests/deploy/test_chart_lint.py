@@ -85,8 +85,12 @@ def test_schema_rejects_bad_values(item: str, message: str) -> None:
             "gateway.terminationGracePeriodSeconds (30) must exceed gateway.preStopSleepSeconds + "
             "gateway.drainTimeoutSeconds (35)",
         ),
+        (
+            ("worker.preStopSleepSeconds=2",),
+            "worker.preStopSleepSeconds (2) must be at least gateway.discoveryIntervalSeconds (5)",
+        ),
     ],
-    ids=["worker-grace", "gateway-grace"],
+    ids=["worker-grace", "gateway-grace", "worker-prestop-vs-dns"],
 )
 def test_grace_period_shorter_than_drain_is_rejected(sets: tuple[str, ...], message: str) -> None:
     proc = helm(*template_args(sets=sets))
