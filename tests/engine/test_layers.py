@@ -1,0 +1,51 @@
+"""Building blocks against their textbook definitions."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers import Attention, LayerShape, RMSNorm, Rotary, apply_rotary
+
+
+def test_rms_norm() -> None:
+    norm = RMSNorm(4, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.tensor([1.0, 2.0, 1.0, 1.0]))
+    x = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    torch.testing.assert_close(norm(x), torch.tensor([[1.0, -2.0, 1.0, -1.0]]), atol=1e-5,
+                               rtol=0)
+
+
+def test_rotary_is_a_relative_position_rotation() -> None:
+    """q.k after RoPE depends only on the position difference, and norms are kept."""
+    rope = Rotary(8, theta=10000.0)
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8, generator=gen), torch.randn(1, 1, 1, 8, generator=gen)
+
+    def score(pq: int, pk: int) -> torch.Tensor:
+        cq, sq = rope.cos_sin(torch.tensor([[pq]]), torch.float32)
+        ck, sk = rope.cos_sin(torch.tensor([[pk]]), torch.float32)
+        return (apply_rotary(q, cq, sq) * apply_rotary(k, ck, sk)).sum()
+
+    torch.testing.assert_close(score(7, 3), score(14, 10))
+    cos, sin = rope.cos_sin(torch.tensor([[5]]), torch.float32)
+    torch.testing.assert_close(apply_rotary(q, cos, sin).norm(), q.norm())
+
+
+def test_grouped_query_attention_shares_kv_heads() -> None:
+    attn = Attention(LayerShape(16, 32, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=4, rms_norm_eps=1e-6))
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 4, 3, 4, generator=gen)
+    k, v = torch.randn(1, 2, 5, 4, generator=gen), torch.randn(1, 2, 5, 4, generator=gen)
+    out = attn.attend(q, k, v, None)  # [1, 3, 16]
+    # query head 3 belongs to kv group 1: softmax(q k^T / sqrt(d)) v by hand
+    weights = torch.softmax(q[0, 3] @ k[0, 1].T / 2.0, dim=-1)
+    head3 = weights @ v[0, 1]
+    ctx = torch.zeros(1, 3, 16)
+    with torch.no_grad():
+        for h in range(4):
+            w = torch.softmax(q[0, h] @ k[0, h // 2].T / 2.0, dim=-1)
+            ctx[0, :, h * 4:(h + 1) * 4] = w @ v[0, h // 2]
+        torch.testing.assert_close(out, attn.o_proj(ctx))
+    torch.testing.assert_close(ctx[0, :, 12:], head3)

@@ -1,0 +1,47 @@
+"""Temperature / top-k / top-p processing and seeded sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampling import RowSampling, greedy, probabilities, row_probabilities, sample
+
+
+def test_temperature_scales_logits_before_softmax() -> None:
+    logits = torch.tensor([[1.0, 2.0, 4.0]])
+    torch.testing.assert_close(probabilities(logits, 0.5), torch.softmax(logits / 0.5, dim=-1))
+    with pytest.raises(ValueError, match="temperature"):
+        probabilities(logits, 0.0)
+
+
+def test_top_k_keeps_the_k_largest() -> None:
+    probs = probabilities(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), 1.0, top_k=2)
+    assert probs[0, 0] == 0 and probs[0, 2] == 0
+    torch.testing.assert_close(probs[0, [1, 3]], torch.softmax(torch.tensor([3.0, 2.0]), 0))
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    probs = probabilities(logits, 1.0, top_p=0.8)  # 0.5 + 0.3 reaches 0.8: keep two
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    probs = probabilities(logits, 1.0, top_p=0.81)  # needs the third token too
+    torch.testing.assert_close(probs[0, 2], torch.tensor(0.15 / 0.95))
+    assert probabilities(logits, 1.0, top_p=0.3)[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_row_settings_and_greedy() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [2.0, 0.0, 1.0]])
+    assert greedy(logits).tolist() == [1, 0]
+    assert RowSampling(0.0).greedy and not RowSampling(0.7).greedy
+    row = RowSampling(temperature=2.0, top_k=2)
+    torch.testing.assert_close(row_probabilities(logits, row), probabilities(logits, 2.0, 2))
+
+
+def test_seeded_generators_reproduce_and_frequencies_follow_probs() -> None:
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    draws = [sample(probs, torch.Generator().manual_seed(s)) for s in range(2000)]
+    again = [sample(probs, torch.Generator().manual_seed(s)) for s in range(2000)]
+    assert draws == again
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / 2000
+    assert torch.allclose(freq, probs, atol=0.04)  # 4 sigma for n = 2000
