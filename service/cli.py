@@ -9,7 +9,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import uvicorn
@@ -75,8 +75,11 @@ class GatewayServer(uvicorn.Server):
         yield
 
 
-async def serve_all(servers: Sequence[GatewayServer]) -> None:
-    """Serve until SIGINT/SIGTERM; the first signal drains gracefully, a second forces exit."""
+async def serve_all(
+    servers: Sequence[GatewayServer], on_started: Callable[[], None] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM; the first signal drains gracefully, a second forces exit.
+    `on_started` runs once every server listens."""
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
 
@@ -99,11 +102,19 @@ async def serve_all(servers: Sequence[GatewayServer]) -> None:
         for server in servers:
             server.should_exit = True
 
-    drainer = asyncio.create_task(drain())
+    async def announce() -> None:
+        # uvicorn offers a `started` flag, not an event: poll it.
+        while not all(server.started for server in servers):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        if on_started is not None:
+            on_started()
+
+    drainer, announcer = asyncio.create_task(drain()), asyncio.create_task(announce())
     try:
         await asyncio.gather(*(server.serve() for server in servers))
     finally:
         drainer.cancel()
+        announcer.cancel()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
 
@@ -133,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run_servers(servers: Sequence[GatewayServer]) -> None:
+def run_servers(
+    servers: Sequence[GatewayServer], on_started: Callable[[], None] | None = None
+) -> None:
     """Run on uvicorn's preferred loop (uvloop when installed) until drained."""
     with asyncio.Runner(loop_factory=servers[0].config.get_loop_factory()) as runner:
-        runner.run(serve_all(servers))
+        runner.run(serve_all(servers, on_started))
 
 
 if __name__ == "__main__":

@@ -164,6 +164,16 @@ def gateway_settings(pool: PoolSpec, urls: list[str], log_level: str) -> Gateway
     return GatewaySettings(**fixed)
 
 
+def announce(pools: Sequence[PoolSpec]) -> None:
+    for pool in pools:
+        kind = "DFlash speculative" if pool.speculation else "plain"
+        print(
+            f"dflash-serve: {pool.name} ({kind} decoding, {pool.workers} worker(s)) "
+            f"OpenAI base URL: {pool.base_url}",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1:
@@ -184,14 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             servers = [
                 GatewayServer(gateway_settings(p, urls[p.name], args.log_level)) for p in pools
             ]
-        for pool in pools:
-            kind = "DFlash speculative" if pool.speculation else "plain"
-            print(
-                f"dflash-serve: {pool.name} ({kind} decoding, {pool.workers} worker(s)) "
-                f"OpenAI base URL: {pool.base_url}",
-                flush=True,
-            )
-        run_servers(servers)
+        run_servers(servers, on_started=lambda: announce(pools))
     except (RuntimeError, TimeoutError) as exc:
         print(f"dflash-serve: {exc}", file=sys.stderr)
         return 1
