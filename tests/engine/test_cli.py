@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
-from tests.fixtures.tiny_models import TinyCheckpoint, build_tiny_checkpoint
+from tests.fixtures.tiny_models import TinyCheckpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+def ckpt(tiny_checkpoint: TinyCheckpoint) -> TinyCheckpoint:
+    return tiny_checkpoint  # the session's tiny random target + drafter (tests/conftest.py)
 
 
 def dry_run(capsys: pytest.CaptureFixture[str], *args: str) -> list[str]:

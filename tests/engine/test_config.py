@@ -15,12 +15,12 @@ from engine.config import (
     WorkerSettings,
     load_settings,
 )
-from tests.fixtures.tiny_models import TinyCheckpoint, build_tiny_checkpoint
+from tests.fixtures.tiny_models import TinyCheckpoint
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+def ckpt(tiny_checkpoint: TinyCheckpoint) -> TinyCheckpoint:
+    return tiny_checkpoint  # the session's tiny random target + drafter (tests/conftest.py)
 
 
 def spec(path: Path, **extra: object) -> dict[str, object]:

@@ -15,7 +15,7 @@ from engine.config import load_settings
 from engine.responses import metrics_object
 from engine.sequence import RequestMetrics, SpecDecodeStats
 from engine.server import build_engine
-from tests.fixtures.tiny_models import build_tiny_checkpoint
+from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import AppHandle, metric, scrape, serving_app
 
 NAME = "tiny"
@@ -34,8 +34,8 @@ DESIGN_NAMES = {
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AppHandle]:
-    ckpt = build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+def worker(tiny_checkpoint: TinyCheckpoint) -> Iterator[AppHandle]:
+    ckpt = tiny_checkpoint
     settings = load_settings(
         model=str(ckpt.target_dir), served_model_name=NAME, max_model_len=512,
         speculative_config={"method": "dflash", "model": str(ckpt.drafter_dir)},

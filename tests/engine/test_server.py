@@ -16,7 +16,7 @@ import pytest
 
 from engine.config import WorkerSettings, load_settings
 from engine.server import create_app
-from tests.fixtures.tiny_models import TinyCheckpoint, build_tiny_checkpoint
+from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import AppHandle, metric, running_worker, scrape, serving_app
 
 NAME = "tiny"
@@ -27,8 +27,8 @@ HI = [{"role": "user", "content": "def add(a, b):"}]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
-    return build_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+def ckpt(tiny_checkpoint: TinyCheckpoint) -> TinyCheckpoint:
+    return tiny_checkpoint  # the session's tiny random target + drafter (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

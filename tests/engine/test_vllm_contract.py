@@ -19,7 +19,7 @@ import pytest
 from engine.cli import settings_from_args
 from engine.config import BUNDLED_DRAFTER, BUNDLED_TARGET
 from engine.vllm_backend import build_vllm_argv
-from tests.fixtures.tiny_models import TinyCheckpoint, build_tiny_checkpoint
+from tests.fixtures.tiny_models import TinyCheckpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -117,10 +117,12 @@ def _cases(ckpt: TinyCheckpoint, tmp: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def contract(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def contract(
+    tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: TinyCheckpoint
+) -> dict[str, Any]:
     _vllm_env_or_skip()
     tmp = tmp_path_factory.mktemp("vllm")
-    ckpt = build_tiny_checkpoint(tmp / "ckpt")
+    ckpt = tiny_checkpoint
     cases = _cases(ckpt, tmp)
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "probe.py").write_text(PROBE)
