@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from engine.drafter import DFlashDrafter, DrafterConfig
 from engine.loader import load_target, save_drafter
@@ -102,30 +101,6 @@ def acceptance_estimate(hits: torch.Tensor, weights: torch.Tensor, block_size: i
     return 1.0 + float(leading.float().mean())
 
 
-@torch.no_grad()
-def cached_features(
-    target: Qwen3Target, data: DistillData, layer_ids: list[int], run_dir: Path, batch: int = 16
-) -> torch.Tensor:
-    """Target features [n, L, len(ids) * hidden] for every distilled sequence, computed
-    once (the target is frozen) and cached as fp16 next to the drafter checkpoint."""
-    path = run_dir / "features.pt"
-    if path.exists():
-        cached: torch.Tensor = torch.load(path)
-        if cached.shape[0] == data.tokens.shape[0]:
-            return cached
-    parts = []
-    for start in tqdm(range(0, data.tokens.shape[0], batch), desc="features"):
-        tokens = data.tokens[start : start + batch]
-        positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-        hidden = target(tokens, positions, layer_ids=layer_ids).hidden
-        assert hidden is not None
-        parts.append(hidden.half())
-    features = torch.cat(parts)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(features, path)
-    return features
-
-
 def train_drafter(
     target_dir: Path, data: DistillData, out_dir: Path, run_dir: Path, cfg: DrafterTrainConfig
 ) -> None:
@@ -135,7 +110,7 @@ def train_drafter(
     drafter = build_drafter(target, token_id(tok, MASK), cfg)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"drafter: {n_params / 1e6:.2f} M params, {data.tokens.shape[0]} sequences")
-    features = cached_features(target, data, list(cfg.target_layer_ids), run_dir)
+    features = data.features
 
     def step_fn(step: int, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         rows = torch.randint(0, data.tokens.shape[0], (cfg.batch_seqs,), generator=gen)

@@ -1,9 +1,9 @@
 """Stage `eval`: mean acceptance length on held-out prompts at temperature 0.
 
 Greedy speculative decoding commits exactly the target's greedy output, so acceptance can
-be measured against that output directly: generate the target's greedy continuation once,
-run the target over it once for the context features (causal, so features at positions
-< p equal what the engine computes after committing p tokens), then replay the drafting
+be measured against that output directly: generate the target's greedy continuation once
+with the engine's model and KV cache, keeping that pass's context features (features at
+positions < p are what the engine holds after committing p tokens), then replay the drafting
 steps: at committed length p the drafter sees features of positions < p and the block
 [x_p, MASK, ...]; the accepted length is the run of drafts equal to the reference, plus
 one bonus token. Block size b uses the first b slots of the drafter's block.
@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from engine.drafter import DFlashDrafter
 from engine.loader import load_drafter, load_target
-from engine.model import Qwen3Target
 from engine.train.corpus import CorpusConfig, heldout_prompts
+from engine.train.distill import generate_with_features
 from engine.train.tokenizer_recipe import load_tokenizer
 
 
@@ -33,31 +33,17 @@ class EvalConfig:
 
 
 @torch.no_grad()
-def greedy_reference(target: Qwen3Target, prompt: list[int], new_tokens: int) -> list[int]:
-    """The target's greedy continuation (cache-free; fine for short evaluation runs)."""
-    ids = list(prompt)
-    for _ in range(new_tokens):
-        x = torch.tensor([ids])
-        logits = target(x, torch.arange(len(ids))[None]).logits
-        ids.append(int(logits[0, -1].argmax()))
-    return ids
-
-
-@torch.no_grad()
 def acceptance_lengths(
-    target: Qwen3Target, drafter: DFlashDrafter, seq: list[int], prompt_len: int, block: int
+    drafter: DFlashDrafter, seq: list[int], features: torch.Tensor, prompt_len: int, block: int
 ) -> list[int]:
-    """Tokens committed per verify step (accepted drafts + 1 bonus) replaying `seq`."""
-    x = torch.tensor([seq])
-    ids = drafter.config.target_layer_ids
-    features = target(x, torch.arange(len(seq))[None], layer_ids=ids).hidden
-    assert features is not None
+    """Tokens committed per verify step (accepted drafts + 1 bonus) replaying `seq` [L],
+    the target's greedy output, given its context features [1, L, n * hidden]."""
     steps, p = [], prompt_len  # x_p = first generated token, committed but not processed
     while p < len(seq) - 1:
         block_ids = torch.full((1, block), drafter.mask_token_id)
         block_ids[0, 0] = seq[p]
         positions = torch.arange(p, p + block)[None]
-        hidden = drafter(block_ids, positions, features[:, :p], torch.arange(p)[None])
+        hidden = drafter(block_ids, positions, features[:, :p].float(), torch.arange(p)[None])
         drafts = drafter.logits(hidden)[0, 1:].argmax(-1).tolist()
         accepted = 0
         for k, token in enumerate(drafts, start=1):
@@ -76,15 +62,17 @@ def run_eval(
     target = load_target(out_dir / "target")
     drafter = load_drafter(out_dir / "dflash", target)
     prompts = [tok.encode(p).ids for p in heldout_prompts(cfg.num_prompts, config=corpus)]
+    ids = list(drafter.config.target_layer_ids)
     refs = [
-        greedy_reference(target, p, cfg.max_new_tokens) for p in tqdm(prompts, desc="reference")
+        generate_with_features(target, torch.tensor([p]), cfg.max_new_tokens, ids)
+        for p in tqdm(prompts, desc="reference")
     ]
     rows = []
     for block in cfg.block_sizes:
         steps = [
             s
-            for p, ref in zip(prompts, refs, strict=True)
-            for s in acceptance_lengths(target, drafter, ref, len(p), block)
+            for p, (seq, feats) in zip(prompts, refs, strict=True)
+            for s in acceptance_lengths(drafter, seq[0].tolist(), feats, len(p), block)
         ]
         rows.append(
             {

@@ -5,11 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.train.corpus import CorpusConfig
 from engine.train.loop import LoopConfig
+
+if TYPE_CHECKING:
+    from engine.train.drafter_training import DrafterTrainConfig
 
 
 def _with_steps(loop: LoopConfig, steps: int | None) -> LoopConfig:
@@ -24,28 +28,37 @@ def _target(corpus: CorpusConfig, args: argparse.Namespace) -> None:
     train_target(corpus, args.out_dir / "target", args.runs_dir / "target", cfg)
 
 
+def _drafter_config(args: argparse.Namespace) -> DrafterTrainConfig:
+    from engine.train.drafter_training import DrafterTrainConfig
+
+    if not args.smoke:
+        return DrafterTrainConfig()
+    config = args.out_dir / "target" / "config.json"
+    if not config.exists():
+        raise FileNotFoundError(f"no target at {config.parent}: run `dflash-train target`")
+    return DrafterTrainConfig.smoke(int(json.loads(config.read_text())["num_hidden_layers"]))
+
+
 def _distill(corpus: CorpusConfig, args: argparse.Namespace) -> None:
     from engine.train.distill import DistillConfig, run_distill
 
     cfg = DistillConfig.smoke() if args.smoke else DistillConfig()
-    run_distill(corpus, args.out_dir / "target", args.runs_dir / "distill", cfg)
+    layer_ids = list(_drafter_config(args).target_layer_ids)
+    run_distill(corpus, args.out_dir / "target", args.runs_dir / "distill", cfg, layer_ids)
 
 
 def _drafter(args: argparse.Namespace) -> None:
     from engine.train.distill import DistillConfig, load_distill
-    from engine.train.drafter_training import DrafterTrainConfig, train_drafter
+    from engine.train.drafter_training import train_drafter
     from engine.train.tokenizer_recipe import ENDOFTEXT, IM_END, load_tokenizer, token_id
 
     target_dir = args.out_dir / "target"
     tok = load_tokenizer(target_dir)
     stops = [token_id(tok, IM_END), token_id(tok, ENDOFTEXT)]
     distill = DistillConfig.smoke() if args.smoke else DistillConfig()
-    data = load_distill(args.runs_dir / "distill", distill.prompt_len, stops)
-    if args.smoke:
-        layers = json.loads((target_dir / "config.json").read_text())["num_hidden_layers"]
-        cfg = DrafterTrainConfig.smoke(int(layers))
-    else:
-        cfg = DrafterTrainConfig()
+    cfg = _drafter_config(args)
+    layer_ids = list(cfg.target_layer_ids)
+    data = load_distill(args.runs_dir / "distill", distill.prompt_len, stops, layer_ids)
     cfg = dataclasses.replace(cfg, loop=_with_steps(cfg.loop, args.steps))
     train_drafter(target_dir, data, args.out_dir / "dflash", args.runs_dir / "drafter", cfg)
 
