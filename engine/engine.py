@@ -15,7 +15,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -276,7 +276,7 @@ class Engine:
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request now (RequestRejected / QueueFull raise here) and stream its
         outputs. Closing or cancelling the iterator aborts the request."""
         if self._loop is None:
@@ -289,7 +289,7 @@ class Engine:
 
     async def _stream(
         self, seq: Sequence, queue: asyncio.Queue[RequestOutput | BaseException]
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:

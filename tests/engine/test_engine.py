@@ -196,7 +196,7 @@ async def test_queue_full_when_slots_and_queue_are_taken(ckpt: TinyCheckpoint) -
         with pytest.raises(QueueFull):
             engine.generate("2", [3, 4, 5], long)
         for s in streams:
-            await s.aclose()  # type: ignore[attr-defined]
+            await s.aclose()
     finally:
         await engine.shutdown(drain_timeout=0)
 
@@ -210,7 +210,7 @@ async def test_closing_or_cancelling_a_stream_frees_the_slot(ckpt: TinyCheckpoin
         stream = engine.generate("a", [3, 4, 5], long)
         first = await anext(stream)
         assert not first.finished and first.token_ids_delta
-        await stream.aclose()  # type: ignore[attr-defined]
+        await stream.aclose()
 
         async def consume() -> None:
             async for _ in engine.generate("b", [3, 4, 5], long):
