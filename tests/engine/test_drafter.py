@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -78,3 +79,28 @@ def test_cached_drafting_equals_the_cache_free_forward() -> None:
         for r, n in enumerate(lengths):
             ref = drafter(block[r:r + 1], blk_pos[r:r + 1], feats[r:r + 1, :n], pos[r:r + 1, :n])
             torch.testing.assert_close(cached[r:r + 1], ref, atol=1e-5, rtol=1e-5)
+
+
+# The names vLLM 0.33's DFlashQwen3ForCausalLM.load_weights maps (q/k/v -> qkv_proj,
+# gate/up -> gate_up_proj, everything else prefixed with "model.").
+VLLM_KEYS = re.compile(
+    r"(layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)"
+    r"|mlp\.(gate_proj|up_proj|down_proj)|input_layernorm|post_attention_layernorm)"
+    r"|fc|hidden_norm|norm)\.weight")
+
+
+def test_every_saved_key_is_one_vllm_loads(tmp_path: Path) -> None:
+    _, drafter = _pair(num_layers=3)
+    save_drafter(drafter, tmp_path)
+    keys = list(load_file(str(tmp_path / "model.safetensors")))
+    assert len(keys) == 3 * 11 + 3
+    assert all(VLLM_KEYS.fullmatch(k) for k in keys), keys
+
+
+def test_missing_target_layer_ids_get_the_reference_default(tmp_path: Path) -> None:
+    target, drafter = _pair(num_layers=2)
+    save_drafter(drafter, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    del raw["dflash_config"]["target_layer_ids"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert load_drafter(tmp_path, target).config.target_layer_ids == [1, 3]  # L=6: 1..L-3
