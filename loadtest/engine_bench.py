@@ -207,8 +207,16 @@ def run_round(
 def run_benchmark(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     import torch
 
+    before = torch.get_num_threads()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args, texts)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     block_sizes = args.block_sizes or [1, drafter_block_size(args.drafter)]
     if 1 not in block_sizes:
         block_sizes = [1, *block_sizes]
