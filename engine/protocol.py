@@ -74,10 +74,6 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
 
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
-
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template takes them: plain role/content strings."""
         if not self.messages:

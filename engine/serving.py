@@ -62,6 +62,13 @@ def prompt_ids(engine: Engine, req: AnyRequest) -> list[int]:
     return list(ids)
 
 
+def _max_tokens(req: AnyRequest) -> tuple[str, int | None]:
+    """(the field the client used, its value); chat's max_completion_tokens wins."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return "max_completion_tokens", req.max_completion_tokens
+    return "max_tokens", req.max_tokens
+
+
 def sampling_params(engine: Engine, req: AnyRequest, ids: list[int]) -> SamplingParams:
     limit = engine.max_model_len
     param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -70,9 +77,7 @@ def sampling_params(engine: Engine, req: AnyRequest, ids: list[int]) -> Sampling
             f"{param}: the prompt has {len(ids)} tokens; this model's maximum context length "
             f"is {limit} tokens (prompt plus completion)", param=param,
             code="context_length_exceeded")
-    asked = req.requested_max_tokens() if isinstance(req, ChatCompletionRequest) else req.max_tokens
-    name = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and \
-        req.max_completion_tokens is not None else "max_tokens"
+    name, asked = _max_tokens(req)
     if asked is not None and asked < 1:
         raise InvalidRequest(f"{name}: must be at least 1, got {asked}", param=name)
     if asked is not None and len(ids) + asked > limit:
