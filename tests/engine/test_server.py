@@ -88,6 +88,9 @@ def test_chat_stream_equals_non_stream_and_ends_with_usage(client: openai.OpenAI
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     assert last.usage.completion_tokens == 12
+    # --enable-force-include-usage (as our vLLM argv): running usage on every chunk too.
+    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert len(counts) == len(chunks) and counts == sorted(counts)
     assert metrics_of(last)["speculative_decoding"]["num_spec_steps"] >= 1
 
 
@@ -115,6 +118,9 @@ def test_stop_strings_truncate_and_finish_with_stop(client: openai.OpenAI) -> No
         got = client.completions.create(**args, stop=value).choices[0]
         assert got.text == full[: full.find(stop)]
         assert got.finish_reason == "stop"
+    chunks = [c for c in client.completions.create(**args, stop=stop, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == full[: full.find(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_top_k_one_is_greedy_and_seed_reproduces(client: openai.OpenAI) -> None:
