@@ -103,6 +103,7 @@ class Engine:
         self.config = config
         self.max_model_len = config.max_model_len
         self.tokenizer = Tokenizer.from_dir(config.target_path)
+        self._eos_ids = frozenset(self.tokenizer.eos_token_ids)
         dtype = _torch_dtype(config.dtype)
         target = load_target(config.target_path, config.device, dtype)
         drafter = None
@@ -181,7 +182,7 @@ class Engine:
             list(prompt_token_ids),
             params,
             detokenizer=self.tokenizer.detokenizer(prompt_token_ids),
-            eos_token_ids=frozenset(self.tokenizer.eos_token_ids),
+            eos_token_ids=self._eos_ids,
             max_model_len=self.max_model_len,
             arrival_time=time.monotonic(),
             num_spec_tokens=self.num_spec_tokens,
