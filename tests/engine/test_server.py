@@ -7,6 +7,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -263,13 +264,14 @@ async def test_health_is_503_until_the_engine_is_loaded(settings: WorkerSettings
 
 # ---- a one-slot plain-decoding worker: full queue, disconnects, shutdown -----------------
 
-LONG = {"prompt": "x", "max_tokens": 1500, "ignore_eos": True, "temperature": 0}
+# Long enough (seconds of decoding even on a fast box) to still be running when it matters.
+LONG = {"prompt": "x", "max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def busy(ckpt: TinyCheckpoint) -> Iterator[AppHandle]:
     settings = load_settings(model=str(ckpt.target_dir), served_model_name=NAME,
-                             max_model_len=2048, max_num_seqs=1, max_waiting=0)
+                             max_model_len=4096, max_num_seqs=1, max_waiting=1)
     with serving_app(settings) as handle:
         yield handle
 
@@ -298,16 +300,30 @@ def test_plain_worker_reports_no_speculation(busy: AppHandle) -> None:
     assert metric(scrape(busy.base_url), "vllm:spec_decode_num_drafts_total") == 0
 
 
-def test_full_worker_answers_503_with_retry_after(busy: AppHandle) -> None:
+def waiting(base_url: str) -> float:
+    return metric(scrape(base_url), "vllm:num_requests_waiting")
+
+
+def test_full_worker_answers_503_and_a_queued_client_can_leave(busy: AppHandle) -> None:
+    """One slot, one waiting place: a third request gets 503 + Retry-After; a waiting client
+    that gives up is dropped from the queue while the first request keeps running."""
+    url = f"{busy.base_url}{COMP}"
     with httpx.Client(timeout=60) as http, \
-            http.stream("POST", f"{busy.base_url}{COMP}", json={**LONG, "stream": True}) as r:
+            http.stream("POST", url, json={**LONG, "stream": True}) as r:
         lines = r.iter_lines()  # kept: dropping it would close the connection
         first_data_line(lines)
-        second = httpx.post(f"{busy.base_url}{COMP}", json={"prompt": "y", "max_tokens": 2},
-                            timeout=30)
-        assert second.status_code == 503
-        assert second.headers["retry-after"] == "1"
-        assert second.json()["error"]["code"] == "queue_full"
+        with ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(httpx.post, url, json={"prompt": "q", "max_tokens": 2},
+                                 timeout=httpx.Timeout(30, read=2.0))
+            assert wait_for(lambda: waiting(busy.base_url) == 1)
+            third = httpx.post(url, json={"prompt": "y", "max_tokens": 2}, timeout=30)
+            assert third.status_code == 503
+            assert third.headers["retry-after"] == "1"
+            assert third.json()["error"]["code"] == "queue_full"
+            with pytest.raises(httpx.ReadTimeout):
+                queued.result()
+        assert wait_for(lambda: waiting(busy.base_url) == 0)
+        assert running(busy.base_url) == 1  # the first request was not disturbed
     assert wait_for(lambda: running(busy.base_url) == 0)
 
 
