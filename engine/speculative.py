@@ -168,11 +168,13 @@ def accept_sampled(probs: Tensor, drafts: list[int],
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
-def _accept(logits: Tensor, drafts: list[int], sampling: RowSampling) -> tuple[int, int]:
-    """logits [B, vocab] of one row -> (accepted drafts, bonus)."""
-    if sampling.greedy:
-        return accept_greedy(greedy(logits).tolist(), drafts)
-    return accept_sampled(row_probabilities(logits, sampling), drafts, sampling.generator)
+def _decide(logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
+            ) -> list[tuple[int, int]]:
+    """logits [b, B, vocab] -> per row (accepted drafts, bonus)."""
+    choices = greedy(logits).tolist()  # one host transfer for every greedy row
+    return [accept_greedy(choices[i], drafts[i]) if s.greedy else
+            accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
+            for i, s in enumerate(sampling)]
 
 
 @torch.inference_mode()
@@ -195,7 +197,7 @@ def spec_step(state: SpecState, rows: list[DecodeRow],
         _propose(state, rows, block, positions, slots)
     out = state.target(block, positions, None, state.caches.target, slots, state.layer_ids())
     drafts = block[:, 1:].tolist()
-    decisions = [_accept(out.logits[i], drafts[i], s) for i, s in enumerate(sampling)]
+    decisions = _decide(out.logits, drafts, sampling)
     accepted = torch.tensor([n for n, _ in decisions], device=dev)
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
         # context for the committed block positions: last_token and the accepted drafts
