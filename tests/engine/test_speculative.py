@@ -386,3 +386,33 @@ def test_end_to_end_check_fails_for_a_wrong_rule(
     monkeypatch.setattr(speculative, "accept_sampled", resample_without_removal)
     counts = _sample_three(target, drafter, batches=10)
     assert chi_square_p(counts, _exact_three(target)) < FAIL_P
+
+
+def test_prefill_in_chunks_equals_prefill_at_once(agreeable: Models) -> None:
+    target, drafters = agreeable
+    prompt = list(range(5, 17))
+    states = [SpecState.create(target, drafters[4], 1, MAX_LEN, 4, "cpu", torch.float32)
+              for _ in range(2)]
+    whole = prefill(states[0], [PrefillRow(0, prompt)], [GREEDY])
+    prefill(states[1], [PrefillRow(0, prompt[:5])], [GREEDY])
+    chunked = prefill(states[1], [PrefillRow(0, prompt[5:])], [GREEDY])
+    assert whole == chunked and states[1].caches.target.length(0) == len(prompt)
+    one, two = states[0].caches.drafter, states[1].caches.drafter
+    assert one is not None and two is not None
+    for a, b in zip(one.k, two.k, strict=True):
+        torch.testing.assert_close(a[:, :, :12], b[:, :, :12], atol=1e-5, rtol=1e-5)
+
+
+def test_seeded_rows_reproduce_whatever_is_batched_with_them(
+        small_vocab: tuple[Qwen3Target, DFlashDrafter]) -> None:
+    target, drafter = small_vocab
+
+    def run(batch: int) -> list[int]:
+        state = SpecState.create(target, drafter, batch, 16, 4, "cpu", torch.float32)
+        sampling = [RowSampling(1.0, generator=torch.Generator().manual_seed(99 + r))
+                    for r in range(batch)]
+        first = prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(batch)], sampling)
+        rows = [DecodeRow(r, t, len(E2E_PROMPT)) for r, t in enumerate(first)]
+        return [first[0], *spec_step(state, rows, sampling)[0].token_ids]
+
+    assert run(1) == run(5)
