@@ -245,24 +245,21 @@ async def _complete(
     ids = prompt_ids(engine, req)
     params = sampling_params(engine, req, ids)
     run = Run(engine, state.metrics, request_id, ids, params)
+    run.start()  # QueueFull -> 503, RequestRejected -> 400, before any byte
     fmt = Formatter("chat" if is_chat else "completion", request_id, state.settings.model_name)
     headers = {"X-Request-Id": request.state.request_id}
-    try:
-        first = await guard_disconnect(request, run.first())
-        if req.stream:
-            level, force = state.settings.per_request_spec_decode_metrics, \
-                state.settings.enable_force_include_usage
-            body = stream_events(run, first, fmt, req, level, force)
-            return StreamingResponse(body, media_type="text/event-stream", headers=headers)
-        text, last = await guard_disconnect(request, collect(run, first))
-    except ClientGone:
-        await run.close()
-        return Response(status_code=499)
-    finally:
-        if not req.stream:
-            await run.close()
-    use = usage(last.num_prompt_tokens, last.num_output_tokens)
     level = state.settings.per_request_spec_decode_metrics
+    if req.stream:
+        body = stream_events(request, run, fmt, req, level,
+                             state.settings.enable_force_include_usage)
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
+    try:
+        text, last = await guard_disconnect(request, collect(run))
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the generation is aborted
+    finally:
+        await run.close()
+    use = usage(last.num_prompt_tokens, last.num_output_tokens)
     payload = fmt.response(text, finish_reason(last), use, metrics_object(last.metrics, level))
     return JSONResponse(payload, headers=headers)
 

@@ -132,22 +132,19 @@ class Run:
         self._last_token_at: float | None = None
         self._arrival = time.monotonic()
         self.last: RequestOutput | None = None
-        self._closed = False
+        self._closed = False  # close() ran: the abort is counted once
 
-    async def first(self) -> RequestOutput:
-        """Admit the request and wait for its first output; engine refusals become 4xx/503."""
+    def start(self) -> None:
+        """Admit the request now, so engine refusals become 400/503 before any byte is sent."""
         try:
             self._it = self._engine.generate(*self._args)
-            return await self._next()
         except QueueFull as exc:
-            self._closed = True  # never admitted: nothing to abort
             raise Unavailable(f"the worker is full: {exc}", code="queue_full") from None
         except RequestRejected as exc:
-            self._closed = True
             raise InvalidRequest(exc.message, param=exc.param) from None
 
-    async def _next(self) -> RequestOutput:
-        assert self._it is not None
+    async def next(self) -> RequestOutput:
+        assert self._it is not None, "Run.start() first"
         try:
             out = await anext(self._it)
         except StopAsyncIteration:
@@ -169,12 +166,9 @@ class Run:
         self._metrics.observe_finished(ttft, max(0.0, end - m.arrival_time),
                                        out.finish_reason or "abort")
 
-    async def outputs(self, first: RequestOutput) -> AsyncIterator[RequestOutput]:
-        out = first
-        yield out
-        while not out.finished:
-            out = await self._next()
-            yield out
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        while self.last is None or not self.last.finished:
+            yield await self.next()
 
     async def close(self) -> None:
         """Stop the generation if it is still running (the engine frees the slot)."""
@@ -194,16 +188,23 @@ def finish_reason(out: RequestOutput) -> str:
     return out.finish_reason
 
 
-async def collect(run: Run, first: RequestOutput) -> tuple[str, RequestOutput]:
+async def collect(run: Run) -> tuple[str, RequestOutput]:
     parts: list[str] = []
-    last = first
-    async for out in run.outputs(first):
+    async for out in run.outputs():
         parts.append(out.text_delta)
-        last = out
-    return "".join(parts), last
+    assert run.last is not None
+    return "".join(parts), run.last
 
 
-async def stream_events(run: Run, first: RequestOutput, fmt: Formatter, req: AnyRequest,
+async def _outputs_watching_the_client(request: Request, run: Run) -> AsyncIterator[RequestOutput]:
+    # The first output may wait for a free slot: a client that leaves meanwhile is noticed
+    # here (afterwards, the next write to its socket fails and closes this stream).
+    yield await guard_disconnect(request, run.next())
+    async for out in run.outputs():
+        yield out
+
+
+async def stream_events(request: Request, run: Run, fmt: Formatter, req: AnyRequest,
                         level: str, force_usage: bool) -> AsyncIterator[bytes]:
     """SSE body: content chunks, the usage chunk with `metrics`, then [DONE]."""
     opts = req.stream_options
@@ -211,7 +212,7 @@ async def stream_events(run: Run, first: RequestOutput, fmt: Formatter, req: Any
     continuous = force_usage or bool(include_usage and opts and opts.continuous_usage_stats)
     is_first = True
     try:
-        async for out in run.outputs(first):
+        async for out in _outputs_watching_the_client(request, run):
             if not out.text_delta and not out.finished and not is_first:
                 continue
             chunk: dict[str, Any] = fmt.chunk(
@@ -224,6 +225,8 @@ async def stream_events(run: Run, first: RequestOutput, fmt: Formatter, req: Any
         if include_usage and last is not None:
             use = usage(last.num_prompt_tokens, last.num_output_tokens)
             yield sse(fmt.usage_chunk(use, metrics_object(last.metrics, level)))
+    except ClientGone:
+        return  # nobody to tell; `finally` has aborted the generation
     except WorkerError as err:
         yield sse_error(err)
     except Exception:

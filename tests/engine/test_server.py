@@ -323,6 +323,11 @@ def test_full_worker_answers_503_and_a_queued_client_can_leave(busy: AppHandle) 
             with pytest.raises(httpx.ReadTimeout):
                 queued.result()
         assert wait_for(lambda: waiting(busy.base_url) == 0)
+        # A queued stream gets its 200 and headers at once (as vLLM), then leaves.
+        with httpx.Client(timeout=30) as other, \
+                other.stream("POST", url, json={"prompt": "s", "stream": True}) as s:
+            assert s.status_code == 200 and waiting(busy.base_url) == 1
+        assert wait_for(lambda: waiting(busy.base_url) == 0)
         assert running(busy.base_url) == 1  # the first request was not disturbed
     assert wait_for(lambda: running(busy.base_url) == 0)
 
