@@ -34,7 +34,6 @@ from engine.errors import (
     Unavailable,
     from_validation_errors,
     install_handlers,
-    render,
 )
 from engine.metrics import EngineStatsView, WorkerMetrics
 from engine.protocol import ChatCompletionRequest, CompletionRequest
@@ -295,5 +294,3 @@ def serve(settings: WorkerSettings, *, log_level: str = "info") -> int:
     log.info("worker stopped after %.1fs", time.monotonic() - started)
     return 1 if state.load_error is not None else 0
 
-
-__all__ = ["DrainingServer", "WorkerState", "create_app", "engine_config", "render", "serve"]
