@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -108,8 +109,18 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
+def upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
+    """The request path's client. Only the TCP connect has a timeout here: the proxy applies
+    first-byte, idle-stream and whole-request deadlines itself."""
+    connector = aiohttp.TCPConnector(limit=settings.max_upstream_connections, limit_per_host=0)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False, trust_env=False
+    )
+
+
 def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
-    # No read timeout here: the proxy applies first-byte and idle-stream deadlines itself.
+    """The health checker's client (control plane)."""
     timeout = httpx.Timeout(
         connect=settings.connect_timeout_s,
         read=None,
@@ -135,9 +146,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 "or DFLASH_GATEWAY_API_KEY_FILE)"
             )
         client = upstream_client(settings)
+        session = upstream_session(settings)
         pool = WorkerPool(settings, client, metrics)
         await pool.start()
-        state.runtime = Runtime(client, pool, Proxy(settings, pool, client, metrics))
+        proxy = Proxy(settings, pool, session, metrics)
+        state.runtime = Runtime(client, session, pool, proxy)
         log.info("gateway ready: %d of %d workers healthy", len(pool.routable()), len(pool.workers))
         try:
             yield
@@ -145,6 +158,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             state.runtime = None
             await pool.stop()
             await client.aclose()
+            await session.close()
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state

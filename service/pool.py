@@ -31,13 +31,14 @@ class Worker:
     failures: int = 0  # consecutive passive failures
     ejected_until: float = 0.0
     models: list[dict[str, Any]] = field(default_factory=list)
+    model_ids: frozenset[str] = frozenset()
 
     def routable(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until
 
     def serves(self, model: str) -> bool:
         # A worker whose model list is not known yet may serve anything.
-        return not self.models or any(m.get("id") == model for m in self.models)
+        return not self.model_ids or model in self.model_ids
 
 
 def _point(text: str) -> int:
@@ -193,6 +194,7 @@ class WorkerPool:
             worker.models = [
                 m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
             ]
+            worker.model_ids = frozenset(m["id"] for m in worker.models)
 
     def _publish(self, worker: Worker) -> None:
         if worker.url in self.workers:
@@ -232,6 +234,10 @@ class WorkerPool:
 
     def knows_model(self, model: str) -> bool:
         return any(w.serves(model) for w in self.routable())
+
+    def lists_model(self, model: str) -> bool:
+        """A routable worker names the model in its /v1/models (a bounded metrics label)."""
+        return any(model in w.model_ids for w in self.routable())
 
     def pick(self, model: str, key: str | None, exclude: set[str]) -> Worker | None:
         """The worker for the next attempt, or None when no routable one is left."""

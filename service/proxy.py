@@ -7,12 +7,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import anyio
-import httpx
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -58,15 +57,15 @@ class UpstreamFailure(Exception):
 
 
 def classify(exc: BaseException) -> UpstreamFailure:
-    if isinstance(exc, TimeoutError | httpx.TimeoutException) and not isinstance(
-        exc, httpx.ConnectTimeout | httpx.PoolTimeout
-    ):
-        return UpstreamFailure("timeout", "the worker did not answer in time")
-    if isinstance(exc, httpx.PoolTimeout):
-        return UpstreamFailure("pool", "no upstream connection free in time", counts=False)
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+    # Order matters: aiohttp's connect timeout is also a TimeoutError.
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
         return UpstreamFailure("connect", f"cannot connect to the worker: {exc}")
+    if isinstance(exc, TimeoutError):
+        return UpstreamFailure("timeout", "the worker did not answer in time")
     return UpstreamFailure("read", f"the worker connection failed: {exc!r}")
+
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
 def status_failure(status: int) -> UpstreamFailure | None:
@@ -78,11 +77,14 @@ def status_failure(status: int) -> UpstreamFailure | None:
     return None
 
 
-async def close_quietly(response: httpx.Response) -> None:
-    # Shielded: a cancelled request (client gone) must still close its upstream connection,
-    # which is how the worker learns to stop generating.
-    with anyio.move_on_after(2, shield=True):
-        await response.aclose()
+def finish(response: aiohttp.ClientResponse, complete: bool) -> None:
+    """Reuse the connection after a complete response; otherwise close it, which is how the
+    worker learns that the client left (it stops generating). Synchronous: safe when the
+    request was cancelled."""
+    if complete:
+        response.release()
+    else:
+        response.close()
 
 
 async def send_body(
@@ -111,10 +113,10 @@ class Proxy:
         self,
         settings: GatewaySettings,
         pool: WorkerPool,
-        client: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
         metrics: GatewayMetrics,
     ) -> None:
-        self.settings, self.pool, self.client, self.metrics = settings, pool, client, metrics
+        self.settings, self.pool, self.session, self.metrics = settings, pool, session, metrics
 
     def response(self, call: ProxyCall) -> ProxyResponse:
         return ProxyResponse(self, call)
@@ -156,32 +158,32 @@ class Proxy:
             return UpstreamTimeout(f"Upstream timeout: {last.message}.")
         return UpstreamError(f"Upstream failure: {last.message}.")
 
-    def _request(self, worker: Worker, call: ProxyCall) -> httpx.Request:
+    async def _post(self, worker: Worker, call: ProxyCall) -> aiohttp.ClientResponse:
         headers = {"content-type": "application/json", "x-request-id": call.request_id}
-        return self.client.build_request(
-            "POST", worker.url + call.endpoint, content=call.body, headers=headers
-        )
+        return await self.session.post(worker.url + call.endpoint, data=call.body, headers=headers)
 
     async def _unary(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
-        response: httpx.Response | None = None
+        response: aiohttp.ClientResponse | None = None
+        complete = False
         try:
             async with asyncio.timeout(self.settings.request_timeout_s):
-                response = await self.client.send(self._request(worker, call), stream=True)
-                body = await response.aread()
-        except (httpx.HTTPError, TimeoutError) as exc:
+                response = await self._post(worker, call)
+                body = await response.read()
+                complete = True
+        except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
         finally:
             if response is not None:
-                await close_quietly(response)
-        failure = status_failure(response.status_code)
+                finish(response, complete)
+        failure = status_failure(response.status)
         if failure is not None:
             raise failure
         self.pool.report_success(worker)
-        if response.status_code == 200:
+        if response.status == 200:
             self._observe_body(call, body)
-        outcome.status = response.status_code
+        outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
-        await send_body(send, response.status_code, body, [(b"content-type", content_type)])
+        await send_body(send, response.status, body, [(b"content-type", content_type)])
 
     def _observe_body(self, call: ProxyCall, body: bytes) -> None:
         try:
@@ -192,34 +194,35 @@ class Proxy:
         self.metrics.observe_spec(call.label, parsed)
 
     async def _stream(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
-        response: httpx.Response | None = None
+        response: aiohttp.ClientResponse | None = None
+        complete = False
         try:
             first: bytes | None = None
             try:
                 async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                    response = await self.client.send(self._request(worker, call), stream=True)
-                    if response.status_code == 200:
-                        chunks = response.aiter_raw()
-                        first = await anext(chunks)
+                    response = await self._post(worker, call)
+                    if response.status == 200:
+                        first = await response.content.readany()
                     else:
-                        body = await response.aread()
-            except StopAsyncIteration:
-                raise UpstreamFailure("read", "the worker closed the stream at once") from None
-            except (httpx.HTTPError, TimeoutError) as exc:
+                        body = await response.read()
+                        complete = True
+            except UPSTREAM_ERRORS as exc:
                 raise classify(exc) from None
             if first is None:  # a non-200 answer: retry on 5xx, pass a 4xx through
-                failure = status_failure(response.status_code)
+                failure = status_failure(response.status)
                 if failure is not None:
                     raise failure
                 self.pool.report_success(worker)
-                outcome.status = response.status_code
+                outcome.status = response.status
                 content_type = response.headers.get("content-type", "application/json").encode()
-                await send_body(send, response.status_code, body, [(b"content-type", content_type)])
+                await send_body(send, response.status, body, [(b"content-type", content_type)])
                 return
-            await self._relay(worker, call, send, outcome, chunks, first)
+            if not first:
+                raise UpstreamFailure("read", "the worker closed the stream at once")
+            complete = await self._relay(worker, call, send, outcome, response.content, first)
         finally:
             if response is not None:
-                await close_quietly(response)
+                finish(response, complete)
 
     async def _relay(
         self,
@@ -227,10 +230,11 @@ class Proxy:
         call: ProxyCall,
         send: Send,
         outcome: Outcome,
-        chunks: AsyncIterator[bytes],
+        content: aiohttp.StreamReader,
         data: bytes,
-    ) -> None:
-        """From the first byte on: pass events through; a failure ends the stream in-band."""
+    ) -> bool:
+        """From the first byte on: pass events through; a failure ends the stream in-band.
+        True when the upstream stream ended cleanly."""
         tap = SseTap(strip_usage_chunk=not call.wants_usage)
         outcome.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
@@ -240,12 +244,11 @@ class Proxy:
                 out = tap.feed(data)
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-                try:
-                    async with asyncio.timeout(self.settings.idle_stream_timeout_s):
-                        data = await anext(chunks)
-                except StopAsyncIteration:
+                async with asyncio.timeout(self.settings.idle_stream_timeout_s):
+                    data = await content.readany()
+                if not data:
                     break
-        except (httpx.HTTPError, TimeoutError) as exc:
+        except UPSTREAM_ERRORS as exc:
             failure = classify(exc)
         if failure is None and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
@@ -262,6 +265,7 @@ class Proxy:
             self.pool.report_success(worker)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         self._observe_stream(call, tap)
+        return failure is None
 
     def _observe_stream(self, call: ProxyCall, tap: SseTap) -> None:
         end = time.perf_counter()

@@ -44,7 +44,7 @@ def test_unhealthy_ejected_and_other_model_workers_are_skipped() -> None:
     pool = make_pool()
     pool.workers[URLS[0]].healthy = False
     pool.workers[URLS[1]].ejected_until = float("inf")
-    pool.workers[URLS[2]].models = [{"id": "other"}]
+    pool.workers[URLS[2]].model_ids = frozenset({"other"})
     assert {pool.pick("m", None, set()).url for _ in range(8)} == {URLS[3]}  # type: ignore[union-attr]
     assert pool.pick("m", None, {URLS[3]}) is None
 
