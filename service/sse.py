@@ -34,10 +34,18 @@ class SseTap:
     def __init__(self, *, strip_usage_chunk: bool) -> None:
         self._strip = strip_usage_chunk
         self._pending = b""
+        self._final_raw: bytes | None = None  # last event carrying usage / metrics
         self.first_token_at: float | None = None
-        self.final: dict[str, Any] | None = None  # the chunk carrying usage (and metrics)
         self.done = False
         self.errored = False
+
+    @property
+    def final(self) -> dict[str, Any] | None:
+        """The last chunk with usage (and metrics), parsed once, at the end."""
+        if self._final_raw is None:
+            return None
+        obj = _event_json(self._final_raw)
+        return obj if isinstance(obj, dict) else None
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to send to the client now (maybe empty while an event is incomplete)."""
@@ -56,18 +64,19 @@ class SseTap:
         return b"".join(event + b"\n\n" for event in keep)
 
     def _inspect(self, event: bytes) -> bool:
-        """Record what the event says; False when it must not reach the client."""
-        lines = [line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")]
-        if not lines:
-            return True
-        payload = b"\n".join(lines)
-        if payload == b"[DONE]":
+        """Record what the event says; False when it must not reach the client.
+
+        Cheap byte checks first: once the first token is seen, only the rare events (usage
+        only, errors) are parsed; the usage chunk itself is parsed once, at the end."""
+        if event.startswith((b"data: [DONE]", b"data:[DONE]")):
             self.done = True
             return True
-        try:
-            obj = json.loads(payload)
-        except ValueError:
+        usage_only = b'"choices":[]' in event or b'"choices": []' in event
+        if b'"usage"' in event or b'"metrics"' in event:
+            self._final_raw = event
+        if self.first_token_at is not None and not usage_only and b'"error"' not in event:
             return True
+        obj = _event_json(event)
         if not isinstance(obj, dict):
             return True
         if "error" in obj:
@@ -75,8 +84,12 @@ class SseTap:
         choices = obj.get("choices")
         if self.first_token_at is None and carries_tokens(choices):
             self.first_token_at = time.perf_counter()
-        if obj.get("usage") is not None or obj.get("metrics") is not None:
-            self.final = obj
-            if choices == [] and self._strip:
-                return False
-        return True
+        return not (usage_only and choices == [] and self._strip)
+
+
+def _event_json(event: bytes) -> Any:
+    lines = [line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    try:
+        return json.loads(b"\n".join(lines)) if lines else None
+    except ValueError:
+        return None
