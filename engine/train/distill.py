@@ -24,7 +24,7 @@ from engine.train.tokenizer_recipe import ENDOFTEXT, IM_END, load_tokenizer, tok
 
 @dataclass(frozen=True)
 class DistillConfig:
-    num_sequences: int = 1024
+    num_sequences: int = 640
     prompt_len: int = 96
     gen_len: int = 128
     chunk: int = 64  # sequences generated together (one batch, one saved chunk)
