@@ -143,3 +143,21 @@ def test_spread_failover_recovery_and_in_band_error(
     counts = [r for r in results.values() if isinstance(r, int)]
     assert len(errors) == 1 and "Upstream failure" in errors[0].message
     assert len(counts) == 1 and counts[0] > 1
+
+
+def test_first_byte_and_idle_stream_timeouts(worker: WorkerHandle) -> None:
+    body = {**CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
+    # No worker answers within 0.5 ms: every attempt times out before the first byte: 504.
+    with running_gateway(workers=[worker.base_url], first_byte_timeout_s=0.0005) as gw:
+        reply = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 504
+        assert reply.json()["error"]["code"] == "upstream_timeout"
+    # Tokens come milliseconds apart: a 0.5 ms idle limit breaks the stream after its start,
+    # which the client sees as a final in-band error event.
+    with running_gateway(workers=[worker.base_url], idle_stream_timeout_s=0.0005) as gw:
+        reply = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
+        assert reply.status_code == 200
+        events = [line for line in reply.text.split("\n") if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert '"code":"timeout"' in events[-2] and "error" in events[-2]
+        assert gw.metric("dflash_upstream_errors_total", kind="timeout") >= 1
