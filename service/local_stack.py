@@ -108,7 +108,18 @@ def start_worker(pool: PoolSpec, env: dict[str, str]) -> WorkerProcess:
     if not pool.speculation:
         argv.append("--no-speculation")
     argv += list(pool.worker_args)
-    return WorkerProcess(f"http://127.0.0.1:{port}", subprocess.Popen(argv, env=env))
+    process = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
+    return WorkerProcess(f"http://127.0.0.1:{port}", process)
+
+
+def die_with_parent() -> None:
+    """In the child: ask Linux to SIGTERM it when dflash-serve dies, even by SIGKILL, so no
+    worker outlives the stack. Elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def wait_ready(workers: Sequence[WorkerProcess], timeout: float) -> None:

@@ -72,8 +72,12 @@ def stack(tiny_checkpoint: Any) -> Iterator[tuple[int, subprocess.Popen[str]]]:
         yield port, proc
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the stack and its workers
+                proc.wait()
 
 
 def test_readme_curl(stack: tuple[int, subprocess.Popen[str]]) -> None:
