@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from typing import Any
 
 import httpx
 import openai
+import pytest
 
 from tests.service.conftest import MODEL, Gateway
 
@@ -118,3 +121,16 @@ def test_request_id_is_echoed_or_generated(gateway: Gateway) -> None:
     assert len(fresh.headers["x-request-id"]) == 32
     bad = httpx.get(gateway.base_url + "/nope", headers={"X-Request-Id": "bad id\t!"})
     assert bad.headers["x-request-id"] != "bad id\t!" and bad.status_code == 404
+
+
+def test_exposition_passes_promtool(gateway: Gateway) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (make tools)")
+    client(gateway).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
+    text = httpx.get(gateway.base_url + "/metrics").text
+    assert "dflash_spec_acceptance_length_bucket" in text
+    done = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
