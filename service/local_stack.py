@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="ARG",
-        help="extra argument for every dflash-worker (repeat), e.g. --worker-arg=--max-num-seqs=4",
+        help="extra argument for every dflash-worker (repeat), e.g. --worker-arg=--max-num-seqs=4 "
+        "(a --speculative-config=... one is left out of plain pools)",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -105,9 +106,12 @@ def worker_env(total_workers: int) -> dict[str, str]:
 def start_worker(pool: PoolSpec, env: dict[str, str]) -> WorkerProcess:
     port = free_port()
     argv = [sys.executable, "-m", "engine.cli", "--host", "127.0.0.1", "--port", str(port)]
+    extra = list(pool.worker_args)
     if not pool.speculation:
+        # The plain pool of --compare shares the worker args: drop the drafter there.
+        extra = [arg for arg in extra if not arg.startswith("--speculative-config")]
         argv.append("--no-speculation")
-    argv += list(pool.worker_args)
+    argv += extra
     process = subprocess.Popen(argv, env=env, preexec_fn=die_with_parent)
     return WorkerProcess(f"http://127.0.0.1:{port}", process)
 

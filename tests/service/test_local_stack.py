@@ -1,0 +1,63 @@
+"""`dflash-serve --compare`: a DFlash pool and a plain pool side by side, each behind its own
+gateway, and Ctrl-C stops all of it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from typing import Any
+
+import openai
+
+from tests.fixtures.worker import free_port
+from tests.service.conftest import MODEL
+
+
+def test_compare_serves_dflash_and_plain_side_by_side(tiny_checkpoint: Any) -> None:
+    port = free_port()
+    spec = {"method": "dflash", "model": str(tiny_checkpoint.drafter_dir)}
+    argv = [
+        sys.executable,
+        "-m",
+        "service.local_stack",
+        "--port",
+        str(port),
+        "--compare",
+        "--compare-port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+        f"--worker-arg={tiny_checkpoint.target_dir}",
+        f"--worker-arg=--speculative-config={json.dumps(spec)}",
+        f"--worker-arg=--served-model-name={MODEL}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        urls = [line.rsplit(" ", 1)[1].strip() for line in lines]
+        assert "dflash (DFlash speculative" in lines[0] and "plain (plain" in lines[1]
+        metrics = []
+        for url in urls:
+            sdk = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            reply = sdk.completions.create(model=MODEL, prompt="def f():", max_tokens=4)
+            metrics.append((reply.model_extra or {})["metrics"])
+        assert metrics[0]["speculative_decoding"]["num_spec_steps"] >= 1
+        assert "speculative_decoding" not in metrics[1]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
