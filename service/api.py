@@ -136,6 +136,10 @@ def _body_schema(name: str) -> dict[str, Any]:
 
 
 router = APIRouter()
+PROXY_ENDPOINTS: tuple[tuple[str, type[Any]], ...] = (
+    ("/v1/chat/completions", ChatCompletionRequest),
+    ("/v1/completions", CompletionRequest),
+)
 
 
 @router.post(

@@ -15,11 +15,19 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.api import REQUEST_ID_KEY, STARTED_KEY, GatewayState, Runtime, router
+from service.api import (
+    PROXY_ENDPOINTS,
+    REQUEST_ID_KEY,
+    STARTED_KEY,
+    GatewayState,
+    Runtime,
+    proxy_endpoint,
+    router,
+)
 from service.auth import ApiKeyAuth
 from service.errors import AuthenticationFailed, GatewayError, error_body, status_error_type
 from service.metrics import GatewayMetrics
@@ -34,10 +42,12 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 class RequestContext:
     """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer the SSE path): request id
-    in and out, arrival time, and the API-key check."""
+    in and out, arrival time, the API-key check, and a direct path to the two proxy
+    endpoints (FastAPI's router stays for everything else and for the OpenAPI schema)."""
 
     def __init__(self, app: ASGIApp, auth: ApiKeyAuth) -> None:
         self.app, self.auth = app, auth
+        self.fast = {path: schema for path, schema in PROXY_ENDPOINTS}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -61,7 +71,21 @@ class RequestContext:
                 error = AuthenticationFailed("Missing or invalid API key (Authorization: Bearer).")
                 await render(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send_with_id)
                 return
+        schema = self.fast.get(scope["path"])
+        if schema is not None and scope["method"] == "POST":
+            await self.proxy(schema, scope, receive, send_with_id)
+            return
         await self.app(scope, receive, send_with_id)
+
+    async def proxy(self, schema: type[Any], scope: Scope, receive: Receive, send: Send) -> None:
+        """The hot path without router and dependency machinery: same handler, same errors."""
+        try:
+            response: Response = await proxy_endpoint(
+                Request(scope, receive), schema, scope["path"]
+            )
+        except GatewayError as error:
+            response = render(error)
+        await response(scope, receive, send)
 
 
 def render(error: GatewayError, extra: dict[str, str] | None = None) -> JSONResponse:
