@@ -139,8 +139,17 @@ def upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=settings.max_upstream_connections, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     return aiohttp.ClientSession(
-        connector=connector, timeout=timeout, auto_decompress=False, trust_env=False
+        connector=connector,
+        timeout=timeout,
+        auto_decompress=False,
+        trust_env=False,
+        headers=worker_headers(settings),
     )
+
+
+def worker_headers(settings: GatewaySettings) -> dict[str, str]:
+    key = settings.worker_api_key
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
@@ -153,7 +162,9 @@ def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
     )
     size = settings.max_upstream_connections
     limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(
+        timeout=timeout, limits=limits, trust_env=False, headers=worker_headers(settings)
+    )
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:

@@ -27,6 +27,8 @@ class GatewaySettings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     api_key_file: Path | None = None
     metrics_auth: bool = False
+    # Bearer key the gateway sends to workers started with `--api-key` (vLLM's flag).
+    worker_api_key: str | None = Field(default=None, repr=False)
     # Routing.
     routing: RoutingPolicy = "least_outstanding"
     affinity_prefix_chars: int = Field(default=256, ge=1)

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from service.auth import ApiKeyAuth
-from tests.fixtures.worker import WorkerHandle
-from tests.service.conftest import MODEL, running_gateway
+from tests.fixtures.worker import WorkerHandle, running_worker
+from tests.service.conftest import MODEL, running_gateway, worker_args
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -64,3 +65,12 @@ def test_bearer_check() -> None:
     assert not auth.protects("/health") and not auth.protects("/metrics")
     assert auth.protects("/v1/models")
     assert not ApiKeyAuth([], protect_metrics=True).protects("/v1/models")
+
+
+def test_gateway_authenticates_to_workers_with_api_keys(tiny_checkpoint: Any) -> None:
+    with running_worker(*worker_args(tiny_checkpoint, "--api-key", "inner")) as guarded:
+        with running_gateway(workers=[guarded.base_url], worker_api_key="inner") as gw:
+            assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 200
+            assert [m["id"] for m in httpx.get(gw.v1 + "/models").json()["data"]] == [MODEL]
+        with running_gateway(workers=[guarded.base_url]) as gw:  # no key: the worker says 401
+            assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 401
