@@ -106,3 +106,14 @@ async def test_dns_discovery_finds_the_worker(worker: WorkerHandle) -> None:
         assert f"http://127.0.0.1:{worker.port}" in healthy
         assert pool.models()[0]["id"] == MODEL
         assert isinstance(pool.workers[healthy[0]], Worker)
+
+
+def test_models_are_the_union_over_routable_workers() -> None:
+    pool = make_pool()
+    for url, names in zip(URLS, (["a"], ["a", "b"], ["c"], ["d"]), strict=True):
+        pool.workers[url].models = [{"id": n, "object": "model"} for n in names]
+        pool.workers[url].model_ids = frozenset(names)
+    pool.workers[URLS[3]].healthy = False
+    assert [m["id"] for m in pool.models()] == ["a", "b", "c"]
+    assert pool.lists_model("b") and not pool.lists_model("d")
+    assert not pool.knows_model("d")
