@@ -136,7 +136,11 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
 def upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
     """The request path's client. Only the TCP connect has a timeout here: the proxy applies
     first-byte, idle-stream and whole-request deadlines itself."""
-    connector = aiohttp.TCPConnector(limit=settings.max_upstream_connections, limit_per_host=0)
+    # Idle connections are dropped after 4 s, before uvicorn (vLLM's server too) closes them
+    # at 5 s: reusing a connection the worker is closing would fail an attempt for nothing.
+    connector = aiohttp.TCPConnector(
+        limit=settings.max_upstream_connections, limit_per_host=0, keepalive_timeout=4.0
+    )
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
     return aiohttp.ClientSession(
         connector=connector,
