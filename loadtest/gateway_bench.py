@@ -7,6 +7,8 @@ side in one run:
 - stream: `--streams` concurrent SSE streams (`--events` events `--gap-ms` apart): time to
   first byte, and per-event delivery latency (the stub stamps each event with its send time);
 - max rps: closed loop at `--rps-concurrency`, unary and streaming (no gaps).
+Direct and gateway slices alternate within each phase (`--rounds`), so that the machine's
+load, which varies on a shared box, weighs on both sides alike.
 Added latency = gateway - direct, per percentile. Prints a table, writes JSON.
 """
 
@@ -233,29 +235,42 @@ PHASES = ("unary", "stream", "max_rps_unary", "max_rps_stream")
 
 
 async def run_phase(name: str, port: int, args: argparse.Namespace) -> Sample:
+    slice_s = args.duration / args.rounds
     if name == "unary":
-        return await closed_loop(port, body(False), args.unary_concurrency, args.duration, False)
+        return await closed_loop(port, body(False), args.unary_concurrency, slice_s, False)
     if name == "stream":
-        return await closed_loop(port, body(True, args.gap_ms), args.streams, args.duration, True)
+        return await closed_loop(port, body(True, args.gap_ms), args.streams, slice_s, True)
     if name == "max_rps_unary":
-        return await closed_loop(port, body(False), args.rps_concurrency, args.duration, False)
-    return await closed_loop(port, body(True), args.rps_concurrency, args.duration, True)
+        return await closed_loop(port, body(False), args.rps_concurrency, slice_s, False)
+    return await closed_loop(port, body(True), args.rps_concurrency, slice_s, True)
 
 
 async def run_all(stub_port: int, gw_port: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Each phase runs direct, then through the gateway, after a short warm-up of both."""
+    """Each phase alternates direct and gateway slices (`--rounds` of each), so a change in
+    the machine's load hits both sides alike; a short warm-up of both comes first."""
     results: dict[str, Any] = {}
+    targets = (("direct", stub_port), ("gateway", gw_port))
     for name in PHASES:
-        row: dict[str, Any] = {}
-        for target, port in (("direct", stub_port), ("gateway", gw_port)):
+        for _, port in targets:
             await closed_loop(port, body(name.endswith("stream")), 4, args.warmup, False)
-            row[target] = summary(await run_phase(name, port, args))
-        key = "event_delay_ms" if name == "stream" else "latency_ms"
+        merged = {target: Sample() for target, _ in targets}
+        for _ in range(args.rounds):
+            for target, port in targets:
+                merge(merged[target], await run_phase(name, port, args))
+        row: dict[str, Any] = {target: summary(merged[target]) for target, _ in targets}
         row["added_ms"] = added(row["direct"], row["gateway"], "latency_ms")
         if name == "stream":
-            row["added_event_delay_ms"] = added(row["direct"], row["gateway"], key)
+            row["added_event_delay_ms"] = added(row["direct"], row["gateway"], "event_delay_ms")
         results[name] = row
     return results
+
+
+def merge(into: Sample, part: Sample) -> None:
+    into.latencies_s += part.latencies_s
+    into.event_delays_s += part.event_delays_s
+    into.errors += part.errors
+    into.completed += part.completed
+    into.elapsed_s += part.elapsed_s
 
 
 def goals(results: dict[str, Any]) -> dict[str, Any]:
@@ -319,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-bench gateway", description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=8.0, help="seconds per phase and target")
     p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=4, help="alternating slices per target")
     p.add_argument("--unary-concurrency", type=int, default=1)
     p.add_argument("--streams", type=int, default=200, help="concurrent streams (stream phase)")
     p.add_argument("--events", type=int, default=20, help="SSE events per stream")
