@@ -54,6 +54,10 @@ def test_engine_bench_writes_consistent_json(
         assert r["tokens_per_second"] == pytest.approx(r["generated_tokens"] / r["elapsed_s"])
         base = cells[(c, 1)]["tokens_per_second"]
         assert r["speedup_vs_block_size_1"] == pytest.approx(r["tokens_per_second"] / base)
+        runs, base_runs = r["runs_tokens_per_second"], cells[(c, 1)]["runs_tokens_per_second"]
+        paired = [a / b for a, b in zip(runs, base_runs, strict=True)]
+        assert r["paired_speedups"] == pytest.approx(paired)
+        assert r["median_paired_speedup"] == pytest.approx(sum(paired) / 2)  # 2 repeats
         if b == 1:
             assert r["num_drafts"] == 0 and r["mean_acceptance_length"] == 1.0
         else:
