@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from loadtest import bench, engine_bench
-from tests.fixtures.tiny_models import build_tiny_checkpoint
+from tests.fixtures.tiny_models import TinyCheckpoint
 
 
 def test_engine_bench_writes_consistent_json(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    ckpt = build_tiny_checkpoint(tmp_path / "ckpt", block_size=4)
+    ckpt = tiny_checkpoint  # block_size 4
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n    def push(self, x):\n"]))
     out = tmp_path / "engine.json"
