@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -63,7 +64,7 @@ class GatewayServer(uvicorn.Server):
             port=settings.port,
             log_level=settings.log_level,
             access_log=settings.access_log,
-            timeout_graceful_shutdown=int(settings.drain_timeout_s) or None,
+            timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s),  # 0: no wait
             lifespan="on",
         )
         super().__init__(config)
