@@ -348,6 +348,12 @@ def test_seeded_sampling_is_reproducible(ckpt: TinyCheckpoint, k: int | None) ->
     first = sample(7)
     assert sample(7) == first
     assert any(sample(s) != first for s in (8, 9, 10))
+    # The seed owns its randomness: unseeded sampled neighbours joining mid-run change nothing.
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    noisy = SamplingParams(max_tokens=9, temperature=0.9, top_k=50, ignore_eos=True)
+    reqs = [([1, 2], noisy), ([7, 8, 9], seeded), ([3, 4, 5, 6], noisy)]
+    out = run(make_engine(ckpt, k=k), reqs, join_at=[0, 1, 3])
+    assert out["1"].token_ids_delta == first
 
 
 @pytest.mark.anyio
