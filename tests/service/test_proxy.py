@@ -3,6 +3,7 @@ client disconnects reaching the worker, and 503 when nothing is healthy."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -104,25 +105,28 @@ def test_spread_failover_recovery_and_in_band_error(
     port = free_port()
     url_b = f"http://127.0.0.1:{port}"
     args = worker_args(tiny_checkpoint)
-    settings = {"health_interval_s": 4.0, "eject_after_failures": 1, "eject_cooldown_s": 0.5}
-    with running_gateway(workers=[worker.base_url, url_b], **settings) as gw:
+    # B starts first, so the gateway's startup check sees it healthy; active checks are then
+    # 6 s apart, so right after B is killed the pool still routes to it (passive path).
+    settings = {"health_interval_s": 6.0, "eject_after_failures": 1, "eject_cooldown_s": 0.5}
+    with contextlib.ExitStack() as stack:
+        b = stack.enter_context(worker_on_port(port, args))
+        gw = stack.enter_context(running_gateway(workers=[worker.base_url, url_b], **settings))
         sdk = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=60)
-        with worker_on_port(port, args) as b:
-            wait_until(lambda: gw.metric("dflash_worker_healthy", worker=url_b) == 1)
-            seen_a, seen_b = prompts_seen(worker), prompts_seen(b)
-            for _ in range(4):
-                sdk.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2)
-            assert prompts_seen(worker) > seen_a and prompts_seen(b) > seen_b  # load spreads
-            b.process.kill()
-            b.process.wait()
-            for _ in range(4):  # requests routed to the dead worker are retried on the other
-                reply = sdk.chat.completions.create(
-                    model=MODEL, messages=CHAT["messages"], max_tokens=2
-                )
-                assert reply.choices
-            assert gw.metric("dflash_retries_total", model=MODEL) >= 1
-            assert gw.metric("dflash_upstream_errors_total", worker=url_b) >= 1
-            assert gw.metric("dflash_worker_healthy", worker=url_b) == 0  # ejected
+        assert gw.metric("dflash_worker_healthy", worker=url_b) == 1
+        seen_a, seen_b = prompts_seen(worker), prompts_seen(b)
+        for _ in range(4):
+            sdk.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2)
+        assert prompts_seen(worker) > seen_a and prompts_seen(b) > seen_b  # load spreads
+        b.process.kill()
+        b.process.wait()
+        for _ in range(4):  # requests routed to the dead worker are retried on the other
+            reply = sdk.chat.completions.create(
+                model=MODEL, messages=CHAT["messages"], max_tokens=2
+            )
+            assert reply.choices
+        assert gw.metric("dflash_retries_total", model=MODEL) >= 1
+        assert gw.metric("dflash_upstream_errors_total", worker=url_b) >= 1
+        assert gw.metric("dflash_worker_healthy", worker=url_b) == 0  # ejected
         with worker_on_port(port, args) as b:
             wait_until(lambda: gw.metric("dflash_worker_healthy", worker=url_b) == 1)  # back
             results: dict[str, Any] = {}
