@@ -122,7 +122,11 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
         wants_usage=bool(options is not None and options.include_usage),
         model=parsed.model,
         label=parsed.model if runtime.pool.lists_model(parsed.model) else "unknown",
-        affinity_key=prompt_text(parsed, state.settings.affinity_prefix_chars),
+        affinity_key=(
+            prompt_text(parsed, state.settings.affinity_prefix_chars)
+            if state.settings.routing == "prefix_affinity"
+            else None
+        ),
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
         single_choice=(parsed.n or 1) == 1,
         started=request.scope.get(STARTED_KEY, time.perf_counter()),
