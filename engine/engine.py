@@ -15,6 +15,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,7 +287,14 @@ class Engine:
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[id(seq)] = queue
         self._wake.set()
-        return self._stream(seq, queue)
+        stream = self._stream(seq, queue)
+        # A stream dropped before its first `anext` never runs its `finally`: abort then.
+        weakref.finalize(stream, self._abandon, seq)
+        return stream
+
+    def _abandon(self, seq: Sequence) -> None:
+        if not seq.finished and not seq.abort_requested:
+            self.abort(seq)
 
     async def _stream(
         self, seq: Sequence, queue: asyncio.Queue[RequestOutput | BaseException]

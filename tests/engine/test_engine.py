@@ -4,6 +4,7 @@ continuous batching, queueing, cancellation, rejection, stop conditions, metrics
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -440,6 +441,25 @@ async def test_a_failing_step_fails_its_streams_and_the_engine_goes_on(
                 pass
         assert engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0
         outs = [o async for o in engine.generate("b", [3, 4, 5], GREEDY)]
+        assert outs[-1].finish_reason == "length"
+    finally:
+        await engine.shutdown(drain_timeout=0)
+
+
+@pytest.mark.anyio
+async def test_a_stream_dropped_unread_frees_its_slot(ckpt: TinyCheckpoint) -> None:
+    engine = make_engine(ckpt, max_num_seqs=1, max_waiting=0, max_model_len=8192)
+    await engine.start()
+    try:
+        stream = engine.generate("a", [3, 4], replace(GREEDY, max_tokens=8000))
+        del stream
+        gc.collect()
+        for _ in range(200):  # the step thread retires it at its next step
+            if engine.stats().num_running + engine.stats().num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().num_requests_finished == 1
+        outs = [o async for o in engine.generate("b", [3, 4], replace(GREEDY, max_tokens=3))]
         assert outs[-1].finish_reason == "length"
     finally:
         await engine.shutdown(drain_timeout=0)
