@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# Below this temperature sampling is greedy (as in vLLM): dividing logits by a smaller one
+# overflows float32 to inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class RowSampling:
@@ -23,7 +27,7 @@ class RowSampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def probabilities(logits: Tensor, temperature: float, top_k: int = 0,
@@ -31,8 +35,8 @@ def probabilities(logits: Tensor, temperature: float, top_k: int = 0,
     """logits [n, vocab] -> float32 probabilities [n, vocab] after temperature, then top-k
     (ties at the k-th value are kept), then top-p (smallest prefix of the sorted
     distribution whose mass reaches top_p), renormalised."""
-    if temperature <= 0.0:
-        raise ValueError("probabilities need temperature > 0 (use greedy for 0)")
+    if temperature < GREEDY_TEMPERATURE:
+        raise ValueError(f"probabilities need temperature >= {GREEDY_TEMPERATURE} (else greedy)")
     scores = logits.float() / temperature
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [n, 1]
@@ -41,7 +45,11 @@ def probabilities(logits: Tensor, temperature: float, top_k: int = 0,
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        outside = mass_before >= top_p
+        # The most likely token always stays: rounding in cumsum can put its mass_before
+        # above a tiny top_p, which would leave nothing to sample from.
+        outside[..., 0] = False
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs

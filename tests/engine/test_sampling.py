@@ -45,3 +45,22 @@ def test_seeded_generators_reproduce_and_frequencies_follow_probs() -> None:
     assert draws == again
     freq = torch.bincount(torch.tensor(draws), minlength=3).float() / 2000
     assert torch.allclose(freq, probs, atol=0.04)  # 4 sigma for n = 2000
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-30, 1e-8])
+def test_tiny_top_p_keeps_the_top_token(top_p: float) -> None:
+    # The gateway's schemathesis run found a subnormal top_p emptying the nucleus (NaN).
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    probs = probabilities(logits, 0.7, top_p=top_p)
+    assert torch.isfinite(probs).all()
+    expected = torch.nn.functional.one_hot(logits.argmax(-1), 64).float()
+    torch.testing.assert_close(probs, expected)
+
+
+def test_temperatures_below_the_greedy_threshold_are_greedy() -> None:
+    assert RowSampling(temperature=1e-300).greedy
+    assert not RowSampling(temperature=1e-4).greedy
+    logits = torch.tensor([[10.0, 30.0, 20.0]])
+    assert torch.isfinite(probabilities(logits, 1e-4)).all()
+    with pytest.raises(ValueError, match="temperature"):
+        probabilities(logits, 1e-300)
