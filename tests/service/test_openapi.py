@@ -12,18 +12,22 @@ from schemathesis.checks import not_a_server_error
 
 from service.app import create_app
 from service.settings import GatewaySettings
-from tests.fixtures.worker import WorkerHandle
-from tests.service.conftest import Gateway, running_gateway
+from tests.fixtures.worker import running_worker
+from tests.service.conftest import Gateway, running_gateway, worker_args
 
 # The schema the app serves at /openapi.json (built without starting anything).
 schema = schemathesis.openapi.from_dict(create_app(GatewaySettings()).openapi())
 
 
 @pytest.fixture(scope="module")
-def live(worker: WorkerHandle) -> Iterator[Gateway]:
+def live(tiny_checkpoint: Any) -> Iterator[Gateway]:
     # The worker serves "tiny-coder" as the schema's examples do: examples reach the worker,
-    # generated bodies mostly exercise the gateway's 400 and 404 paths.
-    with running_gateway(workers=[worker.base_url]) as gw:
+    # generated bodies mostly exercise the gateway's 400 and 404 paths. A short context
+    # bounds every generation (a body without max_tokens runs to the end of the context).
+    with (
+        running_worker(*worker_args(tiny_checkpoint, "--max-model-len", "96")) as worker,
+        running_gateway(workers=[worker.base_url]) as gw,
+    ):
         yield gw
 
 
