@@ -24,7 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stdlib", type=Path, default=None, help="corpus root (default: stdlib)")
     parser.add_argument("--max-files", type=int, default=None, help="smoke runs: first N files")
     parser.add_argument("--steps", type=int, default=None, help="override training steps")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    # One thread: on a shared CPU, extra intra-op threads mostly spin (measured: 2 threads
+    # ran 3-6x slower per step than 1 while other jobs were busy).
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes for a quick check")
     return parser
 

@@ -24,8 +24,8 @@ from engine.train.tokenizer_recipe import ENDOFTEXT, IM_END, load_tokenizer, tok
 
 @dataclass(frozen=True)
 class DistillConfig:
-    num_sequences: int = 640
-    prompt_len: int = 96
+    num_sequences: int = 2048
+    prompt_len: int = 128
     gen_len: int = 128
     chunk: int = 64  # sequences generated together (one batch, one saved chunk)
     chat_fraction: float = 0.2

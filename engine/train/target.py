@@ -36,8 +36,8 @@ class TargetConfig:
     rope_theta: float = 10000.0
     seq_len: int = 256
     batch_size: int = 16
-    chat_fraction: float = 0.1
-    loop: LoopConfig = field(default_factory=lambda: LoopConfig(steps=240, lr=3e-3, warmup=40))
+    chat_fraction: float = 0.2
+    loop: LoopConfig = field(default_factory=lambda: LoopConfig(steps=480, lr=3e-3, warmup=40))
 
     @classmethod
     def smoke(cls, steps: int = 3) -> TargetConfig:
