@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.errors import InvalidRequest
+from service.errors import InvalidRequest
 
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 

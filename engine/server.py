@@ -27,14 +27,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 
 from engine.config import WorkerSettings
-from engine.errors import (
-    AuthenticationFailed,
-    InvalidRequest,
-    PayloadTooLarge,
-    Unavailable,
-    from_validation_errors,
-    install_handlers,
-)
 from engine.metrics import EngineStatsView, WorkerMetrics
 from engine.protocol import ChatCompletionRequest, CompletionRequest
 from engine.responses import Formatter, metrics_object, usage
@@ -48,6 +40,14 @@ from engine.serving import (
     prompt_ids,
     sampling_params,
     stream_events,
+)
+from service.errors import (
+    AuthenticationFailed,
+    InvalidRequest,
+    PayloadTooLarge,
+    Unavailable,
+    from_validation_errors,
+    install_handlers,
 )
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def create_app(settings: WorkerSettings, engine: Engine | None = None) -> FastAP
 
     app = FastAPI(title="dflash-worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = state
-    install_handlers(app)
+    install_handlers(app, log)
     _add_routes(app, state)
     return app
 

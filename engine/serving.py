@@ -1,7 +1,7 @@
 """One request through the engine: prompt preparation, the output loop, disconnects, SSE.
 
 Kept apart from server.py (routes and lifecycle) so each reads in one screen. Everything
-a client can get wrong becomes a WorkerError here, before the engine sees the request.
+a client can get wrong becomes a ApiError here, before the engine sees the request.
 """
 
 from __future__ import annotations
@@ -14,19 +14,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
-from engine.errors import (
-    InternalError,
-    InvalidRequest,
-    ModelNotFound,
-    Unavailable,
-    WorkerError,
-    sse_error,
-)
 from engine.metrics import WorkerMetrics
 from engine.protocol import ChatCompletionRequest, CompletionRequest
 from engine.responses import SSE_DONE, Formatter, metrics_object, sse, usage
 from engine.scheduler import QueueFull, RequestRejected
 from engine.sequence import RequestOutput, SamplingParams
+from service.errors import (
+    ApiError,
+    InternalError,
+    InvalidRequest,
+    ModelNotFound,
+    Unavailable,
+)
 
 if TYPE_CHECKING:
     from engine.engine import Engine
@@ -227,10 +226,10 @@ async def stream_events(request: Request, run: Run, fmt: Formatter, req: AnyRequ
             yield sse(fmt.usage_chunk(use, metrics_object(last.metrics, level)))
     except ClientGone:
         return  # nobody to tell; `finally` has aborted the generation
-    except WorkerError as err:
-        yield sse_error(err)
+    except ApiError as err:
+        yield err.sse()
     except Exception:
-        yield sse_error(InternalError("internal error during generation; see the worker log"))
+        yield InternalError("internal error during generation; see the worker log").sse()
     finally:
         await run.close()
     yield SSE_DONE

@@ -13,10 +13,8 @@ from typing import Any
 import aiohttp
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import (
@@ -29,7 +27,7 @@ from service.api import (
     router,
 )
 from service.auth import ApiKeyAuth
-from service.errors import AuthenticationFailed, GatewayError, error_body, status_error_type
+from service.errors import ApiError, AuthenticationFailed, install_handlers, render
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy
@@ -69,7 +67,8 @@ class RequestContext:
             authorization = headers.get(b"authorization", b"").decode("latin-1")
             if not self.auth.allows(authorization):
                 error = AuthenticationFailed("Missing or invalid API key (Authorization: Bearer).")
-                await render(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send_with_id)
+                response = render(error, extra={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send_with_id)
                 return
         schema = self.fast.get(scope["path"])
         if schema is not None and scope["method"] == "POST":
@@ -83,39 +82,9 @@ class RequestContext:
             response: Response = await proxy_endpoint(
                 Request(scope, receive), schema, scope["path"]
             )
-        except GatewayError as error:
+        except ApiError as error:
             response = render(error)
         await response(scope, receive, send)
-
-
-def render(error: GatewayError, extra: dict[str, str] | None = None) -> JSONResponse:
-    headers = {**error.headers, **(extra or {})}
-    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    async def gateway_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, GatewayError)
-        return render(exc)
-
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, HTTPException)
-        body = error_body(str(exc.detail), status_error_type(exc.status_code), None, None)
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
-
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", exc_info=exc)
-        return JSONResponse(
-            error_body("Internal gateway error.", "internal_error"), status_code=500
-        )
-
-    app.add_exception_handler(GatewayError, gateway_error)
-    app.add_exception_handler(HTTPException, http_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(Exception, unexpected)
 
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
@@ -202,7 +171,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
     app.include_router(router)
-    install_error_handlers(app)
+    install_handlers(app, log)
     app.add_middleware(RequestContext, auth=auth)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

@@ -1,12 +1,23 @@
-"""One error hierarchy and one renderer: every error a client sees is an OpenAI error body."""
+"""One error hierarchy and one renderer, for the gateway and the embedded worker alike.
+
+Every error a client sees is an OpenAI error body `{"error": {"message", "type", "param",
+"code"}}` with the right status code and the request id. This module is torch-free, so the
+worker (engine/) imports it too; the gateway never imports engine/.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-class GatewayError(Exception):
+
+class ApiError(Exception):
     """An error rendered as `{"error": {"message", "type", "param", "code"}}`."""
 
     status_code = 500
@@ -31,19 +42,23 @@ class GatewayError(Exception):
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.error_type, self.param, self.code)
 
+    def sse(self) -> bytes:
+        """The error as one in-band SSE event (after the first streamed byte)."""
+        return _sse_of(self.message, self.error_type, self.code, self.param)
 
-class InvalidRequest(GatewayError):
+
+class InvalidRequest(ApiError):
     status_code = 400
     error_type = "invalid_request_error"
 
 
-class AuthenticationFailed(GatewayError):
+class AuthenticationFailed(ApiError):
     status_code = 401
     error_type = "invalid_request_error"
     code = "invalid_api_key"
 
 
-class NotFound(GatewayError):
+class NotFound(ApiError):
     status_code = 404
     error_type = "invalid_request_error"
     code = "not_found"
@@ -53,13 +68,34 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
-class PayloadTooLarge(GatewayError):
+class MethodNotAllowed(ApiError):
+    status_code = 405
+    error_type = "invalid_request_error"
+    code = "method_not_allowed"
+
+
+class PayloadTooLarge(ApiError):
     status_code = 413
     error_type = "invalid_request_error"
     code = "request_too_large"
 
 
-class UpstreamError(GatewayError):
+class Unavailable(ApiError):
+    """Not ready, draining, or full; the client may retry (Retry-After)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "unavailable"
+
+    def __init__(self, message: str, *, code: str | None = None, retry_after: int = 1) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after)})
+
+
+class InternalError(ApiError):
+    """A failure on our side; the process keeps serving."""
+
+
+class UpstreamError(ApiError):
     """A worker failed and no other worker could take the request."""
 
     status_code = 502
@@ -72,10 +108,18 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
-class NoHealthyWorker(GatewayError):
+class NoHealthyWorker(ApiError):
     status_code = 503
     error_type = "service_unavailable"
     code = "no_healthy_worker"
+
+
+class WorkersBusy(ApiError):
+    """Every worker tried answered 503 (its queue is full)."""
+
+    status_code = 503
+    error_type = "service_unavailable"
+    code = "workers_busy"
 
 
 def error_body(
@@ -84,24 +128,80 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def status_error_type(status: int) -> str:
-    """OpenAI-style error type for an HTTP status the framework produced (404, 405, ...)."""
-    if status == 401:
-        return "invalid_request_error"
-    if status < 500:
-        return "invalid_request_error"
-    return "internal_error"
-
-
 def sse_error_event(message: str, error_type: str, code: str | None) -> bytes:
-    """The final in-band event of a stream whose worker failed after the first byte."""
-    payload = json.dumps(error_body(message, error_type, None, code), separators=(",", ":"))
-    return b"data: " + payload.encode() + b"\n\ndata: [DONE]\n\n"
+    """The final in-band events of a stream whose worker failed after the first byte."""
+    return _sse_of(message, error_type, code) + b"data: [DONE]\n\n"
 
 
-class WorkersBusy(GatewayError):
-    """Every worker tried answered 503 (its queue is full)."""
+def _sse_of(message: str, error_type: str, code: str | None, param: str | None = None) -> bytes:
+    payload = json.dumps(error_body(message, error_type, param, code), separators=(",", ":"))
+    return b"data: " + payload.encode() + b"\n\n"
 
-    status_code = 503
-    error_type = "service_unavailable"
-    code = "workers_busy"
+
+def render(
+    err: ApiError, request_id: str | None = None, extra: dict[str, str] | None = None
+) -> JSONResponse:
+    headers = {**err.headers, **(extra or {})}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+
+
+def from_validation_errors(errors: list[Any]) -> InvalidRequest:
+    """pydantic's first complaint as a 400 naming the parameter (FastAPI would say 422)."""
+    if not errors:
+        return InvalidRequest("invalid request")
+    first = errors[0]
+    param = _param_path(first.get("loc", ())) or None
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_path(loc: Any) -> str:
+    """pydantic's loc as a client would write it: messages[0].role (union tags dropped)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and "[" not in str(part) and str(part) not in _UNION_TAGS:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def from_http_exception(exc: StarletteHTTPException) -> ApiError:
+    """The framework's own 404/405/413/... as one of ours, keeping its headers (Allow)."""
+    kind: type[ApiError] = {
+        404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge
+    }.get(exc.status_code, InvalidRequest if 400 <= exc.status_code < 500 else InternalError)
+    return kind(str(exc.detail), headers=dict(exc.headers or {}))
+
+
+def install_handlers(app: FastAPI, log: logging.Logger) -> None:
+    """Route every exception through `render` so clients only ever see OpenAI bodies."""
+
+    def rid(request: Request) -> str | None:
+        return getattr(request.state, "request_id", None)
+
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return render(exc, rid(request))
+
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        return render(from_validation_errors(list(exc.errors())), rid(request))
+
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return render(from_http_exception(exc), rid(request))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error", exc_info=exc)
+        return render(InternalError("internal error; see the server log"), rid(request))
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
+    app.add_exception_handler(Exception, on_unexpected)

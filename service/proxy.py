@@ -16,7 +16,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service.errors import (
-    GatewayError,
+    ApiError,
     NoHealthyWorker,
     UpstreamError,
     UpstreamTimeout,
@@ -95,7 +95,7 @@ async def send_body(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Send, error: GatewayError) -> None:
+async def send_error(send: Send, error: ApiError) -> None:
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
     await send_body(send, error.status_code, json.dumps(error.body()).encode(), headers)
@@ -148,7 +148,7 @@ class Proxy:
         outcome.status = error.status_code
         await send_error(send, error)
 
-    def _final_error(self, last: UpstreamFailure | None) -> GatewayError:
+    def _final_error(self, last: UpstreamFailure | None) -> ApiError:
         retry_after = {"Retry-After": str(self.settings.retry_after_s)}
         if last is None:
             return NoHealthyWorker("No healthy worker is available.", headers=retry_after)
