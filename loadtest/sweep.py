@@ -26,7 +26,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from loadtest.chat_stream import DEFAULT_PROMPTS, RequestRecord
 
@@ -238,21 +238,7 @@ def plot(
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     for name in dict.fromkeys(p.target for p in points):
-        curve = sorted(
-            (p for p in points if p.target == name and p.per_user_tok_s),
-            key=lambda p: p.concurrency,
-        )
-        xs = [p.per_user_tok_s or 0.0 for p in curve]
-        ys = [p.throughput_tok_s for p in curve]
-        ax.plot(xs, ys, marker="o", label=name)
-        for p in curve:
-            ax.annotate(
-                f"c={p.concurrency}",
-                (p.per_user_tok_s or 0, p.throughput_tok_s),
-                textcoords="offset points",
-                xytext=(4, 4),
-                fontsize=7,
-            )
+        _draw_curve(ax, [p for p in points if p.target == name and p.per_user_tok_s], name)
     if interactivity is not None:
         ax.axvline(interactivity, color="grey", linestyle=":", linewidth=1)
         for e in estimates:
@@ -266,6 +252,16 @@ def plot(
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _draw_curve(ax: Any, curve: list[Point], name: str) -> None:
+    """One target's points in concurrency order, each labelled with its concurrency."""
+    curve = sorted(curve, key=lambda p: p.concurrency)
+    xs = [p.per_user_tok_s or 0.0 for p in curve]
+    ax.plot(xs, [p.throughput_tok_s for p in curve], marker="o", label=name)
+    for x, p in zip(xs, curve, strict=True):
+        ax.annotate(f"c={p.concurrency}", (x, p.throughput_tok_s),
+                    textcoords="offset points", xytext=(4, 4), fontsize=7)  # fmt: skip
 
 
 @dataclass(frozen=True)
