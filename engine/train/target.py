@@ -2,8 +2,8 @@
 
 Sizing (2 shared CPU cores, ~25 min): hidden 256, 6 layers, 4 query / 2 KV heads of 64,
 SwiGLU 768, tied embeddings, vocab 4096: 5.8 M parameters. Alone on 2 cores this trains at
-~2-3 k tokens/s; on a busy shared machine one thread (no spinning) gets ~0.5-1 k tokens/s,
-so 240 steps x 16 x 256 tokens (~1 M tokens, half a pass over the corpus) fit the budget.
+~2-3 k tokens/s; on a busy shared machine one thread (no spinning) gets ~1-2 k tokens/s,
+so 480 steps x 16 x 256 tokens (~2 M tokens, about one pass over the corpus) fit the budget.
 Six layers against a two-layer drafter keep the draft cheap relative to a target forward,
 which is what makes speculation pay off on CPU too.
 """
