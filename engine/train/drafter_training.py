@@ -32,7 +32,7 @@ class DrafterTrainConfig:
     batch_seqs: int = 8
     blocks: BlockConfig = field(default_factory=BlockConfig)
     loop: LoopConfig = field(
-        default_factory=lambda: LoopConfig(steps=1500, lr=2e-3, warmup=100, weight_decay=0.01)
+        default_factory=lambda: LoopConfig(steps=3000, lr=2e-3, warmup=100, weight_decay=0.01)
     )
 
     @classmethod
