@@ -16,7 +16,8 @@ help:
 	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
 	@echo "make test    - set up and run the whole test suite"
 	@echo "make lint    - ruff + mypy"
-	@echo "make bench   - engine, gateway and sweep benchmarks (tables + JSON under bench-results/)"
+	@echo "make bench   - engine and gateway benchmarks (tables + JSON under bench-results/);"
+	@echo "               the DFlash-vs-plain sweep needs running pools: see loadtest/README.md"
 	@echo "make train   - re-train the bundled tiny-coder target and DFlash drafter"
 
 setup: $(DEPS_STAMP)
@@ -56,7 +57,7 @@ lint: setup
 	$(VENV)/bin/mypy
 
 bench: setup
-	$(VENV)/bin/dflash-bench engine
+	$(VENV)/bin/dflash-bench engine --json bench-results/engine.json
 	$(VENV)/bin/dflash-bench gateway
 
 train: setup
