@@ -110,15 +110,24 @@ def hostport(url: str) -> str:
     return url.removeprefix("http://")
 
 
-def wait_for_scrapes(prometheus: str, job: str, after: float, count: int = 2) -> None:
-    """Bounded wait until `job` has been scraped `count` times after `after` (unix time)."""
+def wait_for_scrapes(
+    prometheus: str, job: str, after: float, targets: int = 1, count: int = 2
+) -> None:
+    """Bounded wait until each of `job`'s `targets` has been scraped SUCCESSFULLY (up == 1)
+    at least `count` times after `after` (unix time). A scrape that timed out on a busy
+    machine also moves `up`'s timestamp, but leaves the target's own series out."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        result = query(prometheus, f'timestamp(up{{job="{job}"}})')
-        if result and min(float(r["value"][1]) for r in result) > after + count - 1:
+        stamps = query(prometheus, f'timestamp(up{{job="{job}"}})')
+        ups = query(prometheus, f'up{{job="{job}"}}')
+        if (
+            len(stamps) == targets
+            and all(float(r["value"][1]) == 1 for r in ups)
+            and min(float(r["value"][1]) for r in stamps) > after + count - 1
+        ):
             return
         time.sleep(0.25)
-    raise TimeoutError(f"{job} not scraped {count} times after {after}")
+    raise TimeoutError(f"{job}: {targets} targets not scraped {count} times after {after}")
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +168,7 @@ def stack(
         traffic(client, streams=1, unary=1)  # every series exists before the measured phase
         now = time.time()
         wait_for_scrapes(prometheus, "gateway", now)
-        wait_for_scrapes(prometheus, "worker", now)
+        wait_for_scrapes(prometheus, "worker", now, targets=2)
         doomed.process.send_signal(signal.SIGKILL)
         doomed.process.wait(timeout=10)
         # Two at once: least-outstanding routing sends one to the dead worker, which fails
