@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from engine.jsonfile import read_json_object
+
 ASSETS_DIR = Path(__file__).resolve().parent / "assets" / "tiny-coder"
 BUNDLED_TARGET = ASSETS_DIR / "target"
 BUNDLED_DRAFTER = ASSETS_DIR / "dflash"
@@ -145,15 +147,7 @@ def _check_backend_fields(s: WorkerSettings) -> None:
 def _read_config(path: str) -> dict[str, Any] | None:
     """A checkpoint folder's config.json, or None when `path` is not a local folder."""
     file = Path(path) / "config.json"
-    if not file.is_file():
-        return None
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{file}: not readable JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"{file}: not a JSON object")
-    return data
+    return read_json_object(file) if file.is_file() else None
 
 
 def _is_local(path: str) -> bool:

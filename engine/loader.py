@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from engine.drafter import DFlashDrafter, DrafterConfig
+from engine.jsonfile import read_json_object
 from engine.model import Qwen3Target, TargetConfig
 
 WEIGHTS = "model.safetensors"
@@ -24,14 +25,10 @@ class CheckpointError(ValueError):
 
 
 def read_config(path: Path) -> dict[str, Any]:
-    file = Path(path) / "config.json"
     try:
-        raw = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {file}: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file} is not a JSON object")
-    return raw
+        return read_json_object(Path(path) / "config.json")
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
