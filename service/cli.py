@@ -4,13 +4,10 @@ defaults; SIGTERM drains (flip /ready, wait shutdown_delay_s, finish in-flight r
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import math
-import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import uvicorn
@@ -18,6 +15,7 @@ from pydantic import ValidationError
 
 from service.api import GatewayState
 from service.app import create_app
+from service.http import DrainingServer, run_servers
 from service.settings import GatewaySettings
 
 log = logging.getLogger("dflash.gateway")
@@ -53,8 +51,9 @@ def settings_from_args(argv: Sequence[str] | None) -> GatewaySettings:
     return GatewaySettings(**overrides)
 
 
-class GatewayServer(uvicorn.Server):
-    """uvicorn server whose signals are handled by `serve_all` (several servers, one drain)."""
+class GatewayServer(DrainingServer):
+    """One gateway under uvicorn: SIGTERM flips /ready to 503, then after shutdown_delay_s
+    the listener closes and in-flight requests finish."""
 
     def __init__(self, settings: GatewaySettings) -> None:
         app = create_app(settings)
@@ -67,57 +66,12 @@ class GatewayServer(uvicorn.Server):
             timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s),  # 0: no wait
             lifespan="on",
         )
-        super().__init__(config)
         self.settings = settings
         self.state: GatewayState = app.state.gateway
+        super().__init__(config, self._begin_drain, settings.shutdown_delay_s)
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
-async def serve_all(
-    servers: Sequence[GatewayServer], on_started: Callable[[], None] | None = None
-) -> None:
-    """Serve until SIGINT/SIGTERM; the first signal drains gracefully, a second forces exit.
-    `on_started` runs once every server listens."""
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-
-    def on_signal() -> None:
-        if stopping.is_set():
-            for server in servers:
-                server.force_exit = True
-        stopping.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-
-    async def drain() -> None:
-        await stopping.wait()
-        for server in servers:
-            server.state.draining = True  # /ready now says 503
-        delay = max(server.settings.shutdown_delay_s for server in servers)
-        log.info("draining: /ready is 503; stopping in %.1fs", delay)
-        await asyncio.sleep(delay)
-        for server in servers:
-            server.should_exit = True
-
-    async def announce() -> None:
-        # uvicorn offers a `started` flag, not an event: poll it.
-        while not all(server.started for server in servers):  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        if on_started is not None:
-            on_started()
-
-    drainer, announcer = asyncio.create_task(drain()), asyncio.create_task(announce())
-    try:
-        await asyncio.gather(*(server.serve() for server in servers))
-    finally:
-        drainer.cancel()
-        announcer.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    def _begin_drain(self) -> None:
+        self.state.draining = True  # /ready now says 503
 
 
 def configure_logging(level: str) -> None:
@@ -143,14 +97,6 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(settings.log_level)
     run_servers([GatewayServer(settings)])
     return 0
-
-
-def run_servers(
-    servers: Sequence[GatewayServer], on_started: Callable[[], None] | None = None
-) -> None:
-    """Run on uvicorn's preferred loop (uvloop when installed) until drained."""
-    with asyncio.Runner(loop_factory=servers[0].config.get_loop_factory()) as runner:
-        runner.run(serve_all(servers, on_started))
 
 
 if __name__ == "__main__":
