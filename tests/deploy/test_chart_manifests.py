@@ -187,8 +187,7 @@ def test_worker_drain_fits_in_the_grace_period(preset: str) -> None:
     docs = rendered(preset)
     pod, c = worker_pod(docs), container(docs, "StatefulSet")
     sleep = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-    flag = "--drain-timeout" if preset == "embedded" else "--shutdown-timeout"
-    drain = int(c["args"][c["args"].index(flag) + 1])
+    drain = int(c["args"][c["args"].index("--drain-timeout") + 1])
     assert sleep > 0 and drain > 0
     assert pod["terminationGracePeriodSeconds"] > sleep + drain
 

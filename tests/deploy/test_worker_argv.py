@@ -61,7 +61,8 @@ def test_dry_run_gives_the_vllm_command(preset: str) -> None:
     assert flag(argv, "--served-model-name") == "qwen3-8b-dflash"
     assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "8000"
     assert flag(argv, "--per-request-spec-decode-metrics") == "summary"
-    assert "--enable-force-include-usage" in argv and "--enable-per-request-metrics" in argv
+    assert "--enable-per-request-metrics" in argv and "--enable-force-include-usage" not in argv
+    assert flag(argv, "--shutdown-timeout") is not None
     rendered = worker_command(VLLM_PRESETS[preset])
     for name in (
         "--max-num-seqs",
@@ -69,10 +70,11 @@ def test_dry_run_gives_the_vllm_command(preset: str) -> None:
         "--gpu-memory-utilization",
         "--dtype",
         "--tensor-parallel-size",
-        "--shutdown-timeout",
         "--seed",
     ):
         assert flag(argv, name) == flag(rendered, name), name
+    # The chart's drain (both backends) is what vLLM gets as its shutdown timeout.
+    assert flag(argv, "--shutdown-timeout") == flag(rendered, "--drain-timeout")
 
 
 def test_tensor_parallel_and_extra_args_pass_through() -> None:

@@ -122,12 +122,10 @@ app.kubernetes.io/component: {{ .component }}
 - {{ int .Values.worker.port | quote }}
 - --per-request-spec-decode-metrics
 - {{ .Values.worker.perRequestSpecDecodeMetrics | quote }}
-{{- if include "dflash.embedded" . }}
+{{- /* Both backends: dflash-worker passes it to vLLM as --shutdown-timeout. */}}
 - --drain-timeout
 - {{ int .Values.worker.shutdownTimeoutSeconds | quote }}
-{{- else }}
-- --shutdown-timeout
-- {{ int .Values.worker.shutdownTimeoutSeconds | quote }}
+{{- if not (include "dflash.embedded" .) }}
 {{- range .Values.worker.extraArgs }}
 - {{ . | quote }}
 {{- end }}
