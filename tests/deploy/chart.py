@@ -29,6 +29,8 @@ COMPOSE_SELECTORS = (
     'monitoring.alerts.workerSelector="job=\\"worker\\""',
 )
 DASHBOARD_FILE = CHART / "dashboards" / "dflash-serving.json"
+# chart-testing's convention: every file here is rendered, linted and validated by the tests.
+CI_VALUES = tuple(sorted(f"ci/{p.name}" for p in (CHART / "ci").glob("*-values.yaml")))
 MONITORING_APIS = (
     "monitoring.coreos.com/v1/ServiceMonitor",
     "monitoring.coreos.com/v1/PodMonitor",
