@@ -176,7 +176,9 @@ def test_label_key_override_and_own_node_affinity() -> None:
         sets=("worker.gpu.nodeLabelKey=kubernetes.azure.com/accelerator",),
         set_json=('worker.gpu.nodeLabelValues=["nvidia"]', "worker.spreadAcrossNodes=false"),
     )
-    exprs = worker_pod(aks)["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    exprs = worker_pod(aks)["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
     assert exprs["nodeSelectorTerms"][0]["matchExpressions"][0]["key"] == (
         "kubernetes.azure.com/accelerator"
     )
@@ -213,9 +215,13 @@ def test_model_cache_per_pod_options() -> None:
     volumes, env = volume_and_env(rendered("default"))
     assert volumes["model-cache"] == {"name": "model-cache", "emptyDir": {"sizeLimit": "200Gi"}}
     assert env["HF_HOME"] == "/cache/huggingface" and "HF_HUB_OFFLINE" not in env
-    docs = render(sets=("worker.modelCache.type=ephemeral", "worker.modelCache.storageClassName=ssd"))
+    docs = render(
+        sets=("worker.modelCache.type=ephemeral", "worker.modelCache.storageClassName=ssd")
+    )
     claim = volume_and_env(docs)[0]["model-cache"]["ephemeral"]["volumeClaimTemplate"]["spec"]
-    assert claim["storageClassName"] == "ssd" and claim["resources"]["requests"]["storage"] == "200Gi"
+    assert (
+        claim["storageClassName"] == "ssd" and claim["resources"]["requests"]["storage"] == "200Gi"
+    )
     # No volumeClaimTemplates: size and class changes are pod-template changes, never a
     # rejected `helm upgrade`.
     assert not [d for d in docs if d["kind"] in {"StatefulSet", "PersistentVolumeClaim"}]
@@ -379,7 +385,11 @@ def test_network_policy_admits_only_the_gateway_and_monitoring() -> None:
     # Multi-node: the pods of a group also reach each other (vLLM's rendezvous and NCCL).
     lws_policy = find(rendered("ci/multinode-lws-values.yaml"), "NetworkPolicy")["spec"]
     own = lws_policy["ingress"][0]["from"][1]["podSelector"]["matchExpressions"]
-    assert {"key": "app.kubernetes.io/component", "operator": "In", "values": ["worker", "worker-node"]} in own
+    assert {
+        "key": "app.kubernetes.io/component",
+        "operator": "In",
+        "values": ["worker", "worker-node"],
+    } in own
 
 
 RESTRICTED_EXEMPT = {"ci/gpu-operator-b300-values.yaml"}  # hostPath cache: Pod Security baseline
