@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from service.api import (
 )
 from service.auth import ApiKeyAuth
 from service.errors import ApiError, AuthenticationFailed, install_handlers, render
+from service.http import valid_request_id
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy
@@ -35,7 +35,6 @@ from service.schemas import ChatCompletionRequest, CompletionRequest
 from service.settings import GatewaySettings
 
 log = logging.getLogger("dflash.gateway")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 class RequestContext:
@@ -54,7 +53,7 @@ class RequestContext:
         scope[STARTED_KEY] = time.perf_counter()
         headers = dict(scope["headers"])
         given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        request_id = valid_request_id(given) or uuid.uuid4().hex
         scope[REQUEST_ID_KEY] = request_id
         rid = request_id.encode()
 

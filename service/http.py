@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import signal
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -20,6 +21,13 @@ from service.errors import InvalidRequest, PayloadTooLarge
 log = logging.getLogger("dflash.http")
 
 SSE_DONE = b"data: [DONE]\n\n"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def valid_request_id(given: str | None) -> str | None:
+    """A client's X-Request-Id when it is safe to log and echo (short, plain characters),
+    else None: the caller then makes its own."""
+    return given if given is not None and _REQUEST_ID.match(given) else None
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

@@ -229,7 +229,7 @@ LONG_PROMPT = "word " * 2000
         (CHAT, {"messages": HI, "top_p": 1.5}, 400, "top_p"),
         (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-        (CHAT, {"messages": HI, "max_tokens": MAX_LEN}, 400, "max_tokens"),
+        (CHAT, {"messages": HI, "max_tokens": MAX_LEN + 1}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "n": 3}, 400, "n"),
         (CHAT, {"messages": HI, "logprobs": True}, 400, "logprobs"),
         (CHAT, {"messages": HI, "stop": [""]}, 400, "stop"),
@@ -495,3 +495,41 @@ async def test_a_model_that_fails_to_load_is_fatal(ckpt: TinyCheckpoint, tmp_pat
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
         r = await c.get("/health")
     assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
+
+
+def test_vllm_defaults_and_ids(worker: AppHandle) -> None:
+    """As vLLM: completions default to 16 tokens; the client's X-Request-Id becomes the body
+    id; stop_reason says which stop string or stop token ended the answer."""
+    headers = {**AUTH, "X-Request-Id": "trace-42"}
+    body = {"prompt": "def f(x):", "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{worker.base_url}{COMP}", headers=headers, json=body, timeout=30).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["id"] == "cmpl-trace-42"
+    assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["stop_reason"] is None
+    text = r["choices"][0]["text"]
+    stop = text[3:5]
+    r = httpx.post(
+        f"{worker.base_url}{COMP}", headers=AUTH, json={**body, "stop": [stop]}, timeout=30
+    ).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == stop
+
+
+def test_chat_stream_opens_with_a_role_chunk_then_the_first_token_alone(
+    worker: AppHandle,
+) -> None:
+    body = {
+        "messages": HI,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{worker.base_url}{CHAT}", headers=AUTH, json=body, timeout=30) as r:
+        events = sse_payloads(r.iter_lines())
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    first = events[1]["choices"][0]
+    assert first["finish_reason"] is None
+    # The first token is sent on its own, straight after the prompt is processed.
+    assert events[1]["usage"]["completion_tokens"] == 1
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8
+    assert events[-1] == "[DONE]"
