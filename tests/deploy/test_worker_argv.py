@@ -61,7 +61,13 @@ def worker_command(
 def dry_run(values: tuple[str, ...], sets: tuple[str, ...] = (), role: str = "single") -> list[str]:
     """The real CLI, as the container runs it: `dflash-worker <args> --dry-run`."""
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.worker.cli", *worker_command(values, sets, role), "--dry-run"],
+        [
+            sys.executable,
+            "-m",
+            "engine.worker.cli",
+            *worker_command(values, sets, role),
+            "--dry-run",
+        ],
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import openai
@@ -25,7 +27,7 @@ import pytest
 from tests.deploy.chart import DASHBOARD_FILE, RULES_FILE
 from tests.deploy.promql import dashboard_targets, substitute_grafana_vars
 from tests.deploy.stack import finite_values, query, running_gateway, running_prometheus
-from tests.fixtures.worker import ROOT, WorkerHandle, metric, running_worker, scrape
+from tests.fixtures.worker import ROOT, WorkerHandle, free_port, metric, running_worker, scrape
 
 pytestmark = pytest.mark.vllm
 
@@ -374,3 +376,53 @@ def test_sigterm_drains_a_vllm_worker_with_streams_in_flight(backends: Backends)
         assert events[-1] == "[DONE]", events[-3:]
         assert events[-2]["usage"]["completion_tokens"] == 200
     assert backends.vllm.process.wait(timeout=60) is not None
+
+
+def announcement(out: IO[str]) -> str:
+    """dflash-serve's "OpenAI base URL" line, past its "still loading" reports and vLLM's
+    log, which share the stream (bounded)."""
+    for _ in range(20_000):
+        line = out.readline()
+        if not line or "OpenAI base URL" in line:
+            return line
+    raise AssertionError("no announcement")
+
+
+def _readme_vllm_command() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    lines = [ln for ln in text.splitlines() if "dflash-serve --backend vllm" in ln]
+    assert lines and "--port 8000" in lines[0], lines
+    return lines[0].split()
+
+
+def test_readme_dflash_serve_backend_vllm(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The README's command, as written but on free ports: real vLLM behind the gateway."""
+    port, worker_port = free_port(), free_port()
+    argv = [a if a != "8000" else str(port) for a in _readme_vllm_command()]
+    argv[0] = str(ROOT / argv[0])
+    argv += ["--worker-port", str(worker_port), "--worker-arg=--dtype=float32"]
+    env = {**os.environ, "DFLASH_VLLM_BIN": str(VLLM_BIN), "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        announced = announcement(proc.stdout)
+        assert f"http://127.0.0.1:{port}/v1" in announced and "vllm worker" in announced
+        reply = sdk(f"http://127.0.0.1:{port}").chat.completions.create(
+            **chat("def add(a, b):", max_tokens=8, temperature=0)
+        )
+        assert reply.choices[0].message.content
+        assert httpx.get(f"http://127.0.0.1:{worker_port}/version", timeout=10).status_code == 200
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
