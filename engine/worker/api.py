@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from engine.errors import QueueFull, RequestRejected
 from engine.sequence import SamplingParams
+from engine.worker.fields import check_fields
 from engine.worker.generate import ClientGone, Run, collect, finish_reason, stream_events
 from engine.worker.responses import Formatter, metrics_object, usage
 from engine.worker.schemas import AnyRequest, ChatCompletionRequest, CompletionRequest
@@ -178,7 +179,7 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     _, payload = await read_json(request, state.settings.max_body_bytes)
     req = _parse(kind, payload)
     _check_model(req, state.settings.model_name)
-    req.refuse_unsupported()
+    check_fields(payload, "chat" if is_chat else "completion")
     run = _start(engine, state, req, request_id)
     fmt = Formatter("chat" if is_chat else "completion", request_id, state.settings.model_name)
     headers = {"X-Request-Id": request.state.request_id}

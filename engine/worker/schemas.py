@@ -1,12 +1,12 @@
 """The request bodies the embedded worker accepts: the gateway's own models
 (service/schemas.py: the same strict types, the same 400s) plus the fields only the worker
-reads. Fields the embedded engine cannot honour are refused with a 400 naming them, never
-silently dropped.
+reads. Which fields are honoured and which refused (with a 400 naming them, never silently
+dropped) is fields.py.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -24,13 +24,6 @@ class _WorkerFields(gateway.SamplingFields):
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # torch's int64
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    logprobs: Any = None
-
-    def refuse_unsupported(self) -> None:
-        if self.n is not None and self.n != 1:
-            raise InvalidRequest("n: only n == 1 is supported by this worker", param="n")
-        if self.logprobs not in (None, False):
-            raise InvalidRequest("logprobs: not supported by this worker", param="logprobs")
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -82,12 +75,7 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
 
 
 class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
-    suffix: str | None = None
-
     def single_prompt(self) -> str | list[int]:
-        if self.echo or self.suffix:
-            name = "echo" if self.echo else "suffix"
-            raise InvalidRequest(f"{name}: not supported by this worker", param=name)
         prompt = self.prompt
         if isinstance(prompt, str):
             return prompt

@@ -43,13 +43,6 @@ def test_as_strict_as_the_gateway(field: str, value: Any) -> None:
     assert err.value.param is not None and err.value.param.startswith(field)
 
 
-def test_refused_fields_name_themselves() -> None:
-    for field, value in [("n", 2), ("logprobs", True)]:
-        with pytest.raises(InvalidRequest) as err:
-            chat(**{field: value}).refuse_unsupported()
-        assert err.value.param == field
-
-
 def test_messages_flatten_text_parts_and_refuse_others() -> None:
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     req = chat(messages=[{"role": "developer", "content": parts}])

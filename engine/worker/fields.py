@@ -1,0 +1,205 @@
+"""Every field of vLLM's chat and completion requests, and what the embedded worker does with
+it: honoured exactly, or refused with a 400 naming the field and saying why. Nothing is
+accepted and silently ignored.
+
+A refused field is accepted only with a value that asks for nothing (its "off" value, e.g.
+`logprobs: false`, `n: 1`), so clients that send defaults keep working. The gateway passes
+every field through untouched: a vLLM worker gets them all. A field that is in neither
+vLLM's requests nor OpenAI's is unknown: a 400 as well (vLLM ignores those; we do not).
+`tests/engine/worker/test_fields.py` checks this table against real vLLM's request models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from service.errors import InvalidRequest
+
+VLLM_BACKEND = "the vLLM backend supports it"
+
+
+@dataclass(frozen=True)
+class Refused:
+    off: tuple[Any, ...]  # values that ask for nothing (None always does)
+    example: Any  # a value that asks for something (for the tests)
+    why: str
+
+
+# Read by the worker and honoured exactly (the endpoint's own fields: ENDPOINT_FIELDS).
+HONOURED = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "ignore_eos",
+        "stream",
+        "stream_options",
+        "user",  # `user`: an end-user id for the caller's own records
+        "n",  # 1 only: see REFUSED_VALUES
+        # No prefix cache is shared between requests here, so every salt is honoured.
+        "cache_salt",
+    }
+)
+
+_SAMPLING = "not supported by the embedded engine yet; " + VLLM_BACKEND
+_NO_TOOLS = "the embedded engine has no tool-call parser; " + VLLM_BACKEND
+_NO_MM = "the bundled models are text-only"
+_OUTPUTS = "the embedded engine does not return it; " + VLLM_BACKEND
+
+REFUSED: dict[str, Refused] = {
+    # Sampling and logits processing.
+    "logprobs": Refused((False, 0), True, _SAMPLING),
+    "top_logprobs": Refused((0,), 2, _SAMPLING),
+    "prompt_logprobs": Refused((0,), 1, _SAMPLING),
+    "logprob_token_ids": Refused(([],), [1], _SAMPLING),
+    "frequency_penalty": Refused((0,), 0.5, _SAMPLING),
+    "presence_penalty": Refused((0,), 0.5, _SAMPLING),
+    "repetition_penalty": Refused((1,), 1.2, _SAMPLING),
+    "length_penalty": Refused((1,), 0.5, "only beam search uses it; beam search is not offered"),
+    "logit_bias": Refused(({},), {"5": 10}, _SAMPLING),
+    "min_p": Refused((0,), 0.1, _SAMPLING),
+    "min_tokens": Refused((0,), 4, _SAMPLING),
+    "bad_words": Refused(([],), ["def"], _SAMPLING),
+    "allowed_token_ids": Refused((), [5, 6], _SAMPLING),
+    "use_beam_search": Refused((False,), True, "beam search is not offered"),
+    "echo": Refused((False,), True, _OUTPUTS),
+    "suffix": Refused(("",), "x", "the bundled models have no fill-in-the-middle template"),
+    "include_stop_str_in_output": Refused((False,), True, _OUTPUTS),
+    "skip_special_tokens": Refused((True,), False, _OUTPUTS),
+    "spaces_between_special_tokens": Refused((True,), False, _OUTPUTS),
+    "return_token_ids": Refused((False,), True, _OUTPUTS),
+    "return_token_offsets": Refused((False,), True, _OUTPUTS),
+    "return_prompt_text": Refused((False,), True, _OUTPUTS),
+    "return_tokens_as_token_ids": Refused((False,), True, _OUTPUTS),
+    "stream_interval": Refused((1,), 4, _OUTPUTS),
+    "truncate_prompt_tokens": Refused((), 16, "prompts are never truncated: a 400 says so"),
+    "truncation_side": Refused((), "left", "prompts are never truncated: a 400 says so"),
+    "priority": Refused((0,), 1, "the embedded scheduler serves in arrival order"),
+    # Structured output and tools.
+    "response_format": Refused(({"type": "text"},), {"type": "json_object"}, _SAMPLING),
+    "structured_outputs": Refused(({},), {"json": {"type": "object"}}, _SAMPLING),
+    "tools": Refused(([],), [{"type": "function", "function": {"name": "f"}}], _NO_TOOLS),
+    "tool_choice": Refused(("none",), "required", _NO_TOOLS),
+    "parallel_tool_calls": Refused((True, False), None, _NO_TOOLS),  # moot without tools
+    "reasoning_effort": Refused((), "high", "the bundled models do not reason"),
+    "include_reasoning": Refused((True, False), None, "moot: no reasoning parser"),
+    "thinking_token_budget": Refused((), 64, "the bundled models do not reason"),
+    # Chat template controls.
+    "add_generation_prompt": Refused((True,), False, _SAMPLING),
+    "continue_final_message": Refused((False,), True, _SAMPLING),
+    "add_special_tokens": Refused((False,), True, _SAMPLING),
+    "chat_template": Refused((), "{{ messages }}", "custom chat templates are not accepted"),
+    "chat_template_kwargs": Refused(({},), {"enable_thinking": True}, _SAMPLING),
+    "documents": Refused(([],), [{"text": "x"}], "the bundled chat template takes no documents"),
+    # Multimodal inputs.
+    "mm_processor_kwargs": Refused(({},), {"x": 1}, _NO_MM),
+    "media_io_kwargs": Refused(({},), {"x": 1}, _NO_MM),
+    "mm_payload": Refused((), {"x": 1}, _NO_MM),
+    "return_mm_kwargs": Refused((False,), True, _NO_MM),
+    "prompt_embeds": Refused((), "AAAA", "prompts are text or token ids"),
+    # vLLM-internal plumbing.
+    "request_id": Refused((), "r-1", "send it as the X-Request-Id header"),
+    "session_id": Refused((), "s-1", "vLLM-only routing plumbing"),
+    "kv_transfer_params": Refused(({},), {"x": 1}, "no disaggregated prefill here"),
+    "ec_transfer_params": Refused(({},), {"x": 1}, "no disaggregated prefill here"),
+    "routed_experts_prompt_start": Refused((), 1, "the bundled models have no experts"),
+    "repetition_detection": Refused((), {"x": 1}, _SAMPLING),
+    "vllm_xargs": Refused(({},), {"x": 1}, "vLLM-only extension arguments"),
+    "watermarking": Refused((), {"x": 1}, _SAMPLING),
+    # OpenAI's own fields that vLLM does not model.
+    "store": Refused((False,), True, "nothing is stored"),
+    "metadata": Refused(({},), {"k": "v"}, "nothing is stored"),
+    "service_tier": Refused(("auto", "default"), "flex", "one service tier"),
+    "modalities": Refused((["text"],), ["audio"], _NO_MM),
+    "audio": Refused((), {"voice": "x"}, _NO_MM),
+    "prediction": Refused((), {"type": "content", "content": "x"}, _SAMPLING),
+    "functions": Refused(([],), [{"name": "f"}], _NO_TOOLS),
+    "function_call": Refused(("none",), "auto", _NO_TOOLS),
+}
+
+# Fields of one endpoint only: elsewhere they are unknown.
+ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
+    "chat": frozenset({"messages", "max_completion_tokens"}),
+    "completion": frozenset({"prompt"}),
+}
+# Where an endpoint's own default differs (vLLM's completions add special tokens).
+ENDPOINT_OFF: dict[tuple[str, str], tuple[Any, ...]] = {
+    ("completion", "add_special_tokens"): (True,),
+}
+CHAT_ONLY = frozenset(
+    {
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "reasoning_effort",
+        "include_reasoning",
+        "top_logprobs",
+        "functions",
+        "function_call",
+        "modalities",
+        "audio",
+        "prediction",
+        "store",
+        "metadata",
+    }
+)
+COMPLETION_ONLY = frozenset({"suffix", "prompt_embeds"})
+
+# Honoured fields that take only some values here.
+REFUSED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "only n == 1 is supported by the embedded engine yet; " + VLLM_BACKEND),
+}
+
+
+def _asks_nothing(value: Any, off: tuple[Any, ...]) -> bool:
+    # 0 == False and 1 == True in Python: compare with types, so `logprobs: 1` is refused.
+    return (
+        value is None
+        or any(type(value) is type(o) and value == o for o in off)
+        or (
+            isinstance(value, int | float)
+            and not isinstance(value, bool)
+            and any(
+                isinstance(o, int | float) and not isinstance(o, bool) and value == o for o in off
+            )
+        )
+    )
+
+
+def _known(name: str, endpoint: str) -> bool:
+    other = "completion" if endpoint == "chat" else "chat"
+    if name in ENDPOINT_FIELDS[other] or name in (
+        COMPLETION_ONLY if endpoint == "chat" else CHAT_ONLY
+    ):
+        return False
+    return name in HONOURED or name in REFUSED or name in ENDPOINT_FIELDS[endpoint]
+
+
+def check_fields(payload: dict[str, Any], endpoint: str) -> None:
+    """400 for the first field the embedded worker cannot honour as asked."""
+    for name, value in payload.items():
+        if not _known(name, endpoint):
+            raise InvalidRequest(
+                f"{name}: unknown field for this endpoint (not an OpenAI or vLLM request field)",
+                param=name,
+            )
+        if name in REFUSED_VALUES:
+            allowed, why = REFUSED_VALUES[name]
+            if not _asks_nothing(value, allowed):
+                raise InvalidRequest(f"{name}: {why}", param=name)
+        elif name in REFUSED:
+            rule = REFUSED[name]
+            off = ENDPOINT_OFF.get((endpoint, name), rule.off)
+            if not _asks_nothing(value, off):
+                raise InvalidRequest(f"{name}: {rule.why}", param=name)
