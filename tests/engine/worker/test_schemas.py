@@ -76,8 +76,6 @@ def test_one_prompt_in_any_shape(prompt: Any, expected: Any) -> None:
     [
         {"prompt": ["a", "b"]},
         {"prompt": [[1], [2]]},
-        {"prompt": "x", "echo": True},
-        {"prompt": "x", "suffix": "y"},
     ],
 )
 def test_what_a_single_prompt_worker_refuses(body: dict[str, Any]) -> None:
