@@ -193,6 +193,10 @@ class Tokenizer:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (vLLM's `token_strs`)."""
+        return [self._tok.id_to_token(i) or "" for i in ids]
+
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         if self._template is None:
             raise ValueError("this tokenizer has no chat_template")

@@ -9,19 +9,27 @@ where engine exceptions become HTTP errors.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from engine.errors import QueueFull, RequestRejected
 from engine.sequence import SamplingParams
 from engine.worker.fields import check_fields
 from engine.worker.generate import ClientGone, Run, collect, finish_reason, stream_events
 from engine.worker.responses import Formatter, metrics_object, usage
-from engine.worker.schemas import AnyRequest, ChatCompletionRequest, CompletionRequest
+from engine.worker.schemas import (
+    AnyRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from service.errors import (
     AuthenticationFailed,
     ClientClosedRequest,
@@ -37,6 +45,13 @@ if TYPE_CHECKING:
     from engine.worker.app import WorkerState
 
 router = APIRouter()
+
+
+def package_version() -> str:
+    try:
+        return dist_version("dflash-serving")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        return "unknown"
 
 
 def worker(request: Request) -> WorkerState:
@@ -72,6 +87,54 @@ async def models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [card]}
 
 
+@router.get("/v1/models/{model_id:path}")
+async def model(request: Request, model_id: str) -> dict[str, Any]:
+    state = worker(request)
+    _check_key(state, request)
+    card = (await models(request))["data"][0]
+    if model_id != card["id"]:
+        raise ModelNotFound(f"The model `{model_id}` does not exist.", param="model")
+    return dict(card)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": package_version()}
+
+
+@router.post("/tokenize")
+async def tokenize(request: Request) -> dict[str, Any]:
+    state = worker(request)
+    engine = _admit(state, request)
+    _, payload = await read_json(request, state.settings.max_body_bytes)
+    req = _parse_model(TokenizeRequest, payload)
+    _check_model(req, state.settings.model_name)
+    tok = engine.tokenizer
+    if req.messages is not None:
+        ids = list(tok.apply_chat_template(req.template_messages()))
+    else:
+        ids = list(tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
+    return {
+        "count": len(ids),
+        "max_model_len": engine.max_model_len,
+        "tokens": ids,
+        "token_strs": tok.token_strings(ids) if req.return_token_strs else None,
+    }
+
+
+@router.post("/detokenize")
+async def detokenize(request: Request) -> dict[str, str]:
+    state = worker(request)
+    engine = _admit(state, request)
+    _, payload = await read_json(request, state.settings.max_body_bytes)
+    req = _parse_model(DetokenizeRequest, payload)
+    _check_model(req, state.settings.model_name)
+    vocab = engine.engine.vocab_size
+    if any(t >= vocab for t in req.tokens):
+        raise InvalidRequest(f"tokens: token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": engine.tokenizer.decode(req.tokens)}
+
+
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(worker(request).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -101,14 +164,21 @@ def _admit(state: WorkerState, request: Request) -> AsyncEngine:
     return state.engine
 
 
-def _parse(kind: type[AnyRequest], payload: dict[str, Any]) -> AnyRequest:
+M = TypeVar("M", bound=BaseModel)
+
+
+def _parse_model(kind: type[M], payload: dict[str, Any]) -> M:
     try:
         return kind.model_validate(payload)
     except ValidationError as exc:
         raise from_validation_errors(list(exc.errors())) from None
 
 
-def _check_model(req: AnyRequest, served: str) -> None:
+def _parse(kind: type[AnyRequest], payload: dict[str, Any]) -> AnyRequest:
+    return _parse_model(kind, payload)
+
+
+def _check_model(req: AnyRequest | TokenizeRequest | DetokenizeRequest, served: str) -> None:
     if req.model is not None and req.model != served:
         raise ModelNotFound(
             f"The model `{req.model}` does not exist (this worker serves `{served}`).",

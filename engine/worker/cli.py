@@ -33,11 +33,18 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--api-key", str, "require this bearer token on /v1/*"),
     ("--device", str, "embedded only: torch device (default cpu)"),
     ("--max-waiting", int, "embedded only: waiting-queue bound; beyond it requests get 503"),
-    ("--drain-timeout", float, "seconds in-flight requests get after SIGTERM (vLLM: "
-     "--shutdown-timeout)"),
+    (
+        "--drain-timeout",
+        float,
+        "seconds in-flight requests get after SIGTERM (vLLM: --shutdown-timeout)",
+    ),
     ("--max-body-bytes", int, "embedded only: largest request body accepted (413 beyond)"),
-    ("--vllm-bin", str, "vllm only: the `vllm` executable (env DFLASH_VLLM_BIN; default: PATH, "
-     "then .venv-vllm-cpu/ from `make vllm-env`)"),
+    (
+        "--vllm-bin",
+        str,
+        "vllm only: the `vllm` executable (env DFLASH_VLLM_BIN; default: PATH, "
+        "then .venv-vllm-cpu/ from `make vllm-env`)",
+    ),
 )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service import schemas as gateway
 from service.errors import InvalidRequest
@@ -92,3 +92,30 @@ class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
 
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt or chat messages (as the chat template renders
+    them, with the assistant turn opened)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[gateway.ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [_flatten(i, m) for i, m in enumerate(self.messages or [])]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

@@ -533,3 +533,34 @@ def test_chat_stream_opens_with_a_role_chunk_then_the_first_token_alone(
     assert events[1]["usage"]["completion_tokens"] == 1
     assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8
     assert events[-1] == "[DONE]"
+
+
+def test_models_retrieve_version_tokenize_detokenize(
+    client: openai.OpenAI, worker: AppHandle
+) -> None:
+    assert client.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    version = httpx.get(f"{worker.base_url}/version", timeout=10).json()["version"]
+    assert version and version != "unknown"
+    base, post = worker.base_url, httpx.Client(headers=AUTH, timeout=30).post
+    tok = post(
+        f"{base}/tokenize", json={"prompt": "def add(a, b):", "return_token_strs": True}
+    ).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) > 0
+    assert tok["max_model_len"] == MAX_LEN
+    back = post(f"{base}/detokenize", json={"tokens": tok["tokens"]}).json()
+    assert back["prompt"] == "def add(a, b):"
+    chat_ids = post(f"{base}/tokenize", json={"messages": HI}).json()
+    reply = client.chat.completions.create(model=NAME, messages=HI, max_tokens=1)  # type: ignore[arg-type]
+    assert reply.usage is not None and chat_ids["count"] == reply.usage.prompt_tokens
+    for path, body in [
+        ("/tokenize", {}),
+        ("/tokenize", {"prompt": "x", "messages": HI}),
+        ("/detokenize", {"tokens": [10**9]}),
+        ("/detokenize", {"tokens": "x"}),
+        ("/tokenize", {"prompt": "x", "extra": 1}),
+    ]:
+        r = post(f"{base}{path}", json=body)
+        assert r.status_code == 400 and r.json()["error"]["message"], (path, body, r.text)
+    assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401
