@@ -9,6 +9,7 @@ where engine exceptions become HTTP errors.
 from __future__ import annotations
 
 import uuid
+from dataclasses import replace
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as dist_version
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,8 +22,16 @@ from pydantic import BaseModel, ValidationError
 from engine.errors import QueueFull, RequestRejected
 from engine.sequence import SamplingParams
 from engine.worker.fields import check_fields
-from engine.worker.generate import ClientGone, Run, collect, finish_reason, stream_events
-from engine.worker.responses import Formatter, metrics_object, usage
+from engine.worker.generate import (
+    Choice,
+    ClientGone,
+    Run,
+    choices_usage,
+    collect,
+    finish_reason,
+    stream_events,
+)
+from engine.worker.responses import Formatter, metrics_object
 from engine.worker.schemas import (
     AnyRequest,
     ChatCompletionRequest,
@@ -186,19 +195,28 @@ def _check_model(req: AnyRequest | TokenizeRequest | DetokenizeRequest, served: 
         )
 
 
-def _prompt_ids(engine: AsyncEngine, req: AnyRequest) -> list[int]:
+def _prompts(engine: AsyncEngine, req: AnyRequest) -> list[tuple[list[int], str]]:
+    """Each prompt of the request as (token ids, its text for `echo`)."""
     tok = engine.tokenizer
     if isinstance(req, ChatCompletionRequest):
         try:
-            return list(tok.apply_chat_template(req.template_messages()))
+            return [(list(tok.apply_chat_template(req.template_messages())), "")]
         except InvalidRequest:
             raise
         except Exception as exc:  # the template's own raise_exception, jinja errors
             raise InvalidRequest(
                 f"messages: rejected by the chat template: {exc}", param="messages"
             ) from None
-    prompt = req.single_prompt()
-    return list(tok.encode(prompt)) if isinstance(prompt, str) else prompt
+    out: list[tuple[list[int], str]] = []
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            out.append((list(tok.encode(prompt)), prompt))
+        else:
+            vocab = engine.engine.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):  # decode() below needs real ids
+                raise InvalidRequest(f"prompt: token ids must be in [0, {vocab})", param="prompt")
+            out.append((prompt, tok.decode(prompt)))
+    return out
 
 
 # OpenAI's and vLLM's default for completions; chat runs to the context limit.
@@ -221,22 +239,39 @@ def _sampling_params(req: AnyRequest) -> SamplingParams:
     )
 
 
-def _start(engine: AsyncEngine, state: WorkerState, req: AnyRequest, request_id: str) -> Run:
-    """Admit the request into the engine now: refusals are 400/503 before any byte."""
+def _refusal(req: AnyRequest, exc: RequestRejected) -> InvalidRequest:
+    param = exc.param
+    if param == "max_tokens":
+        param = req.max_tokens_field()[0]
+    elif param == "prompt" and isinstance(req, ChatCompletionRequest):
+        param = "messages"
+    return InvalidRequest(exc.message, param=param, code=exc.code)
+
+
+async def _start(
+    engine: AsyncEngine, state: WorkerState, req: AnyRequest, request_id: str
+) -> list[Choice]:
+    """Admit every choice (n per prompt) into the engine now: refusals are 400/503 before
+    any byte, and a refusal withdraws the choices already admitted."""
     params = _sampling_params(req)
-    run = Run(engine, state.metrics, request_id)
+    n = req.n or 1
+    choices: list[Choice] = []
     try:
-        run.start(_prompt_ids(engine, req), params)
-    except QueueFull as exc:
-        raise Unavailable(f"the worker is full: {exc}", code="queue_full") from None
-    except RequestRejected as exc:
-        param = exc.param
-        if param == "max_tokens":
-            param = req.max_tokens_field()[0]
-        elif param == "prompt" and isinstance(req, ChatCompletionRequest):
-            param = "messages"
-        raise InvalidRequest(exc.message, param=param, code=exc.code) from None
-    return run
+        for i, (ids, text) in enumerate(_prompts(engine, req)):
+            for j in range(n):
+                # n samples of one prompt must differ; a seed keeps them reproducible.
+                seeded = params if params.seed is None else replace(params, seed=params.seed + j)
+                run = Run(engine, state.metrics, request_id)
+                run.start(ids, seeded)
+                echo = text if isinstance(req, CompletionRequest) and req.echo else ""
+                choices.append(Choice(i * n + j, run, echo, len(ids), j == 0))
+    except (QueueFull, RequestRejected) as exc:
+        for choice in choices:
+            await choice.run.close()
+        if isinstance(exc, QueueFull):
+            raise Unavailable(f"the worker is full: {exc}", code="queue_full") from None
+        raise _refusal(req, exc) from None
+    return choices
 
 
 async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]) -> Response:
@@ -250,21 +285,27 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     req = _parse(kind, payload)
     _check_model(req, state.settings.model_name)
     check_fields(payload, "chat" if is_chat else "completion")
-    run = _start(engine, state, req, request_id)
+    choices = await _start(engine, state, req, request_id)
     fmt = Formatter("chat" if is_chat else "completion", request_id, state.settings.model_name)
     headers = {"X-Request-Id": request.state.request_id}
     level = state.settings.per_request_spec_decode_metrics
     if req.stream:
         force_usage = state.settings.enable_force_include_usage
-        body = stream_events(request, run, fmt, req, level, force_usage)
+        body = stream_events(request, choices, fmt, req, level, force_usage)
         return StreamingResponse(body, media_type="text/event-stream", headers=headers)
     try:
-        text, last = await collect(request, run)
+        finals = await collect(request, choices)
     except ClientGone:
         raise ClientClosedRequest("the client closed the connection") from None
     finally:
-        await run.close()
-    use = usage(last.num_prompt_tokens, last.num_output_tokens)
-    body_metrics = metrics_object(last.metrics, level, stream=False)
-    payload = fmt.response(text, finish_reason(last), last.stop_reason, use, body_metrics)
-    return JSONResponse(payload, headers=headers)
+        for choice in choices:
+            await choice.run.close()
+    bodies = [
+        fmt.choice(c.index, c.echo + text, finish_reason(last), last.stop_reason)
+        for c, (text, last) in zip(choices, finals, strict=True)
+    ]
+    use = choices_usage(choices, [last for _, last in finals])
+    # Per-request metrics describe one sequence: only for a single choice, as vLLM.
+    single = finals[0][1].metrics if len(choices) == 1 else None
+    body_metrics = None if single is None else metrics_object(single, level, stream=False)
+    return JSONResponse(fmt.response(bodies, use, body_metrics), headers=headers)

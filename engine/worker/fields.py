@@ -41,7 +41,7 @@ HONOURED = frozenset(
         "stream",
         "stream_options",
         "user",  # `user`: an end-user id for the caller's own records
-        "n",  # 1 only: see REFUSED_VALUES
+        "n",
         # No prefix cache is shared between requests here, so every salt is honoured.
         "cache_salt",
     }
@@ -68,7 +68,7 @@ REFUSED: dict[str, Refused] = {
     "bad_words": Refused(([],), ["def"], _SAMPLING),
     "allowed_token_ids": Refused((), [5, 6], _SAMPLING),
     "use_beam_search": Refused((False,), True, "beam search is not offered"),
-    "echo": Refused((False,), True, _OUTPUTS),
+    "echo": Refused((False,), True, "chat echo is not offered; completions echo the prompt"),
     "suffix": Refused(("",), "x", "the bundled models have no fill-in-the-middle template"),
     "include_stop_str_in_output": Refused((False,), True, _OUTPUTS),
     "skip_special_tokens": Refused((True,), False, _OUTPUTS),
@@ -126,7 +126,7 @@ REFUSED: dict[str, Refused] = {
 # Fields of one endpoint only: elsewhere they are unknown.
 ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
     "chat": frozenset({"messages", "max_completion_tokens"}),
-    "completion": frozenset({"prompt"}),
+    "completion": frozenset({"prompt", "echo"}),
 }
 # Where an endpoint's own default differs (vLLM's completions add special tokens).
 ENDPOINT_OFF: dict[tuple[str, str], tuple[Any, ...]] = {
@@ -156,11 +156,6 @@ CHAT_ONLY = frozenset(
 )
 COMPLETION_ONLY = frozenset({"suffix", "prompt_embeds"})
 
-# Honoured fields that take only some values here.
-REFUSED_VALUES: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "only n == 1 is supported by the embedded engine yet; " + VLLM_BACKEND),
-}
-
 
 def _asks_nothing(value: Any, off: tuple[Any, ...]) -> bool:
     # 0 == False and 1 == True in Python: compare with types, so `logprobs: 1` is refused.
@@ -178,12 +173,11 @@ def _asks_nothing(value: Any, off: tuple[Any, ...]) -> bool:
 
 
 def _known(name: str, endpoint: str) -> bool:
-    other = "completion" if endpoint == "chat" else "chat"
-    if name in ENDPOINT_FIELDS[other] or name in (
-        COMPLETION_ONLY if endpoint == "chat" else CHAT_ONLY
-    ):
+    if name in HONOURED or name in ENDPOINT_FIELDS[endpoint]:
+        return True
+    if name in (COMPLETION_ONLY if endpoint == "chat" else CHAT_ONLY):
         return False
-    return name in HONOURED or name in REFUSED or name in ENDPOINT_FIELDS[endpoint]
+    return name in REFUSED  # the other endpoint's own fields are unknown here
 
 
 def check_fields(payload: dict[str, Any], endpoint: str) -> None:
@@ -194,11 +188,9 @@ def check_fields(payload: dict[str, Any], endpoint: str) -> None:
                 f"{name}: unknown field for this endpoint (not an OpenAI or vLLM request field)",
                 param=name,
             )
-        if name in REFUSED_VALUES:
-            allowed, why = REFUSED_VALUES[name]
-            if not _asks_nothing(value, allowed):
-                raise InvalidRequest(f"{name}: {why}", param=name)
-        elif name in REFUSED:
+        if name in HONOURED or name in ENDPOINT_FIELDS[endpoint]:
+            continue
+        if name in REFUSED:
             rule = REFUSED[name]
             off = ENDPOINT_OFF.get((endpoint, name), rule.off)
             if not _asks_nothing(value, off):

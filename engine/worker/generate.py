@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
@@ -115,55 +116,102 @@ def finish_reason(out: RequestOutput) -> str:
     return out.finish_reason
 
 
+@dataclass
+class Choice:
+    """One sequence of a request: n per prompt, one or more prompts."""
+
+    index: int  # the choice's index in the response
+    run: Run
+    echo: str  # text that goes before the completion (the prompt, with `echo`)
+    prompt_tokens: int
+    counts_prompt: bool  # the first choice of its prompt: its prompt counts in usage
+
+
+def choices_usage(choices: list[Choice], lasts: list[RequestOutput | None]) -> dict[str, int]:
+    """vLLM's usage for several choices: each prompt counted once, every completion."""
+    prompt = sum(c.prompt_tokens for c in choices if c.counts_prompt)
+    completion = sum(o.num_output_tokens for o in lasts if o is not None)
+    return usage(prompt, completion)
+
+
 async def _text(run: Run) -> tuple[str, RequestOutput]:
     parts = [out.text_delta async for out in run.outputs()]
     assert run.last is not None
     return "".join(parts), run.last
 
 
-async def collect(request: Request, run: Run) -> tuple[str, RequestOutput]:
-    """The whole text and the final output; ClientGone when the client leaves first."""
-    return await guard_disconnect(request, _text(run))
+async def collect(request: Request, choices: list[Choice]) -> list[tuple[str, RequestOutput]]:
+    """Every choice's whole text and final output; ClientGone when the client leaves first."""
+    work = asyncio.gather(*(_text(c.run) for c in choices))
+    return await guard_disconnect(request, work)
 
 
-async def _outputs_watching_the_client(request: Request, run: Run) -> AsyncIterator[RequestOutput]:
-    # The first output may wait for a free slot: a client that leaves meanwhile is noticed
-    # here (afterwards, the next write to its socket fails and closes this stream).
-    yield await guard_disconnect(request, run.next())
-    async for out in run.outputs():
-        yield out
-
-
-async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    yield first
-    async for item in rest:
-        yield item
+async def _merged(
+    request: Request, choices: list[Choice]
+) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    """The choices' outputs as they come, interleaved. The first wait may be for a free
+    slot: a client that leaves meanwhile is noticed (afterwards, the next write to its socket
+    fails and closes this stream)."""
+    pending = {asyncio.ensure_future(c.run.next()): c for c in choices}
+    first = True
+    try:
+        while pending:
+            wait = asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await (guard_disconnect(request, wait) if first else wait)
+            first = False
+            for task in done:
+                choice = pending.pop(task)
+                out = task.result()
+                if not out.finished:
+                    pending[asyncio.ensure_future(choice.run.next())] = choice
+                yield choice, out
+    finally:
+        # Cancelled reads must end before the runs close: an engine stream cannot be
+        # closed while a read of it is still under way.
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
 async def stream_events(
-    request: Request, run: Run, fmt: Formatter, req: AnyRequest, level: str, force_usage: bool
+    request: Request,
+    choices: list[Choice],
+    fmt: Formatter,
+    req: AnyRequest,
+    level: str,
+    force_usage: bool,
 ) -> AsyncIterator[bytes]:
-    """SSE body: content chunks, the usage chunk with `metrics`, then [DONE]."""
+    """SSE body: per choice a role chunk (chat) and its content chunks, interleaved; then the
+    usage chunk (with `metrics` for a single choice) when asked; then [DONE]."""
     opts = req.stream_options
     include_usage = force_usage or bool(opts and opts.include_usage)
     continuous = force_usage or bool(include_usage and opts and opts.continuous_usage_stats)
+    opened: set[int] = set()
+    lasts: dict[int, RequestOutput] = {}
     try:
-        outputs = _outputs_watching_the_client(request, run)
-        first = await anext(outputs)
-        if fmt.endpoint == "chat":
-            yield sse_event(fmt.role_chunk())
-        async for out in _prepend(first, outputs):
-            if not out.text_delta and not out.finished:
+        async for choice, out in _merged(request, choices):
+            lasts[choice.index] = out
+            prefix = ""
+            if choice.index not in opened:
+                opened.add(choice.index)
+                prefix = choice.echo
+                if fmt.endpoint == "chat":
+                    yield sse_event(fmt.role_chunk(choice.index))
+            if not (prefix or out.text_delta or out.finished):
                 continue
             reason = finish_reason(out) if out.finished else None
-            chunk: dict[str, Any] = fmt.chunk(out.text_delta, reason, out.stop_reason)
+            chunk: dict[str, Any] = fmt.chunk(
+                prefix + out.text_delta, reason, out.stop_reason, choice.index
+            )
             if continuous:
-                chunk["usage"] = usage(out.num_prompt_tokens, out.num_output_tokens)
+                chunk["usage"] = choices_usage(choices, [lasts.get(c.index) for c in choices])
             yield sse_event(chunk)
-        last = run.last
-        if include_usage and last is not None:
-            use = usage(last.num_prompt_tokens, last.num_output_tokens)
-            yield sse_event(fmt.usage_chunk(use, metrics_object(last.metrics, level, stream=True)))
+        if include_usage:
+            use = choices_usage(choices, [lasts.get(c.index) for c in choices])
+            single = lasts[choices[0].index].metrics if len(choices) == 1 else None
+            body_metrics = None if single is None else metrics_object(single, level, stream=True)
+            yield sse_event(fmt.usage_chunk(use, body_metrics))
     except ClientGone:
         return  # nobody to tell; `finally` has aborted the generation
     except ApiError as err:
@@ -173,5 +221,6 @@ async def stream_events(
         yield InternalError("internal error during generation; see the worker log").sse()
         return
     finally:
-        await run.close()
+        for choice in choices:
+            await choice.run.close()
     yield SSE_DONE

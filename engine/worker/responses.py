@@ -81,40 +81,44 @@ class Formatter:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def role_chunk(self) -> dict[str, Any]:
-        """A chat stream's opening chunk, sent once the prompt is processed (as vLLM's)."""
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
+        """A chat choice's opening chunk, sent once its prompt is processed (as vLLM's)."""
         delta = {"role": "assistant", "content": ""}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return {**self._head("chat.completion.chunk"), "choices": [choice]}
 
     def chunk(
-        self, text: str, finish_reason: str | None, stop_reason: str | int | None = None
+        self,
+        text: str,
+        finish_reason: str | None,
+        stop_reason: str | int | None = None,
+        index: int = 0,
     ) -> dict[str, Any]:
         ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
         if self.endpoint == "chat":
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, **ends}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": None, **ends}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, **ends}
+        choice = {"index": index, "text": text, "logprobs": None, **ends}
         return {**self._head("text_completion"), "choices": [choice]}
 
-    def usage_chunk(self, use: dict[str, int], metrics: dict[str, Any]) -> dict[str, Any]:
+    def usage_chunk(self, use: dict[str, int], metrics: dict[str, Any] | None) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": use, "metrics": metrics}
+        extra = {} if metrics is None else {"metrics": metrics}
+        return {**self._head(obj), "choices": [], "usage": use, **extra}
 
-    def response(
-        self,
-        text: str,
-        finish_reason: str,
-        stop_reason: str | int | None,
-        use: dict[str, int],
-        metrics: dict[str, Any],
+    def choice(
+        self, index: int, text: str, finish_reason: str, stop_reason: str | int | None
     ) -> dict[str, Any]:
+        """One choice of a whole response."""
         ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
         if self.endpoint == "chat":
             message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "logprobs": None, **ends}
-            head = self._head("chat.completion")
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, **ends}
-            head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": use, "metrics": metrics}
+            return {"index": index, "message": message, "logprobs": None, **ends}
+        return {"index": index, "text": text, "logprobs": None, **ends}
+
+    def response(
+        self, choices: list[dict[str, Any]], use: dict[str, int], metrics: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        obj = "chat.completion" if self.endpoint == "chat" else "text_completion"
+        extra = {} if metrics is None else {"metrics": metrics}
+        return {**self._head(obj), "choices": choices, "usage": use, **extra}

@@ -75,20 +75,19 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
 
 
 class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of a request, each a string or token ids (a batch: several)."""
         prompt = self.prompt
         if isinstance(prompt, str):
-            return prompt
-        if len(prompt) > 1 and not isinstance(prompt[0], int):
-            raise InvalidRequest(
-                "prompt: batched prompts are not supported; send one", param="prompt"
-            )
-        first = prompt[0]
-        if isinstance(first, str):
-            return first
-        if isinstance(first, list):
-            return list(first)
-        return [int(t) for t in prompt]  # type: ignore[arg-type]
+            return [prompt]
+        out: list[str | list[int]] = []
+        ids: list[int] = []  # a flat list of token ids is one prompt
+        for item in prompt:
+            if isinstance(item, int):
+                ids.append(item)
+            else:
+                out.append(item if isinstance(item, str) else list(item))
+        return [ids] if ids else out
 
 
 AnyRequest = ChatCompletionRequest | CompletionRequest

@@ -54,6 +54,7 @@ class _Refusing:
         raise self.error
 
 
+@pytest.mark.anyio
 @pytest.mark.parametrize(
     ("body", "engine_param", "client_param"),
     [
@@ -62,23 +63,24 @@ class _Refusing:
         ({"prompt": [1, 2], "max_tokens": 9}, "max_tokens", "max_tokens"),
     ],
 )
-def test_refusals_name_the_clients_field(
+async def test_refusals_name_the_clients_field(
     body: dict[str, Any], engine_param: str, client_param: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     kind = ChatCompletionRequest if "messages" in body else CompletionRequest
     req = kind.model_validate(body)
     engine = _Refusing(RequestRejected("too long", engine_param, "context_length_exceeded"))
     state: Any = type("S", (), {"metrics": None})()
-    monkeypatch.setattr(api, "_prompt_ids", lambda e, r: [1, 2])  # no tokenizer needed
+    monkeypatch.setattr(api, "_prompts", lambda e, r: [([1, 2], "")])  # no tokenizer needed
     with pytest.raises(InvalidRequest) as err:
-        api._start(engine, state, req, "id")  # type: ignore[arg-type]
+        await api._start(engine, state, req, "id")  # type: ignore[arg-type]
     assert err.value.param == client_param and err.value.code == "context_length_exceeded"
 
 
-def test_a_full_engine_is_503(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(api, "_prompt_ids", lambda e, r: [1])
+@pytest.mark.anyio
+async def test_a_full_engine_is_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "_prompts", lambda e, r: [([1], "")])
     req = CompletionRequest.model_validate({"prompt": "x"})
     state: Any = type("S", (), {"metrics": None})()
     with pytest.raises(Unavailable) as err:
-        api._start(_Refusing(QueueFull("full")), state, req, "id")  # type: ignore[arg-type]
+        await api._start(_Refusing(QueueFull("full")), state, req, "id")  # type: ignore[arg-type]
     assert err.value.code == "queue_full" and err.value.headers["Retry-After"]

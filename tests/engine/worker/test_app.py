@@ -183,8 +183,8 @@ def test_models_health_and_request_id(client: openai.OpenAI, worker: AppHandle) 
 
 
 def test_sdk_errors_are_typed(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError, match="n == 1"):
-        client.chat.completions.create(model=NAME, messages=HI, n=2)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model=NAME, messages=HI, logit_bias={"5": 3})
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=HI)
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
@@ -230,7 +230,7 @@ LONG_PROMPT = "word " * 2000
         (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
         (CHAT, {"messages": HI, "max_tokens": MAX_LEN + 1}, 400, "max_tokens"),
-        (CHAT, {"messages": HI, "n": 3}, 400, "n"),
+        (CHAT, {"messages": HI, "n": 0}, 400, "n"),
         (CHAT, {"messages": HI, "logprobs": True}, 400, "logprobs"),
         (CHAT, {"messages": HI, "stop": [""]}, 400, "stop"),
         (CHAT, {"messages": HI, "seed": 2**70}, 400, "seed"),
@@ -244,7 +244,7 @@ LONG_PROMPT = "word " * 2000
         (COMP, {"prompt": LONG_PROMPT}, 400, "prompt"),
         (COMP, {"prompt": ""}, 400, "prompt"),
         (COMP, {"prompt": [10**9]}, 400, "prompt"),
-        (COMP, {"prompt": ["a", "b"]}, 400, "prompt"),
+        (COMP, {"prompt": ["a", 1]}, 400, "prompt"),
         (COMP, {"prompt": 5}, 400, "prompt"),
     ],
 )
@@ -564,3 +564,63 @@ def test_models_retrieve_version_tokenize_detokenize(
         r = post(f"{base}{path}", json=body)
         assert r.status_code == 400 and r.json()["error"]["message"], (path, body, r.text)
     assert httpx.post(f"{base}/tokenize", json={"prompt": "x"}, timeout=10).status_code == 401
+
+
+def _post(worker: AppHandle, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{worker.base_url}{path}", headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_n_choices_and_batched_prompts(worker: AppHandle) -> None:
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = {
+        p: _post(worker, COMP, {"prompt": p, **greedy})["choices"][0]["text"]
+        for p in ("def a(", "class B:")
+    }
+    both = _post(worker, COMP, {"prompt": ["def a(", "class B:"], "n": 2, **greedy})
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in both["choices"]] == [alone["def a("]] * 2 + [alone["class B:"]] * 2
+    assert both["usage"]["completion_tokens"] == 4 * 6
+    single = _post(worker, COMP, {"prompt": "def a(", **greedy})["usage"]["prompt_tokens"]
+    assert both["usage"]["prompt_tokens"] > single  # both prompts, each counted once
+    assert "metrics" not in both  # per-request metrics describe one sequence (as vLLM)
+    sampled = {"messages": HI, "n": 3, "max_tokens": 8, "temperature": 1.0, "seed": 7}
+    first, again = _post(worker, CHAT, sampled), _post(worker, CHAT, sampled)
+    texts = [c["message"]["content"] for c in first["choices"]]
+    assert texts == [c["message"]["content"] for c in again["choices"]]  # seeded
+    assert len(set(texts)) > 1  # the n samples differ
+
+
+def test_echo_and_a_stream_of_several_choices(worker: AppHandle) -> None:
+    body = {"prompt": "def a(", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    plain = _post(worker, COMP, body)["choices"][0]["text"]
+    echoed = _post(worker, COMP, {**body, "echo": True})["choices"][0]["text"]
+    assert echoed == "def a(" + plain
+    stream = {
+        "messages": HI,
+        "n": 2,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", f"{worker.base_url}{CHAT}", headers=AUTH, json=stream, timeout=60
+    ) as r:
+        events = sse_payloads(r.iter_lines())
+    texts = {0: "", 1: ""}
+    roles = []
+    for e in events[:-2]:
+        choice = e["choices"][0]
+        if "role" in choice["delta"]:
+            roles.append(choice["index"])
+        texts[choice["index"]] += choice["delta"].get("content", "")
+    whole = _post(
+        worker, CHAT, {k: v for k, v in stream.items() if k not in ("stream", "stream_options")}
+    )
+    assert sorted(roles) == [0, 1]
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert events[-2]["usage"]["completion_tokens"] == 10 and "metrics" not in events[-2]

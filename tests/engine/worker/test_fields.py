@@ -38,7 +38,7 @@ def test_a_refused_field_is_400_naming_it_unless_it_asks_nothing(name: str) -> N
 @pytest.mark.parametrize(
     ("payload", "endpoint", "param"),
     [
-        ({"n": 2}, "chat", "n"),
+        ({"echo": True}, "chat", "echo"),
         ({"logprobs": 1}, "completion", "logprobs"),  # not the same as false
         ({"prompt": "x"}, "chat", "prompt"),  # another endpoint's field
         ({"messages": []}, "completion", "messages"),

@@ -86,9 +86,12 @@ def test_usage_and_bodies() -> None:
     assert end["delta"] == {"content": "b"} and end["stop_reason"] == "##"
     final = chat.usage_chunk(usage(1, 2), {"x": 1})
     assert final["choices"] == [] and final["metrics"] == {"x": 1}
-    body = Formatter("completion", "id-2", "m").response("t", "length", None, usage(1, 1), {})
+    fmt = Formatter("completion", "id-2", "m")
+    body = fmt.response([fmt.choice(0, "t", "length", None)], usage(1, 1), {})
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "t"
-    assert body["choices"][0]["stop_reason"] is None
+    assert body["choices"][0]["stop_reason"] is None and body["metrics"] == {}
+    several = fmt.response([fmt.choice(i, "t", "stop", "\n") for i in (0, 1)], usage(1, 2), None)
+    assert [c["index"] for c in several["choices"]] == [0, 1] and "metrics" not in several
 
 
 def _request_metrics() -> RequestMetrics:

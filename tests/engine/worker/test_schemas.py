@@ -68,16 +68,10 @@ def test_max_completion_tokens_wins_in_chat() -> None:
 )
 def test_one_prompt_in_any_shape(prompt: Any, expected: Any) -> None:
     req = CompletionRequest.model_validate({"prompt": prompt})
-    assert req.single_prompt() == expected
+    assert req.prompts() == [expected]
 
 
-@pytest.mark.parametrize(
-    "body",
-    [
-        {"prompt": ["a", "b"]},
-        {"prompt": [[1], [2]]},
-    ],
-)
-def test_what_a_single_prompt_worker_refuses(body: dict[str, Any]) -> None:
-    with pytest.raises(InvalidRequest):
-        CompletionRequest.model_validate(body).single_prompt()
+def test_batched_prompts() -> None:
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompts() == ["a", "b"]
+    batch = CompletionRequest.model_validate({"prompt": [[1], [2, 3]]})
+    assert batch.prompts() == [[1], [2, 3]]
