@@ -32,8 +32,9 @@ class KVCache:
         self.num_slots = num_slots
         self.lengths = [0] * num_slots
 
-    def write(self, layer: int, slots: Tensor, positions: Tensor, valid: Tensor,
-              k: Tensor, v: Tensor) -> None:
+    def write(
+        self, layer: int, slots: Tensor, positions: Tensor, valid: Tensor, k: Tensor, v: Tensor
+    ) -> None:
         """Store k/v [b, kv_heads, t, d] of rows `slots` [b] at `positions` [b, t] where `valid`."""
         rows = slots[:, None].expand_as(positions)[valid]  # [n] slot of each valid token
         pos = positions[valid]  # [n]

@@ -98,8 +98,9 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q [b, h, t, d], k/v [b, kv_h, s, d], mask bool [b, 1, t, s] -> [b, t, hidden]."""
         # enable_gqa: query head h reads kv head h // (heads / kv_heads), without copying K/V
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
+        )
         b, _, t, _ = out.shape
         # [b, h, t, d] -> [b, t, h * d]
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)

@@ -30,8 +30,7 @@ class RowSampling:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-def probabilities(logits: Tensor, temperature: float, top_k: int = 0,
-                  top_p: float = 1.0) -> Tensor:
+def probabilities(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     """logits [n, vocab] -> float32 probabilities [n, vocab] after temperature, then top-k
     (ties at the k-th value are kept), then top-p (smallest prefix of the sorted
     distribution whose mass reaches top_p), renormalised."""

@@ -30,6 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the text
 
     def __post_init__(self) -> None:
         # Callers often hand in lists (JSON); keep the object hashable and immutable.
@@ -232,7 +233,7 @@ class Sequence:
         if not hits:
             return False
         at, stop = min(hits)
-        self.text = self.text[:at]
+        self.text = self.text[: at + len(stop) if self.params.include_stop_str_in_output else at]
         self.stop_reason = stop
         return True
 

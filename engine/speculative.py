@@ -28,9 +28,19 @@ from engine.kv_cache import SlotCaches
 from engine.model import Qwen3Target
 from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
 
-__all__ = ["DecodeRow", "PrefillRow", "RowResult", "RowSampling", "SpecState",
-           "accept_greedy", "accept_sampled", "prefill", "release", "row_probabilities",
-           "spec_step"]
+__all__ = [
+    "DecodeRow",
+    "PrefillRow",
+    "RowResult",
+    "RowSampling",
+    "SpecState",
+    "accept_greedy",
+    "accept_sampled",
+    "prefill",
+    "release",
+    "row_probabilities",
+    "spec_step",
+]
 
 
 @dataclass(frozen=True)
@@ -64,19 +74,32 @@ class SpecState:
     device: torch.device
 
     @classmethod
-    def create(cls, target: Qwen3Target, drafter: DFlashDrafter | None, max_num_seqs: int,
-               max_model_len: int, block_size: int, device: torch.device | str,
-               dtype: torch.dtype) -> SpecState:
+    def create(
+        cls,
+        target: Qwen3Target,
+        drafter: DFlashDrafter | None,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> SpecState:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         active = drafter if block_size > 1 else None
         size = block_size if active is not None else 1
         capacity = max_model_len + size  # a step near the limit never overflows
         target_cache = target.new_cache(max_num_seqs, capacity, device, dtype)
-        draft_cache = None if active is None else active.new_cache(
-            max_num_seqs, capacity, device, dtype)
-        return cls(target=target, drafter=active, caches=SlotCaches(target_cache, draft_cache),
-                   block_size=size, device=torch.device(device))
+        draft_cache = (
+            None if active is None else active.new_cache(max_num_seqs, capacity, device, dtype)
+        )
+        return cls(
+            target=target,
+            drafter=active,
+            caches=SlotCaches(target_cache, draft_cache),
+            block_size=size,
+            device=torch.device(device),
+        )
 
     def layer_ids(self) -> list[int]:
         return [] if self.drafter is None else list(self.drafter.config.target_layer_ids)
@@ -97,8 +120,9 @@ def _choose(logits: Tensor, sampling: RowSampling) -> int:
     return sample(row_probabilities(logits[None], sampling)[0], sampling.generator)
 
 
-def _prompt_batch(rows: list[PrefillRow], starts: list[int]
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prompt_batch(
+    rows: list[PrefillRow], starts: list[int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Right-padded ids, positions, valid [b, width] and the last index [b, 1]."""
     lengths = [len(r.token_ids) for r in rows]
     if min(lengths) < 1:
@@ -106,7 +130,7 @@ def _prompt_batch(rows: list[PrefillRow], starts: list[int]
     width = max(lengths)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
+        ids[i, : lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
     offsets = torch.arange(width)[None, :]  # [1, width]
     lens = torch.tensor(lengths)[:, None]  # [b, 1]
     valid = offsets < lens  # [b, width]
@@ -124,8 +148,9 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
     starts = [state.caches.target.length(r.slot) for r in rows]
     ids, positions, valid, last = (t.to(dev) for t in _prompt_batch(rows, starts))
     slots = torch.tensor([r.slot for r in rows], device=dev)
-    out = state.target(ids, positions, valid, state.caches.target, slots,
-                       state.layer_ids(), logit_index=last)
+    out = state.target(
+        ids, positions, valid, state.caches.target, slots, state.layer_ids(), logit_index=last
+    )
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
         state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
     for row, start in zip(rows, starts, strict=True):
@@ -133,8 +158,9 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
     return [_choose(out.logits[i, 0], s) for i, s in enumerate(sampling)]
 
 
-def _propose(state: SpecState, rows: list[DecodeRow], block: Tensor, positions: Tensor,
-             slots: Tensor) -> None:
+def _propose(
+    state: SpecState, rows: list[DecodeRow], block: Tensor, positions: Tensor, slots: Tensor
+) -> None:
     """Fill block[:, 1:] with the drafter's argmax proposals (one forward for all rows)."""
     assert state.drafter is not None and state.caches.drafter is not None
     lengths = torch.tensor([r.position for r in rows], device=state.device)
@@ -151,8 +177,9 @@ def accept_greedy(target_choice: list[int], drafts: list[int]) -> tuple[int, int
     return n, target_choice[n]
 
 
-def accept_sampled(probs: Tensor, drafts: list[int],
-                   generator: torch.Generator | None) -> tuple[int, int]:
+def accept_sampled(
+    probs: Tensor, drafts: list[int], generator: torch.Generator | None
+) -> tuple[int, int]:
     """probs [B, vocab]: the target's processed distribution at each block position.
     Draft x at position i is accepted with probability probs[i, x]; on rejection the
     bonus is drawn from probs[i] with x zeroed and renormalised; if all are accepted the
@@ -168,18 +195,23 @@ def accept_sampled(probs: Tensor, drafts: list[int],
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
-def _decide(logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
-            ) -> list[tuple[int, int]]:
+def _decide(
+    logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
+) -> list[tuple[int, int]]:
     """logits [b, B, vocab] -> per row (accepted drafts, bonus)."""
     choices = greedy(logits).tolist()  # one host transfer for every greedy row
-    return [accept_greedy(choices[i], drafts[i]) if s.greedy else
-            accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
-            for i, s in enumerate(sampling)]
+    return [
+        accept_greedy(choices[i], drafts[i])
+        if s.greedy
+        else accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
+        for i, s in enumerate(sampling)
+    ]
 
 
 @torch.inference_mode()
-def spec_step(state: SpecState, rows: list[DecodeRow],
-              sampling: list[RowSampling]) -> list[RowResult]:
+def spec_step(
+    state: SpecState, rows: list[DecodeRow], sampling: list[RowSampling]
+) -> list[RowResult]:
     """One decoding step for every row: draft, verify, accept, commit, roll back."""
     if not rows:
         return []
@@ -206,6 +238,7 @@ def spec_step(state: SpecState, rows: list[DecodeRow],
     results = []
     for row, draft, (n, bonus) in zip(rows, drafts, decisions, strict=True):
         state.caches.set_length(row.slot, row.position + n + 1)  # commit + roll back
-        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=size - 1,
-                                 num_accepted=n))
+        results.append(
+            RowResult(token_ids=[*draft[:n], bonus], num_drafted=size - 1, num_accepted=n)
+        )
     return results

@@ -236,6 +236,7 @@ def _sampling_params(req: AnyRequest) -> SamplingParams:
         stop=req.stop_list(),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
+        include_stop_str_in_output=req.include_stop_str_in_output,
     )
 
 

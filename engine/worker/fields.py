@@ -70,7 +70,6 @@ REFUSED: dict[str, Refused] = {
     "use_beam_search": Refused((False,), True, "beam search is not offered"),
     "echo": Refused((False,), True, "chat echo is not offered; completions echo the prompt"),
     "suffix": Refused(("",), "x", "the bundled models have no fill-in-the-middle template"),
-    "include_stop_str_in_output": Refused((False,), True, _OUTPUTS),
     "skip_special_tokens": Refused((True,), False, _OUTPUTS),
     "spaces_between_special_tokens": Refused((True,), False, _OUTPUTS),
     "return_token_ids": Refused((False,), True, _OUTPUTS),

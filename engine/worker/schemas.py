@@ -24,6 +24,7 @@ class _WorkerFields(gateway.SamplingFields):
     seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # torch's int64
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

@@ -511,6 +511,10 @@ def test_vllm_defaults_and_ids(worker: AppHandle) -> None:
         f"{worker.base_url}{COMP}", headers=AUTH, json={**body, "stop": [stop]}, timeout=30
     ).json()
     assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == stop
+    cut = r["choices"][0]["text"]
+    kept = {**body, "stop": [stop], "include_stop_str_in_output": True}
+    r = httpx.post(f"{worker.base_url}{COMP}", headers=AUTH, json=kept, timeout=30).json()
+    assert r["choices"][0]["text"] == cut + stop
 
 
 def test_chat_stream_opens_with_a_role_chunk_then_the_first_token_alone(
