@@ -38,6 +38,7 @@ HONOURED = frozenset(
         "stop",
         "stop_token_ids",
         "ignore_eos",
+        "include_stop_str_in_output",
         "stream",
         "stream_options",
         "user",  # `user`: an end-user id for the caller's own records
