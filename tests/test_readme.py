@@ -118,3 +118,11 @@ def test_ctrl_c_stops_everything(stack: tuple[int, subprocess.Popen[str]]) -> No
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_readme_compatibility_table_is_the_field_table() -> None:
+    from engine.worker.fields import compatibility_table
+
+    text = (ROOT / "README.md").read_text()
+    table = text.split("<!-- fields:begin -->\n")[1].split("<!-- fields:end -->")[0]
+    assert table == compatibility_table()

@@ -11,6 +11,7 @@ vLLM's requests nor OpenAI's is unknown: a 400 as well (vLLM ignores those; we d
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,3 +196,17 @@ def check_fields(payload: dict[str, Any], endpoint: str) -> None:
             off = ENDPOINT_OFF.get((endpoint, name), rule.off)
             if not _asks_nothing(value, off):
                 raise InvalidRequest(f"{name}: {rule.why}", param=name)
+
+
+def compatibility_table() -> str:
+    """The README's table (tests/test_readme.py keeps the two equal)."""
+    rows = ["| field | embedded worker | vLLM backend |", "| --- | --- | --- |"]
+    for name in sorted(HONOURED | ENDPOINT_FIELDS["chat"] | ENDPOINT_FIELDS["completion"]):
+        where = next((e for e, f in ENDPOINT_FIELDS.items() if name in f), None)
+        note = "honoured" if where is None else f"honoured ({where})"
+        rows.append(f"| `{name}` | {note} | passed through |")
+    for name, rule in sorted(REFUSED.items()):
+        off = ", ".join(f"`{json.dumps(v)}`" for v in rule.off)
+        accepted = f" (accepted: {off})" if off else ""
+        rows.append(f"| `{name}` | 400: {rule.why}{accepted} | passed through |")
+    return "\n".join(rows) + "\n"
