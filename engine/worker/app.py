@@ -64,9 +64,7 @@ class WorkerState:
     def __init__(self, settings: WorkerSettings, engine: AsyncEngine | None) -> None:
         self.settings = settings
         self.engine = engine
-        self.auth = ApiKeyAuth(
-            [settings.api_key] if settings.api_key else [], protect_metrics=False
-        )
+        self.auth = ApiKeyAuth(list(settings.api_key), protect_metrics=False)
         self.ready = False
         self.draining = False
         self.load_error: str | None = None

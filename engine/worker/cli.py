@@ -30,7 +30,6 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--tensor-parallel-size", int, "vLLM only; the embedded backend needs 1"),
     ("--gpu-memory-utilization", float, "vLLM only"),
     ("--dtype", str, "auto|float32|float16|bfloat16"),
-    ("--api-key", str, "require this bearer token on /v1/*"),
     ("--device", str, "embedded only: torch device (default cpu)"),
     ("--max-waiting", int, "embedded only: waiting-queue bound; beyond it requests get 503"),
     (
@@ -73,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flag, kind, text in _OPTIONS:
         p.add_argument(flag, type=kind, default=sup, help=text)
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=sup,
+        help="require one of these bearer tokens on /v1/* (several: rotate without a gap)",
+    )
     p.add_argument(
         "--dry-run", action="store_true", help="print the `vllm serve` argv as a JSON list and exit"
     )

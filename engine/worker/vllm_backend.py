@@ -31,7 +31,7 @@ def build_vllm_argv(settings: WorkerSettings, *, redact: bool = False) -> list[s
     argv += ["--tensor-parallel-size", str(s.tensor_parallel_size)]
     argv += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
     if s.api_key:
-        argv += ["--api-key", REDACTED if redact else s.api_key]
+        argv += ["--api-key", *([REDACTED] * len(s.api_key) if redact else s.api_key)]
     if s.speculative_config is not None:
         argv += ["--speculative-config", s.speculative_config.as_json(s.num_speculative_tokens())]
     # Per-request metrics on every response and on the final usage chunk of a stream that

@@ -116,7 +116,7 @@ def test_workers_require_the_key_without_showing_it() -> None:
     assert flag(argv, "--api-key") == "<redacted>"  # given, and kept out of logs
     assert POD_ENV["DFLASH_WORKER_API_KEY"] not in " ".join(argv)
     ns, _ = build_parser().parse_known_args(worker_command(("values-embedded.yaml",)))
-    assert ns.api_key == POD_ENV["DFLASH_WORKER_API_KEY"]  # the embedded worker checks it too
+    assert ns.api_key == [POD_ENV["DFLASH_WORKER_API_KEY"]]  # the embedded worker checks it too
 
 
 @pytest.mark.parametrize("role", ["leader", "node"])

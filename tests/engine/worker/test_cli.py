@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from engine.worker import vllm_backend
-from engine.worker.cli import main
+from engine.worker.cli import main, settings_from_args
+from engine.worker.vllm_backend import build_vllm_argv
 from tests.fixtures.tiny_models import TinyCheckpoint
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -196,3 +197,10 @@ def test_vllm_backend_execs_vllm_serve(ckpt: TinyCheckpoint, tmp_path: Path) -> 
     expected = json.loads(dry.stdout)[1:]
     expected[expected.index("--api-key") + 1] = "k"
     assert executed == expected
+
+
+def test_several_api_keys_for_rotation(ckpt: TinyCheckpoint) -> None:
+    settings, _ = settings_from_args([str(ckpt.target_dir), "--api-key", "old", "new"])
+    assert settings.api_key == ("old", "new") and "old" not in repr(settings)
+    argv = build_vllm_argv(settings.model_copy(update={"backend": "vllm"}))
+    assert argv[argv.index("--api-key") + 1 : argv.index("--api-key") + 3] == ["old", "new"]
