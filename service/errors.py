@@ -55,9 +55,16 @@ class InvalidRequest(ApiError):
 
 
 class AuthenticationFailed(ApiError):
+    """401 worded as OpenAI words it: clients (LiteLLM among them) tell an auth failure from
+    a bad request by "Incorrect API key provided"."""
+
     status_code = 401
     error_type = "invalid_request_error"
     code = "invalid_api_key"
+    MESSAGE = "Incorrect API key provided: send a valid key as `Authorization: Bearer <key>`."
+
+    def __init__(self, message: str = MESSAGE, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
 
 
 class NotFound(ApiError):

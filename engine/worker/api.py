@@ -161,7 +161,7 @@ async def completions(request: Request) -> Response:
 
 def _check_key(state: WorkerState, request: Request) -> None:
     if state.auth.enabled and not state.auth.allows(request.headers.get("authorization")):
-        raise AuthenticationFailed("invalid or missing API key")
+        raise AuthenticationFailed()
 
 
 def _admit(state: WorkerState, request: Request) -> AsyncEngine:
