@@ -4,6 +4,7 @@ client disconnects closing the upstream request, per-request metrics."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
@@ -18,6 +19,7 @@ from starlette.types import Message, Receive, Scope, Send
 from service.errors import (
     ApiError,
     NoHealthyWorker,
+    Unavailable,
     UpstreamError,
     UpstreamTimeout,
     WorkersBusy,
@@ -27,6 +29,7 @@ from service.metrics import GatewayMetrics, parse_usage
 from service.pool import Worker, WorkerPool
 from service.settings import GatewaySettings
 from service.sse import SseTap
+from service.watch import Draining, Watch, Watchdog
 
 log = logging.getLogger("dflash.gateway.proxy")
 CLIENT_CLOSED = 499  # status label of requests the client abandoned (nginx's convention)
@@ -49,20 +52,25 @@ class ProxyCall:
 
 
 class UpstreamFailure(Exception):
-    """An attempt failed before the client saw a byte: another worker may take it."""
+    """An attempt failed before the client saw a byte: another worker may take it.
+    `message` is for the client (no address, no library repr); `detail` for the log."""
 
-    def __init__(self, kind: str, message: str, *, counts: bool = True) -> None:
+    def __init__(self, kind: str, message: str, *, counts: bool = True, detail: str = "") -> None:
         super().__init__(message)
-        self.kind, self.message, self.counts = kind, message, counts
+        self.kind, self.message, self.counts, self.detail = kind, message, counts, detail
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail or self.message}"
 
 
 def classify(exc: BaseException) -> UpstreamFailure:
     # Order matters: aiohttp's connect timeout is also a TimeoutError.
+    detail = repr(exc)
     if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return UpstreamFailure("connect", f"cannot connect to the worker: {exc}")
+        return UpstreamFailure("connect", "cannot connect to the worker", detail=detail)
     if isinstance(exc, TimeoutError):
-        return UpstreamFailure("timeout", "the worker did not answer in time")
-    return UpstreamFailure("read", f"the worker connection failed: {exc!r}")
+        return UpstreamFailure("timeout", "the worker did not answer in time", detail=detail)
+    return UpstreamFailure("read", "the connection to the worker failed", detail=detail)
 
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
@@ -73,8 +81,22 @@ def status_failure(status: int) -> UpstreamFailure | None:
     if status == 503:
         return UpstreamFailure("overloaded", "the worker is at capacity", counts=False)
     if status >= 500:
-        return UpstreamFailure("status_5xx", f"the worker answered HTTP {status}")
+        return UpstreamFailure(
+            "status_5xx", f"the worker answered HTTP {status}", detail=f"HTTP {status}"
+        )
     return None
+
+
+def malformed(why: str) -> UpstreamFailure:
+    return UpstreamFailure("malformed", "the worker's answer was malformed", detail=why)
+
+
+def encoding_failure(response: aiohttp.ClientResponse) -> UpstreamFailure | None:
+    """Workers are asked for `identity`; an encoded body would reach the client as garbage."""
+    encoding = response.headers.get("content-encoding")
+    if encoding is None or encoding.lower() == "identity":
+        return None
+    return malformed(f"content-encoding {encoding!r} although identity was asked for")
 
 
 def finish(response: aiohttp.ClientResponse, complete: bool) -> None:
@@ -117,13 +139,38 @@ class Proxy:
         metrics: GatewayMetrics,
     ) -> None:
         self.settings, self.pool, self.session, self.metrics = settings, pool, session, metrics
+        tick = min(settings.idle_stream_timeout_s, settings.request_timeout_s) / 4
+        self.watchdog = Watchdog(min(1.0, tick))
+        self.refusing = False  # draining: new requests get 503 + Retry-After
+        self.in_flight = 0
+        self._serial = itertools.count()
 
     def response(self, call: ProxyCall) -> ProxyResponse:
         return ProxyResponse(self, call)
 
+    def cut_streams(self) -> int:
+        """End every open upstream body (the drain's last step): streams get an in-band
+        error and `[DONE]`. Returns how many were cut."""
+        return self.watchdog.cut_all()
+
     async def run(self, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+        if self.refusing:
+            error = self._draining()
+            error.headers["Connection"] = "close"  # the listener closes soon: reconnect
+            outcome.status = error.status_code
+            await send_error(send, error)
+            return
+        self.in_flight += 1
+        try:
+            await self._attempts(call, send, outcome)
+        finally:
+            self.in_flight -= 1
+
+    async def _attempts(self, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+        serial = next(self._serial)
         tried: set[str] = set()
         last: UpstreamFailure | None = None
+        deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_s
         for attempt in range(self.settings.max_retries + 1):
             worker = self.pool.pick(call.model, call.affinity_key, tried)
             if worker is None:
@@ -134,19 +181,31 @@ class Proxy:
             worker.outstanding += 1
             try:
                 attempt_fn = self._stream if call.stream else self._unary
-                await attempt_fn(worker, call, send, outcome)
+                await attempt_fn(worker, call, send, outcome, deadline)
                 return
             except UpstreamFailure as failure:
                 log.warning(
                     "request %s: worker %s failed: %s", call.request_id, worker.url, failure
                 )
-                self.pool.report_failure(worker, failure.kind, counts=failure.counts)
+                self.pool.report_failure(worker, failure.kind, serial, counts=failure.counts)
                 last = failure
+            except Draining:
+                refusal = self._draining()
+                outcome.status = refusal.status_code
+                await send_error(send, refusal)
+                return
             finally:
                 worker.outstanding -= 1
         error = self._final_error(last)
         outcome.status = error.status_code
         await send_error(send, error)
+
+    def _draining(self) -> Unavailable:
+        return Unavailable(
+            "The gateway is shutting down; retry the request.",
+            code="draining",
+            retry_after=self.settings.retry_after_s,
+        )
 
     def _final_error(self, last: UpstreamFailure | None) -> ApiError:
         retry_after = {"Retry-After": str(self.settings.retry_after_s)}
@@ -159,57 +218,83 @@ class Proxy:
         return UpstreamError(f"Upstream failure: {last.message}.")
 
     async def _post(self, worker: Worker, call: ProxyCall) -> aiohttp.ClientResponse:
-        headers = {"content-type": "application/json", "x-request-id": call.request_id}
+        # identity: the body is relayed (and parsed for metrics) as it comes; an encoded one
+        # would reach the client without its Content-Encoding.
+        headers = {
+            "content-type": "application/json",
+            "accept-encoding": "identity",
+            "x-request-id": call.request_id,
+        }
         return await self.session.post(worker.url + call.endpoint, data=call.body, headers=headers)
 
-    async def _unary(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+    def _first_byte_s(self, deadline: float) -> float:
+        remaining = deadline - asyncio.get_running_loop().time()
+        return max(0.0, min(self.settings.first_byte_timeout_s, remaining))
+
+    async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
+        """The whole body, under the idle and total deadlines (the watchdog's)."""
+        watch = self.watchdog.add(response.content, self.settings.idle_stream_timeout_s, deadline)
+        try:
+            return await response.read()
+        finally:
+            self.watchdog.discard(watch)
+
+    async def _unary(
+        self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
+    ) -> None:
         response: aiohttp.ClientResponse | None = None
         complete = False
         try:
-            async with asyncio.timeout(self.settings.request_timeout_s):
+            async with asyncio.timeout(self._first_byte_s(deadline)):
                 response = await self._post(worker, call)
-                body = await response.read()
-                complete = True
+            body = await self._read_body(response, deadline)
+            complete = True
         except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
         finally:
             if response is not None:
                 finish(response, complete)
-        failure = status_failure(response.status)
+        failure = status_failure(response.status) or encoding_failure(response)
         if failure is not None:
             raise failure
+        parsed: Any = None
+        if 200 <= response.status < 300:
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                raise malformed(f"HTTP {response.status} with a body that is not JSON") from None
+            if not isinstance(parsed, dict):
+                raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
         self.pool.report_success(worker)
-        if response.status == 200:
-            self._observe_body(call, body)
+        if parsed is not None:
+            self.metrics.observe_usage(call.label, parse_usage(parsed))
+            self.metrics.observe_spec(call.label, parsed)
         outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
         await send_body(send, response.status, body, [(b"content-type", content_type)])
 
-    def _observe_body(self, call: ProxyCall, body: bytes) -> None:
-        try:
-            parsed: Any = json.loads(body)
-        except ValueError:
-            return
-        self.metrics.observe_usage(call.label, parse_usage(parsed))
-        self.metrics.observe_spec(call.label, parsed)
-
-    async def _stream(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+    async def _stream(
+        self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
+    ) -> None:
         response: aiohttp.ClientResponse | None = None
         complete = False
         try:
             first: bytes | None = None
             try:
-                async with asyncio.timeout(self.settings.first_byte_timeout_s):
+                async with asyncio.timeout(self._first_byte_s(deadline)):
                     response = await self._post(worker, call)
                     if response.status == 200:
+                        failure = encoding_failure(response) or not_sse(response)
+                        if failure is not None:
+                            raise failure
                         first = await response.content.readany()
-                    else:
-                        body = await response.read()
-                        complete = True
+                if first is None:
+                    body = await self._read_body(response, deadline)
+                    complete = True
             except UPSTREAM_ERRORS as exc:
                 raise classify(exc) from None
             if first is None:  # a non-200 answer: retry on 5xx, pass a 4xx through
-                failure = status_failure(response.status)
+                failure = status_failure(response.status) or encoding_failure(response)
                 if failure is not None:
                     raise failure
                 self.pool.report_success(worker)
@@ -219,7 +304,13 @@ class Proxy:
                 return
             if not first:
                 raise UpstreamFailure("read", "the worker closed the stream at once")
-            complete = await self._relay(worker, call, send, outcome, response.content, first)
+            watch = self.watchdog.add(
+                response.content, self.settings.idle_stream_timeout_s, deadline
+            )
+            try:
+                complete = await self._relay(worker, call, send, outcome, watch, first)
+            finally:
+                self.watchdog.discard(watch)
         finally:
             if response is not None:
                 finish(response, complete)
@@ -230,7 +321,7 @@ class Proxy:
         call: ProxyCall,
         send: Send,
         outcome: Outcome,
-        content: aiohttp.StreamReader,
+        watch: Watch,
         data: bytes,
     ) -> bool:
         """From the first byte on: pass events through; a failure ends the stream in-band.
@@ -239,25 +330,40 @@ class Proxy:
         outcome.status = 200
         await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
         failure: UpstreamFailure | None = None
+        drained = False
+        reader = watch.reader
         try:
             while True:
                 out = tap.feed(data)
                 if out:
+                    watch.marks += 1  # odd: writing to the client, not waiting on the worker
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-                async with asyncio.timeout(self.settings.idle_stream_timeout_s):
-                    data = await content.readany()
+                    watch.marks += 1
+                data = await reader.readany()
                 if not data:
                     break
         except UPSTREAM_ERRORS as exc:
             failure = classify(exc)
-        if failure is None and not tap.done:
+        except Draining:
+            drained = True
+        if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
         tail = b""
-        if failure is not None:
+        if drained:
+            tail = sse_error_event(
+                "The gateway is shutting down; the stream was cut. Retry the request.",
+                "service_unavailable",
+                "draining",
+            )
+        elif failure is not None:
             log.warning(
                 "request %s: stream from %s broke: %s", call.request_id, worker.url, failure
             )
-            self.pool.report_failure(worker, failure.kind, counts=failure.counts)
+            # A fresh serial: this request never failed on this worker before (a worker is
+            # tried once per request), so it counts as one more distinct request.
+            self.pool.report_failure(
+                worker, failure.kind, next(self._serial), counts=failure.counts
+            )
             tail = sse_error_event(
                 f"Upstream failure: {failure.message}.", "upstream_error", failure.kind
             )
@@ -265,7 +371,7 @@ class Proxy:
             self.pool.report_success(worker)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         self._observe_stream(call, tap)
-        return failure is None
+        return failure is None and not drained
 
     def _observe_stream(self, call: ProxyCall, tap: SseTap) -> None:
         end = time.perf_counter()
@@ -280,6 +386,13 @@ class Proxy:
         if usage is not None and call.single_choice and usage.completion_tokens > 1:
             tpot = (end - first) / (usage.completion_tokens - 1)
             self.metrics.tpot.labels(call.label).observe(tpot)
+
+
+def not_sse(response: aiohttp.ClientResponse) -> UpstreamFailure | None:
+    content_type = response.headers.get("content-type", "")
+    if content_type.startswith("text/event-stream"):
+        return None
+    return malformed(f"a streaming answer of type {content_type!r}")
 
 
 SSE_HEADERS = [

@@ -27,6 +27,9 @@ class GatewaySettings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     api_key_file: Path | None = None
     metrics_auth: bool = False
+    # The `worker` label of the metrics: "id" (w-<hash of the URL>: the same on every
+    # replica, no internal address on an open /metrics) or "url" (the base URL).
+    metrics_worker_label: Literal["id", "url"] = "id"
     # Bearer key the gateway sends to workers started with `--api-key` (vLLM's flag).
     worker_api_key: str | None = Field(default=None, repr=False)
     # Routing.
