@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# prometheus_client chooses where values live (memory or per-process mmap files) from this
+# variable when it is imported; the gateway's supervisor sets it for `--processes N`.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
@@ -114,16 +120,25 @@ def parse_spec(body: object) -> list[SpecStats]:
 
 
 class GatewayMetrics:
-    """All gateway series in one registry owned by the app (no process-global state)."""
+    """All gateway series in one registry owned by the app (no process-global state).
 
-    def __init__(self) -> None:
+    With several processes (`multiprocess_dir`, by default the directory prometheus_client
+    itself was set up with) each writes its own files and /metrics sums them all, so every
+    process answers for the whole gateway."""
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
             "dflash_requests", "Requests answered", ["model", "endpoint", "status"], registry=r
         )
         self.in_flight = Gauge(
-            "dflash_requests_in_flight", "Requests in flight", ["model"], registry=r
+            "dflash_requests_in_flight",
+            "Requests in flight",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.duration = Histogram(
             "dflash_request_duration_seconds",
@@ -152,7 +167,11 @@ class GatewayMetrics:
         )
         self._spec_series(r)
         self.worker_healthy = Gauge(
-            "dflash_worker_healthy", "1 when the worker takes traffic", ["worker"], registry=r
+            "dflash_worker_healthy",
+            "1 when the worker takes traffic",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livemax",  # takes traffic from at least one process
         )
         self.upstream_errors = Counter(
             "dflash_upstream_errors", "Failed upstream attempts", ["worker", "kind"], registry=r
@@ -208,4 +227,8 @@ class GatewayMetrics:
         self.worker_healthy.labels(worker).set(1 if healthy else 0)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(merged), CONTENT_TYPE_LATEST

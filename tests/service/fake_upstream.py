@@ -61,6 +61,15 @@ async def ok(request: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(reply("200 OK", COMPLETION))
 
 
+async def endless_stream(request: Request, writer: asyncio.StreamWriter) -> None:
+    """A stream that never idles and never ends (a chunk every 20 ms, for minutes)."""
+    writer.write(SSE_HEAD)
+    for _ in range(10_000):
+        writer.write(chunked(CHUNK))
+        await writer.drain()
+        await asyncio.sleep(0.02)
+
+
 async def gzip_when_asked(request: Request, writer: asyncio.StreamWriter) -> None:
     """Compresses whenever the client accepts gzip, like a server behind a compression layer."""
     if b"gzip" in request.headers.get(b"accept-encoding", b""):

@@ -21,6 +21,7 @@ from tests.service.fake_upstream import (
     FakeWorker,
     Request,
     chunked,
+    endless_stream,
     fake_worker,
     gzip_when_asked,
     ok,
@@ -47,14 +48,6 @@ async def stalls_mid_stream(request: Request, writer: asyncio.StreamWriter) -> N
     writer.write(SSE_HEAD + chunked(CHUNK))
     await writer.drain()
     await asyncio.sleep(3600)
-
-
-async def endless_stream(request: Request, writer: asyncio.StreamWriter) -> None:
-    writer.write(SSE_HEAD)
-    for _ in range(10_000):
-        writer.write(chunked(CHUNK))
-        await writer.drain()
-        await asyncio.sleep(0.02)
 
 
 async def html_200(request: Request, writer: asyncio.StreamWriter) -> None:
