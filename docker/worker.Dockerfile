@@ -9,7 +9,7 @@ COPY engine/ engine/
 # The core dependencies only: vLLM's image already has its torch and CUDA stack, which must
 # not be replaced (the [engine] extra pins a CPU torch; the [vllm] extra is this base image).
 RUN python3 -m pip install --no-cache-dir . \
- && python3 -c "import vllm, engine.cli; print('vllm', vllm.__version__)"
+ && python3 -c "import vllm, engine.worker.cli; print('vllm', vllm.__version__)"
 ENV HF_HOME=/cache/huggingface
 EXPOSE 8000
 # Arguments follow `vllm serve`: docker run IMAGE MODEL --speculative-config '{...}' --host 0.0.0.0

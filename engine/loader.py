@@ -39,15 +39,20 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"cannot read {file}: {exc}") from exc
 
 
-def _load_state(module: nn.Module, weights: dict[str, torch.Tensor], where: Path,
-                 optional: frozenset[str] = frozenset()) -> None:
+def _load_state(
+    module: nn.Module,
+    weights: dict[str, torch.Tensor],
+    where: Path,
+    optional: frozenset[str] = frozenset(),
+) -> None:
     expected = set(module.state_dict())
     missing = sorted(expected - set(weights) - optional)
     unexpected = sorted(set(weights) - expected)
     if missing or unexpected:
         raise CheckpointError(
             f"{where}: weights do not match the config (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})")
+            f"unexpected {unexpected[:3]})"
+        )
     try:
         module.load_state_dict(weights, strict=False)
     except RuntimeError as exc:
@@ -55,8 +60,9 @@ def _load_state(module: nn.Module, weights: dict[str, torch.Tensor], where: Path
         raise CheckpointError(f"{where}: {first}") from exc
 
 
-def load_target(path: Path | str, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> Qwen3Target:
+def load_target(
+    path: Path | str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> Qwen3Target:
     path = Path(path)
     raw = read_config(path)
     if raw.get("model_type") not in (None, "qwen3"):
@@ -79,8 +85,9 @@ def _check_pair(config: DrafterConfig, target: Qwen3Target, path: Path) -> None:
     if config.vocab_size != tc.vocab_size:
         problems.append(f"vocab_size {config.vocab_size} != target {tc.vocab_size}")
     if config.num_target_layers != tc.num_hidden_layers:
-        problems.append(f"num_target_layers {config.num_target_layers} != target "
-                        f"{tc.num_hidden_layers}")
+        problems.append(
+            f"num_target_layers {config.num_target_layers} != target {tc.num_hidden_layers}"
+        )
     if any(not 0 <= i < tc.num_hidden_layers for i in config.target_layer_ids):
         problems.append(f"target_layer_ids {config.target_layer_ids} out of range")
     if not 0 <= config.mask_token_id < tc.vocab_size:
@@ -89,8 +96,12 @@ def _check_pair(config: DrafterConfig, target: Qwen3Target, path: Path) -> None:
         raise CheckpointError(f"drafter {path} does not fit the target: {'; '.join(problems)}")
 
 
-def load_drafter(path: Path | str, target: Qwen3Target, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+def load_drafter(
+    path: Path | str,
+    target: Qwen3Target,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> DFlashDrafter:
     path = Path(path)
     raw = read_config(path)
     if "DFlashDraftModel" not in (raw.get("architectures") or []):
@@ -105,13 +116,17 @@ def load_drafter(path: Path | str, target: Qwen3Target, device: torch.device | s
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def _save(module: nn.Module, config: dict[str, Any], path: Path | str,
-          skip: frozenset[str] = frozenset()) -> None:
+def _save(
+    module: nn.Module, config: dict[str, Any], path: Path | str, skip: frozenset[str] = frozenset()
+) -> None:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    state = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()
-             if k not in skip}
+    state = {
+        k: v.detach().to("cpu").contiguous()
+        for k, v in module.state_dict().items()
+        if k not in skip
+    }
     save_file(state, str(path / WEIGHTS), metadata={"format": "pt"})
 
 

@@ -1,8 +1,10 @@
 """Qwen3 target model in the Hugging Face key layout, with slot KV caches.
 
 `forward` runs a padded batch of rows, each at its own positions, on top of (or without)
-the slot caches, and returns logits plus the hidden states of requested layers ("output
-of layer i" = HF `hidden_states[i + 1]`), which DFlash turns into context features.
+the slot caches, and returns logits plus the raw outputs of requested decoder layers, which
+DFlash turns into context features (as vLLM reads them). Transformers' `hidden_states[i + 1]`
+is the same tensor for every layer but the last, which transformers returns after the final
+norm: a layer id equal to num_layers - 1 is the raw output here, not that normed tensor.
 """
 
 from __future__ import annotations

@@ -11,20 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.errors import QueueFull
 from engine.sequence import Sequence, SequenceStatus
-
-
-class RequestRejected(ValueError):
-    """A request the engine cannot serve as asked (a client error, HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-
-class QueueFull(RuntimeError):
-    """Every slot and the whole waiting queue are taken (HTTP 503, retry later)."""
 
 
 @dataclass

@@ -12,17 +12,17 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Literal, Protocol
 
 FinishReason = Literal["stop", "length", "abort"]
-MetricsDetail = Literal["summary", "detailed"]
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks for; temperature 0 is greedy, top_k 0 is off."""
+    """What a request asks for; temperature 0 is greedy, top_k 0 is off, max_tokens None
+    runs to the context limit."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -68,28 +68,6 @@ class SpecDecodeStats:
             counts[accepted] += 1
         return counts
 
-    def to_vllm(self, detail: MetricsDetail = "summary") -> dict[str, Any]:
-        steps, accepted, drafted = self.num_steps, self.num_accepted, self.num_drafted
-        out: dict[str, Any] = {
-            "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
-            "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-            "acceptance_histogram": self.histogram(),
-            "num_spec_steps": steps,
-            "num_accepted_draft_tokens": accepted,
-            "num_draft_tokens": drafted,
-            "num_spec_tokens": self.num_spec_tokens,
-        }
-        if detail == "detailed":
-            out["per_step_accepted"] = list(self.per_step_accepted)
-            out["per_step_drafted"] = list(self.per_step_drafted)
-        return out
-
-
-def _ms(start: float | None, end: float | None) -> float | None:
-    if start is None or end is None:
-        return None
-    return (end - start) * 1000.0
-
 
 @dataclass
 class RequestMetrics:
@@ -102,26 +80,6 @@ class RequestMetrics:
     finished_time: float | None = None
     num_output_tokens: int = 0
     spec: SpecDecodeStats | None = None
-
-    def to_vllm(self, detail: MetricsDetail = "summary") -> dict[str, Any]:
-        """vLLM 0.33's per-request `metrics` object, with vLLM's interval definitions:
-        TTFT from first scheduling, generation time = first to last token, tokens/s over
-        first scheduling to last token, mean ITL over the gaps (None for one token)."""
-        n = self.num_output_tokens
-        decode_ms = _ms(self.first_token_time, self.last_token_time)
-        inference_ms = _ms(self.first_scheduled_time, self.last_token_time)
-        out: dict[str, Any] = {
-            "time_to_first_token_ms": _ms(self.first_scheduled_time, self.first_token_time),
-            "generation_time_ms": decode_ms,
-            "queue_time_ms": _ms(self.arrival_time, self.first_scheduled_time),
-            "mean_itl_ms": decode_ms / (n - 1) if decode_ms is not None and n > 1 else None,
-            "tokens_per_second": (
-                n / inference_ms * 1000.0 if inference_ms is not None and inference_ms > 0 else None
-            ),
-        }
-        if self.spec is not None:
-            out["speculative_decoding"] = self.spec.to_vllm(detail)
-        return out
 
 
 @dataclass
@@ -178,7 +136,8 @@ class Sequence:
         self._stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
-        self._max_len = min(params.max_tokens, max_model_len - len(prompt_token_ids))
+        room = max_model_len - len(prompt_token_ids)
+        self._max_len = room if params.max_tokens is None else min(params.max_tokens, room)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._sent_tokens = 0
         self._sent_chars = 0

@@ -213,7 +213,7 @@ def run_round(
         while next_prompt < len(prompts) and inflight < concurrency:
             engine.add_request(str(next_prompt), prompts[next_prompt], params)
             next_prompt, inflight = next_prompt + 1, inflight + 1
-        for out in engine.step():
+        for _, out in engine.step():
             outputs[int(out.request_id)] += out.token_ids_delta
             tokens += len(out.token_ids_delta)
             inflight -= int(out.finished)

@@ -13,13 +13,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.auth import ApiKeyAuth
-from service.errors import (
-    InvalidRequest,
-    ModelNotFound,
-    NoHealthyWorker,
-    PayloadTooLarge,
-    error_body,
-)
+from service.errors import ModelNotFound, NoHealthyWorker, Unavailable
+from service.http import read_json
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy, ProxyCall
@@ -64,33 +59,6 @@ class GatewayState:
 def gateway(request: Request) -> GatewayState:
     state: GatewayState = request.app.state.gateway
     return state
-
-
-def _reject_constant(name: str) -> Any:
-    raise InvalidRequest(f"{name} is not valid JSON.", code="invalid_json")
-
-
-async def read_json(request: Request, limit: int) -> tuple[bytes, Any]:
-    """The raw body and its JSON, refusing more than `limit` bytes without reading them all."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise InvalidRequest(
-            "The request body is empty; expected a JSON object.", code="invalid_json"
-        )
-    try:
-        return raw, json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
-        raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
 
 
 def upstream_body(raw: bytes, payload: dict[str, Any], stream: bool) -> bytes:
@@ -182,8 +150,7 @@ async def ready(request: Request) -> JSONResponse:
     healthy = len(state.runtime.pool.routable()) if state.runtime is not None else 0
     if state.draining or not healthy:
         reason = "draining" if state.draining else "no healthy worker"
-        body = error_body(f"Not ready: {reason}.", "service_unavailable", None, "not_ready")
-        return JSONResponse(body, status_code=503)
+        raise Unavailable(f"Not ready: {reason}.", code="not_ready")
     return JSONResponse({"status": "ready", "healthy_workers": healthy})
 
 

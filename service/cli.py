@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
@@ -13,7 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, NoReturn
 
 import uvicorn
@@ -21,6 +20,7 @@ from pydantic import ValidationError
 
 from service.api import GatewayState
 from service.app import create_app
+from service.http import DrainingServer, run_servers
 from service.http_server import guarded_protocol, listening_socket
 from service.metrics import MULTIPROC_ENV
 from service.proxy import Proxy
@@ -97,9 +97,9 @@ def describe_invalid(exc: ValidationError) -> str:
     return "\n".join(lines)
 
 
-class GatewayServer(uvicorn.Server):
-    """uvicorn server whose signals are handled by `serve_all` (several servers, one drain),
-    on a socket of its own (backlog, SO_REUSEPORT) with header and body read deadlines."""
+class GatewayServer(DrainingServer):
+    """One gateway under uvicorn, on a socket of its own (backlog, SO_REUSEPORT), with header
+    and body read deadlines, and the gateway's drain (`drain`)."""
 
     def __init__(self, settings: GatewaySettings, *, reuse_port: bool = False) -> None:
         app = create_app(settings)
@@ -111,104 +111,59 @@ class GatewayServer(uvicorn.Server):
             log_level=settings.log_level,
             access_log=settings.access_log,
             backlog=settings.listen_backlog,
-            # The drain (serve_all) has already ended every request when uvicorn stops;
-            # this only bounds the flush of their last bytes.
+            # `drain` has already ended every request when uvicorn stops; this only bounds
+            # the flush of their last bytes.
             timeout_graceful_shutdown=FLUSH_S,
             lifespan="on",
         )
-        super().__init__(config)
         self.settings = settings
         self.state: GatewayState = app.state.gateway
-        self.socket = listening_socket(
+        sock = listening_socket(
             settings.host, settings.port, settings.listen_backlog, reuse_port=reuse_port
         )
+        super().__init__(config, self._begin_drain, settings.shutdown_delay_s, sock=sock)
 
     @property
     def port(self) -> int:
+        assert self.socket is not None
         return int(self.socket.getsockname()[1])
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
+    def _begin_drain(self) -> None:
+        self.state.draining = True  # /ready now says 503
 
     def proxy(self) -> Proxy | None:
         runtime = self.state.runtime
         return runtime.proxy if runtime is not None else None
 
+    async def drain(self) -> None:
+        """/ready says 503 at once; requests are still served for shutdown_delay_s (load
+        balancers take time to notice); then new ones get 503 + Retry-After while in-flight
+        ones get up to drain_timeout_s; streams still open then end with an in-band error and
+        [DONE]. Only then does uvicorn close the listener."""
+        self._begin_drain()
+        log.info("draining: /ready is 503; refusing new requests in %.1fs", self.drain_delay_s)
+        await asyncio.sleep(self.drain_delay_s)
+        proxy = self.proxy()
+        if proxy is not None:
+            proxy.refusing = True
+            await settled(proxy, self.settings.drain_timeout_s)
+            cut = proxy.cut_streams()
+            if cut:
+                log.warning("drain timeout: cut %d open upstream bodies", cut)
+            await settled(proxy, FLUSH_S)
+
 
 FLUSH_S = 2
 
 
-async def settled(proxies: Sequence[Proxy], within_s: float) -> None:
+async def settled(proxy: Proxy, within_s: float) -> None:
     """Until no request is in flight, or `within_s`. Polled: an event per request would cost
     the request path for the sake of shutdown."""
     deadline = asyncio.get_running_loop().time() + within_s
-    while any(p.in_flight for p in proxies):
+    while proxy.in_flight:
         if asyncio.get_running_loop().time() >= deadline:
             return
         await asyncio.sleep(0.02)
-
-
-async def drain(servers: Sequence[GatewayServer]) -> None:
-    """/ready says 503 at once; requests are still served for shutdown_delay_s (load balancers
-    take time to notice); then new ones get 503 + Retry-After while in-flight ones get up to
-    drain_timeout_s; streams still open then end with an in-band error and [DONE]. Only then
-    does uvicorn close the listener."""
-    settings = servers[0].settings
-    for server in servers:
-        server.state.draining = True
-    log.info("draining: /ready is 503; refusing new requests in %.1fs", settings.shutdown_delay_s)
-    await asyncio.sleep(settings.shutdown_delay_s)
-    proxies = [p for p in (server.proxy() for server in servers) if p is not None]
-    for proxy in proxies:
-        proxy.refusing = True
-    await settled(proxies, settings.drain_timeout_s)
-    cut = sum(proxy.cut_streams() for proxy in proxies)
-    if cut:
-        log.warning("drain timeout: cut %d open upstream bodies", cut)
-    await settled(proxies, FLUSH_S)
-    for server in servers:
-        server.should_exit = True
-
-
-async def serve_all(
-    servers: Sequence[GatewayServer], on_started: Callable[[], None] | None = None
-) -> None:
-    """Serve until SIGINT/SIGTERM; the first signal drains gracefully, a second forces exit.
-    `on_started` runs once every server listens."""
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-
-    def on_signal() -> None:
-        if stopping.is_set():
-            for server in servers:
-                server.force_exit = True
-                server.should_exit = True
-        stopping.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-
-    async def drain_on_signal() -> None:
-        await stopping.wait()
-        await drain(servers)
-
-    async def announce() -> None:
-        # uvicorn offers a `started` flag, not an event: poll it.
-        while not all(server.started for server in servers):  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        if on_started is not None:
-            on_started()
-
-    drainer = asyncio.create_task(drain_on_signal())
-    announcer = asyncio.create_task(announce())
-    try:
-        await asyncio.gather(*(server.serve(sockets=[server.socket]) for server in servers))
-    finally:
-        drainer.cancel()
-        announcer.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
 
 
 def configure_logging(level: str) -> None:
@@ -275,14 +230,6 @@ def supervise(args: list[str], processes: int) -> int:
         if own_dir is not None:
             shutil.rmtree(own_dir, ignore_errors=True)
     return max(codes, key=abs)
-
-
-def run_servers(
-    servers: Sequence[GatewayServer], on_started: Callable[[], None] | None = None
-) -> None:
-    """Run on uvicorn's preferred loop (uvloop when installed) until drained."""
-    with asyncio.Runner(loop_factory=servers[0].config.get_loop_factory()) as runner:
-        runner.run(serve_all(servers, on_started))
 
 
 if __name__ == "__main__":

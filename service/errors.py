@@ -43,8 +43,10 @@ class ApiError(Exception):
         return error_body(self.message, self.error_type, self.param, self.code)
 
     def sse(self) -> bytes:
-        """The error as one in-band SSE event (after the first streamed byte)."""
-        return _sse_of(self.message, self.error_type, self.code, self.param)
+        """The error as the final in-band SSE events (after the first streamed byte): the
+        error object, then [DONE]."""
+        body = json.dumps(self.body(), separators=(",", ":")).encode()
+        return b"data: " + body + b"\n\n" + b"data: [DONE]\n\n"
 
 
 class InvalidRequest(ApiError):
@@ -91,6 +93,14 @@ class Unavailable(ApiError):
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after)})
 
 
+class ClientClosedRequest(ApiError):
+    """The client left before the answer was ready (nginx's 499); nobody reads the body."""
+
+    status_code = 499
+    error_type = "client_closed_request"
+    code = "client_closed_request"
+
+
 class InternalError(ApiError):
     """A failure on our side; the process keeps serving."""
 
@@ -128,16 +138,6 @@ def error_body(
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
-def sse_error_event(message: str, error_type: str, code: str | None) -> bytes:
-    """The final in-band events of a stream whose worker failed after the first byte."""
-    return _sse_of(message, error_type, code) + b"data: [DONE]\n\n"
-
-
-def _sse_of(message: str, error_type: str, code: str | None, param: str | None = None) -> bytes:
-    payload = json.dumps(error_body(message, error_type, param, code), separators=(",", ":"))
-    return b"data: " + payload.encode() + b"\n\n"
-
-
 def render(
     err: ApiError, request_id: str | None = None, extra: dict[str, str] | None = None
 ) -> JSONResponse:
@@ -173,9 +173,9 @@ def _param_path(loc: Any) -> str:
 
 def from_http_exception(exc: StarletteHTTPException) -> ApiError:
     """The framework's own 404/405/413/... as one of ours, keeping its headers (Allow)."""
-    kind: type[ApiError] = {
-        404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge
-    }.get(exc.status_code, InvalidRequest if 400 <= exc.status_code < 500 else InternalError)
+    kind: type[ApiError] = {404: NotFound, 405: MethodNotAllowed, 413: PayloadTooLarge}.get(
+        exc.status_code, InvalidRequest if 400 <= exc.status_code < 500 else InternalError
+    )
     return kind(str(exc.detail), headers=dict(exc.headers or {}))
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from service.cli import GatewayServer, configure_logging, run_servers
+from service.cli import GatewayServer, configure_logging
+from service.http import run_servers
 from service.settings import GatewaySettings
 
 
@@ -105,7 +106,7 @@ def worker_env(total_workers: int) -> dict[str, str]:
 
 def start_worker(pool: PoolSpec, env: dict[str, str]) -> WorkerProcess:
     port = free_port()
-    argv = [sys.executable, "-m", "engine.cli", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "engine.worker.cli", "--host", "127.0.0.1", "--port", str(port)]
     extra = list(pool.worker_args)
     if not pool.speculation:
         # The plain pool of --compare shares the worker args: drop the drafter there.

@@ -23,7 +23,7 @@ from service.errors import (
     UpstreamError,
     UpstreamTimeout,
     WorkersBusy,
-    sse_error_event,
+    render,
 )
 from service.metrics import GatewayMetrics, parse_usage
 from service.pool import Worker, WorkerPool
@@ -118,9 +118,16 @@ async def send_body(
 
 
 async def send_error(send: Send, error: ApiError) -> None:
-    headers = [(b"content-type", b"application/json")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers.items()]
-    await send_body(send, error.status_code, json.dumps(error.body()).encode(), headers)
+    """The error as `render` writes it, straight onto the ASGI channel."""
+    response = render(error)
+    await send(
+        {
+            "type": "http.response.start",
+            "status": response.status_code,
+            "headers": response.raw_headers,
+        }
+    )
+    await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 @dataclass
@@ -350,11 +357,10 @@ class Proxy:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
         tail = b""
         if drained:
-            tail = sse_error_event(
+            tail = Unavailable(
                 "The gateway is shutting down; the stream was cut. Retry the request.",
-                "service_unavailable",
-                "draining",
-            )
+                code="draining",
+            ).sse()
         elif failure is not None:
             log.warning(
                 "request %s: stream from %s broke: %s", call.request_id, worker.url, failure
@@ -364,9 +370,7 @@ class Proxy:
             self.pool.report_failure(
                 worker, failure.kind, next(self._serial), counts=failure.counts
             )
-            tail = sse_error_event(
-                f"Upstream failure: {failure.message}.", "upstream_error", failure.kind
-            )
+            tail = UpstreamError(f"Upstream failure: {failure.message}.", code=failure.kind).sse()
         else:
             self.pool.report_success(worker)
         await send({"type": "http.response.body", "body": tail, "more_body": False})

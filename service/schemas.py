@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from service.errors import InvalidRequest
+from service.errors import InvalidRequest, from_validation_errors
 
 _OPEN = ConfigDict(extra="allow", strict=True)
 
@@ -31,7 +31,7 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """Fields shared by both endpoints that the gateway reads or that must be sane."""
 
     model_config = _OPEN
@@ -47,13 +47,13 @@ class _Sampling(BaseModel):
     user: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _Sampling:
+    def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(
         extra="allow",
         strict=True,
@@ -74,7 +74,7 @@ class ChatCompletionRequest(_Sampling):
 PromptItems = list[str] | list[int] | list[list[int]]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     model_config = ConfigDict(
         extra="allow",
         strict=True,
@@ -86,21 +86,17 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
 
 
-def validate_request(model: type[_Sampling], payload: object) -> _Sampling:
+def validate_request(model: type[SamplingFields], payload: object) -> SamplingFields:
     """Validate a parsed JSON body; a failure is a 400 naming the first bad field."""
     if not isinstance(payload, dict):
         raise InvalidRequest("The request body must be a JSON object.")
     try:
         return model.model_validate(payload)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = [str(part) for part in first["loc"]]
-        param = loc[0] if loc else None
-        message = f"{'.'.join(loc)}: {first['msg']}" if loc else str(first["msg"])
-        raise InvalidRequest(message, param=param) from None
+        raise from_validation_errors(list(exc.errors())) from None
 
 
-def prompt_text(request: _Sampling, limit: int) -> str:
+def prompt_text(request: SamplingFields, limit: int) -> str:
     """The first `limit` characters of the prompt: the key of prefix-affinity routing."""
     if isinstance(request, ChatCompletionRequest):
         parts: list[str] = []

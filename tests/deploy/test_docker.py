@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from engine.cli import build_parser as worker_parser
+from engine.worker.cli import build_parser as worker_parser
 from service.cli import settings_from_args as gateway_settings
 from tests.deploy.chart import DASHBOARD_FILE, ROOT, RULES_FILE
 

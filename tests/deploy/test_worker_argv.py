@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from engine.cli import build_parser, settings_from_args
-from engine.config import BUNDLED_TARGET
+from engine.worker.cli import build_parser, settings_from_args
+from engine.worker.settings import BUNDLED_TARGET
 from tests.deploy.chart import ROOT, find, render
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -33,7 +33,7 @@ def worker_command(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[
 def dry_run(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[str]:
     """The real CLI, as the container runs it: `dflash-worker <args> --dry-run`."""
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.cli", *worker_command(values, sets), "--dry-run"],
+        [sys.executable, "-m", "engine.worker.cli", *worker_command(values, sets), "--dry-run"],
         capture_output=True,
         text=True,
         timeout=60,

@@ -37,8 +37,9 @@ def test_drafter_for_another_target_is_rejected(tmp_path: Path) -> None:
         load_drafter(big.drafter_dir, load_target(small.target_dir))
 
 
-def test_broken_folders_raise_checkpoint_error(tmp_path: Path,
-                                               tiny_checkpoint: TinyCheckpoint) -> None:
+def test_broken_folders_raise_checkpoint_error(
+    tmp_path: Path, tiny_checkpoint: TinyCheckpoint
+) -> None:
     with pytest.raises(CheckpointError, match="cannot read"):
         load_target(tmp_path / "missing")
     bad = tmp_path / "bad"

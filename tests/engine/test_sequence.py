@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import pytest
-
 from engine.sequence import (
-    RequestMetrics,
     SamplingParams,
     Sequence,
     SequenceStatus,
-    SpecDecodeStats,
 )
 
 EOS = 99
@@ -133,55 +129,3 @@ def test_running_sequence_with_nothing_new_gives_none() -> None:
     seq.append([1], 1.0)
     assert seq.take_output() is not None
     assert seq.take_output() is None
-
-
-def test_timing_follows_vllm_definitions() -> None:
-    seq = make_seq(SamplingParams(max_tokens=5))
-    seq.metrics.first_scheduled_time = 10.5
-    seq.append([1], 11.0)
-    seq.append([2, 3], 11.4)
-    seq.append([4, 5], 12.0)
-    m = seq.metrics.to_vllm()
-    assert m["queue_time_ms"] == pytest.approx(500.0)
-    assert m["time_to_first_token_ms"] == pytest.approx(500.0)
-    assert m["generation_time_ms"] == pytest.approx(1000.0)
-    assert m["mean_itl_ms"] == pytest.approx(250.0)
-    assert m["tokens_per_second"] == pytest.approx(5 / 1.5)
-    assert seq.metrics.finished_time == 12.0
-
-
-def test_one_token_has_no_itl_and_no_spec_key_without_drafter() -> None:
-    seq = make_seq(SamplingParams(max_tokens=1), spec=None)
-    seq.metrics.first_scheduled_time = 10.0
-    seq.append([3], 10.2)
-    m = seq.metrics.to_vllm()
-    assert m["mean_itl_ms"] is None and m["generation_time_ms"] == 0.0
-    assert "speculative_decoding" not in m
-
-
-def test_spec_stats_arithmetic() -> None:
-    stats = SpecDecodeStats(num_spec_tokens=3)
-    for drafted, accepted in [(3, 3), (3, 0), (3, 1), (3, 3), (3, 2)]:
-        stats.observe(drafted, accepted)
-    s = stats.to_vllm("summary")
-    assert s["acceptance_histogram"] == [1, 1, 1, 2]
-    assert sum(s["acceptance_histogram"]) == s["num_spec_steps"] == 5
-    assert s["num_accepted_draft_tokens"] == 9 <= s["num_draft_tokens"] == 15
-    assert s["mean_acceptance_length"] == pytest.approx(1 + 9 / 5)
-    assert s["draft_acceptance_rate"] == pytest.approx(9 / 15)
-    assert s["num_spec_tokens"] == 3
-    assert "per_step_accepted" not in s
-    d = stats.to_vllm("detailed")
-    assert d["per_step_accepted"] == [3, 0, 1, 3, 2] and d["per_step_drafted"] == [3] * 5
-
-
-def test_spec_stats_without_steps() -> None:
-    s = SpecDecodeStats(num_spec_tokens=2).to_vllm()
-    assert s["acceptance_histogram"] == [0, 0, 0]
-    assert s["mean_acceptance_length"] == 1.0 and s["draft_acceptance_rate"] == 0.0
-
-
-def test_metrics_before_any_token_are_null() -> None:
-    m = RequestMetrics(arrival_time=1.0).to_vllm()
-    assert m["time_to_first_token_ms"] is None and m["tokens_per_second"] is None
-    assert m["queue_time_ms"] is None

@@ -125,7 +125,8 @@ def worker_on_port(port: int, args: list[str]) -> Iterator[WorkerHandle]:
 
     from tests.fixtures.worker import ROOT, stop_process, wait_healthy
 
-    argv = [sys.executable, "-m", "engine.cli", *args, "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "engine.worker.cli", *args]
+    argv += ["--host", "127.0.0.1", "--port", str(port)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     with tempfile.NamedTemporaryFile(prefix="dflash-worker-", suffix=".log", delete=False) as log:
         process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -23,7 +23,7 @@ def test_unknown_fields_are_kept() -> None:
     [
         ({"model": 3}, "model"),
         ({"messages": []}, "messages"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": "8"}, "max_tokens"),
         ({"temperature": -1}, "temperature"),

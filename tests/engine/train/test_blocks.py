@@ -38,8 +38,16 @@ def test_block_ids_positions_labels_and_weights() -> None:
     anchors = torch.tensor([[5, 2], [3, 7]])
     lengths = torch.tensor([12, 9])  # second row: tokens from position 9 on are not valid
     batch = build_blocks(tokens, lengths, anchors, MASK_ID, cfg, torch.Generator().manual_seed(0))
-    assert batch.block_ids[0].tolist() == [105, MASK_ID, MASK_ID, MASK_ID,
-                                           102, MASK_ID, MASK_ID, MASK_ID]
+    assert batch.block_ids[0].tolist() == [
+        105,
+        MASK_ID,
+        MASK_ID,
+        MASK_ID,
+        102,
+        MASK_ID,
+        MASK_ID,
+        MASK_ID,
+    ]
     assert batch.positions[0].tolist() == [5, 6, 7, 8, 2, 3, 4, 5]
     assert batch.labels[0].tolist() == [0, 106, 107, 108, 0, 103, 104, 105]
     w = [0.0, 1.0, math.exp(-0.5), math.exp(-1.0)]
@@ -53,8 +61,9 @@ def test_shorter_effective_blocks_hide_their_tail() -> None:
     tokens, _ = _batch()
     cfg = BlockConfig(block_size=4, anchors_per_seq=1, gamma=2.0, lengths=(2,))
     anchors = torch.tensor([[4], [4]])
-    batch = build_blocks(tokens, torch.tensor([12, 12]), anchors, MASK_ID, cfg,
-                         torch.Generator().manual_seed(0))
+    batch = build_blocks(
+        tokens, torch.tensor([12, 12]), anchors, MASK_ID, cfg, torch.Generator().manual_seed(0)
+    )
     seq_len = tokens.shape[1]
     assert batch.weights[0].gt(0).tolist() == [False, True, False, False]
     for q in range(4):  # every query sees only the first two block slots

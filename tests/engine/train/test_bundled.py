@@ -39,8 +39,9 @@ def models() -> tuple[Qwen3Target, DFlashDrafter]:
     return target, load_drafter(ASSETS / "dflash", target)
 
 
-def _decode(target: Qwen3Target, drafter: DFlashDrafter, block: int, prompt: list[int],
-            n: int) -> tuple[list[int], list[int]]:
+def _decode(
+    target: Qwen3Target, drafter: DFlashDrafter, block: int, prompt: list[int], n: int
+) -> tuple[list[int], list[int]]:
     """Greedy tokens and per-step accepted drafts through the engine's speculative step."""
     state = SpecState.create(target, drafter, 1, 512, block, "cpu", torch.float32)
     out = prefill(state, [PrefillRow(0, prompt)], [GREEDY])
@@ -72,7 +73,7 @@ def test_transformers_loads_and_matches_engine(models: tuple[Qwen3Target, DFlash
     chat = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
     chat_ids = chat["input_ids"] if not isinstance(chat, torch.Tensor) else chat
     gen = hf.generate(chat_ids, max_new_tokens=32, do_sample=False)
-    text = tok.decode(gen[0, chat_ids.shape[1]:], skip_special_tokens=True)
+    text = tok.decode(gen[0, chat_ids.shape[1] :], skip_special_tokens=True)
     assert text.strip()  # the chat turn answers with some code
 
 

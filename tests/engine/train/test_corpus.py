@@ -19,8 +19,16 @@ from engine.train.corpus import (
 
 def _fake_stdlib(root: Path) -> Path:
     body = "import os\n\n\nclass Thing:\n    def run(self):\n        return os.sep\n" * 10
-    for rel in ["json/__init__.py", "json/decoder.py", "csv.py", "os_helpers.py",
-                "test/test_x.py", "encodings/cp1.py", "pkg/mod.py", "idlelib/a.py"]:
+    for rel in [
+        "json/__init__.py",
+        "json/decoder.py",
+        "csv.py",
+        "os_helpers.py",
+        "test/test_x.py",
+        "encodings/cp1.py",
+        "pkg/mod.py",
+        "idlelib/a.py",
+    ]:
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(body)

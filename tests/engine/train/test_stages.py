@@ -17,8 +17,17 @@ from engine.train.cli import main
 def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("train")
     out, runs = root / "out", root / "runs"
-    common = ["--smoke", "--max-files", "3", "--out-dir", str(out), "--runs-dir", str(runs),
-              "--threads", "1"]
+    common = [
+        "--smoke",
+        "--max-files",
+        "3",
+        "--out-dir",
+        str(out),
+        "--runs-dir",
+        str(runs),
+        "--threads",
+        "1",
+    ]
     for stage in ("tokenizer", "target", "distill", "drafter", "eval"):
         assert main([stage, *common]) == 0, stage
     return out, runs
@@ -51,8 +60,18 @@ def test_logs_and_eval_report(smoke_run: tuple[Path, Path]) -> None:
 
 def test_training_resumes_from_checkpoint(smoke_run: tuple[Path, Path]) -> None:
     out, runs = smoke_run
-    args = ["target", "--smoke", "--max-files", "3", "--out-dir", str(out),
-            "--runs-dir", str(runs), "--threads", "1"]
+    args = [
+        "target",
+        "--smoke",
+        "--max-files",
+        "3",
+        "--out-dir",
+        str(out),
+        "--runs-dir",
+        str(runs),
+        "--threads",
+        "1",
+    ]
     assert main([*args, "--steps", "5"]) == 0
     state = torch.load(runs / "target" / "ckpt.pt", weights_only=True)
     assert state["step"] == 5
@@ -61,5 +80,9 @@ def test_training_resumes_from_checkpoint(smoke_run: tuple[Path, Path]) -> None:
 
 
 def test_missing_inputs_fail_cleanly(tmp_path: Path) -> None:
-    assert main(["drafter", "--smoke", "--out-dir", str(tmp_path), "--runs-dir",
-                 str(tmp_path / "runs")]) == 1
+    assert (
+        main(
+            ["drafter", "--smoke", "--out-dir", str(tmp_path), "--runs-dir", str(tmp_path / "runs")]
+        )
+        == 1
+    )

@@ -14,12 +14,76 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
-               0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-               40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
+ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+)
 
 
 class EngineStatsView(Protocol):
@@ -72,10 +136,12 @@ class EngineCollector(Collector):
             return
         yield from self._gauges(s.num_running, s.num_waiting, s.kv_cache_usage)
         yield self._counter("vllm:spec_decode_num_drafts", "Verify steps.", s.num_drafts)
-        yield self._counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.",
-                            s.num_draft_tokens)
-        yield self._counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                            s.num_accepted_tokens)
+        yield self._counter(
+            "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens
+        )
+        yield self._counter(
+            "vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.num_accepted_tokens
+        )
         per_pos = CounterMetricFamily(
             "vllm:spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by position in the block.",
@@ -101,15 +167,33 @@ class WorkerMetrics:
         self.registry.register(EngineCollector(source, model_name))
         labels = ["model_name"]
         self._model = model_name
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Gap between successive outputs of a request.", labels,
-                             buckets=ITL_BUCKETS, registry=self.registry)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", labels,
-                             buckets=E2E_BUCKETS, registry=self.registry)
-        self.success = Counter("vllm:request_success", "Finished requests by reason.",
-                               [*labels, "finished_reason"], registry=self.registry)
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Arrival to first token.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Gap between successive outputs of a request.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Arrival to finish.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        )
+        self.success = Counter(
+            "vllm:request_success",
+            "Finished requests by reason.",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
 
     def observe_itl(self, seconds: float) -> None:
         self.itl.labels(self._model).observe(seconds)

@@ -16,20 +16,20 @@ from typing import Any
 
 import pytest
 
-from engine.cli import settings_from_args
-from engine.config import BUNDLED_DRAFTER, BUNDLED_TARGET
-from engine.vllm_backend import build_vllm_argv
+from engine.worker.cli import settings_from_args
+from engine.worker.settings import BUNDLED_DRAFTER, BUNDLED_TARGET
+from engine.worker.vllm_backend import build_vllm_argv
 from tests.fixtures.tiny_models import TinyCheckpoint
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 BUNDLED = (BUNDLED_TARGET / "model.safetensors").exists() and (
     BUNDLED_DRAFTER / "config.json"
 ).exists()
 
-PROBE = r'''
+PROBE = r"""
 import json, sys
 cases = json.load(open(sys.argv[1]))
 results = {"parse": {}, "engine": {}}
@@ -61,7 +61,7 @@ for name, case in cases["engine"].items():
                      "draft_arch": list(sc.draft_model_config.architectures or []),
                      "target_arch": list(config.model_config.architectures or [])}
 print("RESULTS " + json.dumps(results, default=str))
-'''
+"""
 
 
 def _vllm_env_or_skip() -> None:
@@ -80,8 +80,17 @@ def _argv(*args: str) -> list[str]:
 
 def _cases(ckpt: TinyCheckpoint, tmp: Path) -> dict[str, Any]:
     spec = json.dumps({"method": "dflash", "model": str(ckpt.drafter_dir)})
-    good = _argv(str(ckpt.target_dir), "--speculative-config", spec, "--max-model-len", "1024",
-                 "--per-request-spec-decode-metrics", "detailed", "--max-num-seqs", "4")
+    good = _argv(
+        str(ckpt.target_dir),
+        "--speculative-config",
+        spec,
+        "--max-model-len",
+        "1024",
+        "--per-request-spec-decode-metrics",
+        "detailed",
+        "--max-num-seqs",
+        "4",
+    )
     bad_level = list(good)
     bad_level[bad_level.index("detailed")] = "verbose"
     parse = {
@@ -111,8 +120,9 @@ def _cases(ckpt: TinyCheckpoint, tmp: Path) -> dict[str, Any]:
     if BUNDLED:
         parse["bundled"] = _argv("--max-model-len", "1024")
         settings, _ = settings_from_args([])
-        engine["bundled"] = engine_case(BUNDLED_TARGET, BUNDLED_DRAFTER,
-                                        settings.num_speculative_tokens() or 1)
+        engine["bundled"] = engine_case(
+            BUNDLED_TARGET, BUNDLED_DRAFTER, settings.num_speculative_tokens() or 1
+        )
     return {"parse": parse, "engine": engine}
 
 
@@ -126,10 +136,22 @@ def contract(
     cases = _cases(ckpt, tmp)
     (tmp / "cases.json").write_text(json.dumps(cases))
     (tmp / "probe.py").write_text(PROBE)
-    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "VLLM_LOGGING_LEVEL": "ERROR"}
-    proc = subprocess.run([str(VLLM_PYTHON), str(tmp / "probe.py"), str(tmp / "cases.json")],
-                          capture_output=True, text=True, env=env, timeout=540, cwd=tmp)
+    env = {
+        **os.environ,
+        "VLLM_TARGET_DEVICE": "cpu",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_LOGGING_LEVEL": "ERROR",
+    }
+    proc = subprocess.run(
+        [str(VLLM_PYTHON), str(tmp / "probe.py"), str(tmp / "cases.json")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=540,
+        cwd=tmp,
+    )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {"cases": cases, "results": json.loads(lines[-1].removeprefix("RESULTS "))}

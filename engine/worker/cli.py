@@ -13,8 +13,8 @@ import json
 import sys
 from typing import Any
 
-from engine.config import ConfigError, WorkerSettings, load_settings
-from engine.vllm_backend import build_vllm_argv, exec_vllm
+from engine.worker.settings import ConfigError, WorkerSettings, load_settings
+from engine.worker.vllm_backend import build_vllm_argv, exec_vllm
 
 PROG = "dflash-worker"
 
@@ -42,16 +42,25 @@ def build_parser() -> argparse.ArgumentParser:
     sup = argparse.SUPPRESS  # unset flags stay out, so WorkerSettings' defaults apply
     p.add_argument("model", nargs="?", default=sup, help="target checkpoint (default: bundled)")
     p.add_argument("--backend", choices=["embedded", "vllm"], default=sup)
-    p.add_argument("--speculative-config", default=sup, help='JSON, e.g. {"method": "dflash", '
-                   '"model": PATH, "num_speculative_tokens": 7}; absent = plain decoding')
-    p.add_argument("--no-speculation", action="store_true",
-                   help="serve the target with plain decoding (the baseline)")
-    p.add_argument("--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"],
-                   default=sup)
+    p.add_argument(
+        "--speculative-config",
+        default=sup,
+        help='JSON, e.g. {"method": "dflash", '
+        '"model": PATH, "num_speculative_tokens": 7}; absent = plain decoding',
+    )
+    p.add_argument(
+        "--no-speculation",
+        action="store_true",
+        help="serve the target with plain decoding (the baseline)",
+    )
+    p.add_argument(
+        "--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default=sup
+    )
     for flag, kind, text in _OPTIONS:
         p.add_argument(flag, type=kind, default=sup, help=text)
-    p.add_argument("--dry-run", action="store_true",
-                   help="print the `vllm serve` argv as a JSON list and exit")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the `vllm serve` argv as a JSON list and exit"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -94,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    from engine.server import serve  # torch and the engine load only when serving
+    from engine.worker.app import serve  # torch and the engine load only when serving
 
     return serve(settings, log_level=ns.log_level)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
+from engine.worker.cli import main
 from tests.fixtures.tiny_models import TinyCheckpoint
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +33,53 @@ def test_dry_run_prints_the_exact_vllm_serve_argv(
     ckpt: TinyCheckpoint, capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = json.dumps({"method": "dflash", "model": str(ckpt.drafter_dir)})
-    argv = dry_run(capsys, str(ckpt.target_dir), "--speculative-config", spec,
-                   "--max-num-seqs", "4", "--max-model-len", "1024", "--served-model-name", "c",
-                   "--port", "9000", "--per-request-spec-decode-metrics", "detailed")
-    assert argv == [
-        "vllm", "serve", str(ckpt.target_dir), "--served-model-name", "c",
-        "--host", "127.0.0.1", "--port", "9000", "--max-num-seqs", "4",
-        "--max-model-len", "1024", "--seed", "0", "--dtype", "auto",
-        "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9",
+    argv = dry_run(
+        capsys,
+        str(ckpt.target_dir),
         "--speculative-config",
-        json.dumps({"method": "dflash", "model": str(ckpt.drafter_dir),
-                    "num_speculative_tokens": 3}, separators=(",", ":")),
-        "--per-request-spec-decode-metrics", "detailed",
-        "--enable-force-include-usage", "--enable-per-request-metrics",
+        spec,
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "1024",
+        "--served-model-name",
+        "c",
+        "--port",
+        "9000",
+        "--per-request-spec-decode-metrics",
+        "detailed",
+    )
+    assert argv == [
+        "vllm",
+        "serve",
+        str(ckpt.target_dir),
+        "--served-model-name",
+        "c",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9000",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "1024",
+        "--seed",
+        "0",
+        "--dtype",
+        "auto",
+        "--tensor-parallel-size",
+        "1",
+        "--gpu-memory-utilization",
+        "0.9",
+        "--speculative-config",
+        json.dumps(
+            {"method": "dflash", "model": str(ckpt.drafter_dir), "num_speculative_tokens": 3},
+            separators=(",", ":"),
+        ),
+        "--per-request-spec-decode-metrics",
+        "detailed",
+        "--enable-force-include-usage",
+        "--enable-per-request-metrics",
     ]
 
 
@@ -57,16 +91,17 @@ def test_both_backends_print_the_same_argv_and_vllm_keeps_extra_args(
     embedded = dry_run(capsys, *base)
     vllm = dry_run(capsys, "--backend", "vllm", *base, "--enable-prefix-caching")
     assert vllm == [*embedded, "--enable-prefix-caching"]
-    assert json.loads(embedded[embedded.index("--speculative-config") + 1])[
-        "num_speculative_tokens"] == 2
+    assert (
+        json.loads(embedded[embedded.index("--speculative-config") + 1])["num_speculative_tokens"]
+        == 2
+    )
 
 
 def test_no_speculation_drops_the_speculative_config(
     ckpt: TinyCheckpoint, capsys: pytest.CaptureFixture[str]
 ) -> None:
     spec = json.dumps({"model": str(ckpt.drafter_dir)})
-    argv = dry_run(capsys, str(ckpt.target_dir), "--speculative-config", spec,
-                   "--no-speculation")
+    argv = dry_run(capsys, str(ckpt.target_dir), "--speculative-config", spec, "--no-speculation")
     assert "--speculative-config" not in argv
     assert "--per-request-spec-decode-metrics" in argv
 
@@ -107,7 +142,9 @@ def test_unknown_flags_are_refused_by_the_embedded_backend(
 
 
 def test_vllm_backend_without_vllm_installed(
-    ckpt: TinyCheckpoint, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    ckpt: TinyCheckpoint,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
@@ -121,16 +158,26 @@ def test_vllm_backend_execs_vllm_serve(ckpt: TinyCheckpoint, tmp_path: Path) -> 
     bindir.mkdir()
     record = tmp_path / "argv.json"
     fake = bindir / "vllm"
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\n"
-                    f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n")
+    fake.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(record)!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     script = Path(sys.executable).parent / "dflash-worker"
     args = ["--backend", "vllm", str(ckpt.target_dir), "--api-key", "k", "--max-num-seqs", "2"]
     env = {**os.environ, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
-    dry = subprocess.run([str(script), *args, "--dry-run"], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=60, check=True)
-    run = subprocess.run([str(script), *args], capture_output=True, text=True, env=env,
-                         cwd=ROOT, timeout=60)
+    dry = subprocess.run(
+        [str(script), *args, "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
+    run = subprocess.run(
+        [str(script), *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=60
+    )
     assert run.returncode == 0, run.stderr
     executed = json.loads(record.read_text())
     expected = json.loads(dry.stdout)[1:]

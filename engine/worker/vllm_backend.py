@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from engine.config import ConfigError, WorkerSettings
+from engine.worker.settings import ConfigError, WorkerSettings
 
 REDACTED = "<redacted>"
 

@@ -1,0 +1,102 @@
+"""The ModelRunner: every tensor the engine holds (target, drafter, slot caches, sampling
+generators) and the two things done with them, prefill and the speculative step.
+
+The control side (engine.py) hands it scheduled sequences and gets plain Python tokens
+back; nothing here decides who runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, block_size_for
+from engine.loader import load_drafter, load_target
+from engine.sequence import SamplingParams, Sequence
+from engine.speculative import (
+    DecodeRow,
+    PrefillRow,
+    RowResult,
+    RowSampling,
+    SpecState,
+    prefill,
+    release,
+    spec_step,
+)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        dtype = torch_dtype(config.dtype)
+        target = load_target(config.target_path, config.device, dtype)
+        drafter = None
+        if config.drafter_path is not None:
+            drafter = load_drafter(config.drafter_path, target, config.device, dtype)
+        drafter_block = None if drafter is None else drafter.block_size
+        self.block_size = block_size_for(config.num_speculative_tokens, drafter_block)
+        if self.block_size == 1:
+            drafter = None  # zero speculative tokens is plain decoding
+        self.num_spec_tokens: int | None = None if drafter is None else self.block_size - 1
+        self.vocab_size: int = target.config.vocab_size
+        self._state = SpecState.create(
+            target,
+            drafter,
+            config.max_num_seqs,
+            config.max_model_len,
+            self.block_size,
+            config.device,
+            dtype,
+        )
+        self._sampling: dict[int, RowSampling] = {}  # by id(sequence), while it runs
+        self._shared_generator = torch.Generator(device=config.device).manual_seed(config.seed)
+
+    def add(self, seq: Sequence) -> None:
+        """Set up a sequence's sampling (its own generator when seeded)."""
+        self._sampling[id(seq)] = self._row_sampling(seq.params)
+
+    def remove(self, seq: Sequence) -> None:
+        self._sampling.pop(id(seq), None)
+
+    def free_slot(self, slot: int) -> None:
+        release(self._state, slot)
+
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Prompts into the caches; the first token of each sequence."""
+        rows = [PrefillRow(slot=_slot(s), token_ids=s.prompt_token_ids) for s in seqs]
+        return prefill(self._state, rows, [self._sampling[id(s)] for s in seqs])
+
+    def decode(self, seqs: list[Sequence]) -> list[RowResult]:
+        """One speculative step over every running sequence."""
+        rows = [
+            DecodeRow(slot=_slot(s), last_token=s.last_token, position=s.position) for s in seqs
+        ]
+        return spec_step(self._state, rows, [self._sampling[id(s)] for s in seqs])
+
+    def kv_cache_usage(self) -> float:
+        return self._state.kv_cache_usage()
+
+    def _row_sampling(self, params: SamplingParams) -> RowSampling:
+        if params.temperature == 0:
+            return RowSampling(temperature=0.0)
+        if params.seed is None:
+            generator = self._shared_generator
+        else:
+            generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        return RowSampling(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            generator=generator,
+        )
+
+
+def _slot(seq: Sequence) -> int:
+    assert seq.slot is not None, "a scheduled sequence has a slot"
+    return seq.slot

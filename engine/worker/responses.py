@@ -1,0 +1,113 @@
+"""OpenAI response bodies and stream chunks, plus vLLM's per-request `metrics` object: the
+one place where the engine's request state becomes wire format."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sequence import RequestMetrics, SpecDecodeStats
+from engine.worker.schemas import Endpoint
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _ms(start: float | None, end: float | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return (end - start) * 1000.0
+
+
+def speculative_object(spec: SpecDecodeStats, level: str, *, stream: bool) -> dict[str, Any]:
+    """vLLM's `speculative_decoding` object. `summary` leaves the per-step lists out of a
+    stream's final chunk and sets them to null in a whole response, as vLLM does."""
+    steps, accepted, drafted = spec.num_steps, spec.num_accepted, spec.num_drafted
+    out: dict[str, Any] = {
+        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "acceptance_histogram": spec.histogram(),
+        "num_spec_steps": steps,
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": spec.num_spec_tokens,
+    }
+    if level == "detailed":
+        out["per_step_accepted"] = list(spec.per_step_accepted)
+        out["per_step_drafted"] = list(spec.per_step_drafted)
+    elif not stream:
+        out["per_step_accepted"] = None
+        out["per_step_drafted"] = None
+    return out
+
+
+def metrics_object(metrics: RequestMetrics, level: str, *, stream: bool) -> dict[str, Any]:
+    """vLLM's per-request `metrics` object, with vLLM's interval definitions: TTFT from
+    first scheduling, generation time = first to last token, tokens/s over first scheduling
+    to last token, mean ITL over the gaps (None for one token). Level `none` keeps the
+    timings and leaves speculation out."""
+    n = metrics.num_output_tokens
+    decode_ms = _ms(metrics.first_token_time, metrics.last_token_time)
+    inference_ms = _ms(metrics.first_scheduled_time, metrics.last_token_time)
+    out: dict[str, Any] = {
+        "time_to_first_token_ms": _ms(metrics.first_scheduled_time, metrics.first_token_time),
+        "generation_time_ms": decode_ms,
+        "queue_time_ms": _ms(metrics.arrival_time, metrics.first_scheduled_time),
+        "mean_itl_ms": decode_ms / (n - 1) if decode_ms is not None and n > 1 else None,
+        "tokens_per_second": (
+            n / inference_ms * 1000.0 if inference_ms is not None and inference_ms > 0 else None
+        ),
+    }
+    if metrics.spec is not None and level != "none":
+        out["speculative_decoding"] = speculative_object(metrics.spec, level, stream=stream)
+    return out
+
+
+@dataclass
+class Formatter:
+    """Builds the bodies of one request, chat or completion, with a fixed id and time."""
+
+    endpoint: Endpoint
+    request_id: str
+    model: str
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def chunk(self, text: str, finish_reason: str | None, *, first: bool = False) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            delta: dict[str, Any] = (
+                {"role": "assistant", "content": text} if first else {"content": text}
+            )
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, use: dict[str, int], metrics: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.endpoint == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": use, "metrics": metrics}
+
+    def response(
+        self, text: str, finish_reason: str, use: dict[str, int], metrics: dict[str, Any]
+    ) -> dict[str, Any]:
+        if self.endpoint == "chat":
+            message = {"role": "assistant", "content": text}
+            choice = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": use, "metrics": metrics}

@@ -1,0 +1,224 @@
+"""Worker settings: one validated model for both backends (embedded engine and `vllm serve`).
+
+Field names mirror `vllm serve` flags (`max_num_seqs` <-> `--max-num-seqs`), so the CLI, the
+embedded server and the vLLM argv builder all read the same object. Checkpoint folders are
+checked here from their `config.json` alone (no torch), so a bad combination fails at start
+with one line naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from engine.jsonfile import read_json_object
+
+ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-coder"
+BUNDLED_TARGET = ASSETS_DIR / "target"
+BUNDLED_DRAFTER = ASSETS_DIR / "dflash"
+BUNDLED_NAME = "tiny-coder"
+DEFAULT_MAX_MODEL_LEN = 2048
+
+Backend = Literal["embedded", "vllm"]
+SpecMetricsLevel = Literal["none", "summary", "detailed"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float"]
+
+
+class ConfigError(ValueError):
+    """Invalid worker settings; `str()` is one line naming the field."""
+
+
+class SpeculativeConfig(BaseModel):
+    """`--speculative-config` JSON. Extra keys pass through to vLLM untouched."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    method: str = "dflash"
+    model: str
+    num_speculative_tokens: int | None = Field(default=None, ge=1)
+
+    def as_json(self, num_speculative_tokens: int | None) -> str:
+        data = self.model_dump(exclude_none=True)
+        if num_speculative_tokens is not None:
+            data["num_speculative_tokens"] = num_speculative_tokens
+        return json.dumps(data, separators=(",", ":"))
+
+
+class WorkerSettings(BaseModel):
+    """Everything a worker process needs, read once at the edge (the CLI)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    backend: Backend = "embedded"
+    model: str = str(BUNDLED_TARGET)
+    served_model_name: str | None = None
+    speculative_config: SpeculativeConfig | None = None
+    max_num_seqs: int = Field(default=8, ge=1, le=1024)
+    max_model_len: int | None = Field(default=None, ge=16)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8001, ge=1, le=65535)
+    seed: int = Field(default=0, ge=0)
+    per_request_spec_decode_metrics: SpecMetricsLevel = "summary"
+    tensor_parallel_size: int = Field(default=1, ge=1)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    dtype: Dtype = "auto"
+    api_key: str | None = None
+    extra_args: tuple[str, ...] = ()
+    # Embedded-only knobs (no `vllm serve` equivalent; never put into the vLLM argv).
+    device: str = "cpu"
+    max_waiting: int = Field(default=64, ge=0)
+    drain_timeout: float = Field(default=30.0, ge=0.0)
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    enable_force_include_usage: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bundled_drafter_by_default(cls, data: Any) -> Any:
+        # No MODEL and no --speculative-config: the bundled target with its DFlash drafter.
+        if isinstance(data, dict) and "model" not in data and "speculative_config" not in data:
+            bundled = {"method": "dflash", "model": str(BUNDLED_DRAFTER)}
+            return {**data, "speculative_config": bundled}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        _check_backend_fields(self)
+        _check_checkpoints(self)
+        return self
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use: `--served-model-name`, else what vLLM would use (MODEL)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if Path(self.model).resolve() == BUNDLED_TARGET:
+            return BUNDLED_NAME
+        return self.model
+
+    @property
+    def speculative(self) -> bool:
+        return self.speculative_config is not None
+
+    def num_speculative_tokens(self) -> int | None:
+        """K: as configured, else the drafter's block_size - 1 (when its config is local)."""
+        spec = self.speculative_config
+        if spec is None:
+            return None
+        if spec.num_speculative_tokens is not None:
+            return spec.num_speculative_tokens
+        drafter = _read_config(spec.model)
+        block = drafter.get("block_size") if drafter else None
+        return block - 1 if isinstance(block, int) and block > 1 else None
+
+    def resolved_max_model_len(self) -> int:
+        """Context length for the embedded engine: as set, else min(2048, the model's)."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        target = _read_config(self.model) or {}
+        limit = target.get("max_position_embeddings")
+        if isinstance(limit, int):
+            return min(DEFAULT_MAX_MODEL_LEN, limit)
+        return DEFAULT_MAX_MODEL_LEN
+
+    def torch_dtype_name(self) -> str:
+        """dtype for the embedded engine (auto = float32: CPU is the default device)."""
+        aliases = {"auto": "float32", "float": "float32", "half": "float16"}
+        return aliases.get(self.dtype, self.dtype)
+
+
+def _check_backend_fields(s: WorkerSettings) -> None:
+    if s.backend != "embedded":
+        return
+    spec = s.speculative_config
+    if spec is not None and spec.method != "dflash":
+        raise ValueError(
+            f"speculative_config.method: {spec.method!r} is not supported by the embedded "
+            "backend (only 'dflash')"
+        )
+    if s.tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size: the embedded backend runs on one device (use 1)")
+    if s.extra_args:
+        raise ValueError("extra_args: only the vllm backend accepts extra `vllm serve` arguments")
+
+
+def _read_config(path: str) -> dict[str, Any] | None:
+    """A checkpoint folder's config.json, or None when `path` is not a local folder."""
+    file = Path(path) / "config.json"
+    return read_json_object(file) if file.is_file() else None
+
+
+def _is_local(path: str) -> bool:
+    return path.startswith(("/", ".", "~")) or Path(path).exists()
+
+
+def _check_checkpoints(s: WorkerSettings) -> None:
+    # vLLM may take Hugging Face hub ids; only local folders can be checked here.
+    must_be_local = s.backend == "embedded"
+    target = _load_checked(s.model, "model", must_be_local)
+    if target is not None and s.max_model_len is not None:
+        limit = target.get("max_position_embeddings")
+        if isinstance(limit, int) and s.max_model_len > limit:
+            raise ValueError(
+                f"max_model_len: {s.max_model_len} exceeds the model's "
+                f"max_position_embeddings ({limit})"
+            )
+    spec = s.speculative_config
+    if spec is None:
+        return
+    drafter = _load_checked(spec.model, "speculative_config.model", must_be_local)
+    if drafter is not None and spec.method == "dflash":
+        _check_drafter(drafter, target, spec)
+
+
+def _load_checked(path: str, field: str, must_be_local: bool) -> dict[str, Any] | None:
+    if not (must_be_local or _is_local(path)):
+        return None
+    try:
+        data = _read_config(path)
+    except ValueError as exc:
+        raise ValueError(f"{field}: {exc}") from exc
+    if data is None:
+        raise ValueError(f"{field}: {path} is not a checkpoint folder (no config.json)")
+    return data
+
+
+def _check_drafter(
+    drafter: dict[str, Any], target: dict[str, Any] | None, spec: SpeculativeConfig
+) -> None:
+    field = "speculative_config.model"
+    if "DFlashDraftModel" not in (drafter.get("architectures") or []):
+        raise ValueError(f"{field}: {spec.model} is not a DFlash drafter (architectures)")
+    block = drafter.get("block_size")
+    if not isinstance(block, int) or block < 2:
+        raise ValueError(f"{field}: drafter block_size must be an integer >= 2, got {block!r}")
+    k = spec.num_speculative_tokens
+    if k is not None and k > block - 1:
+        raise ValueError(
+            f"speculative_config.num_speculative_tokens: {k} exceeds the drafter's "
+            f"block_size - 1 = {block - 1}"
+        )
+    if target is None:
+        return
+    for key in ("hidden_size", "vocab_size"):
+        mine, theirs = drafter.get(key), target.get(key)
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(f"{field}: drafter {key} {mine} does not match the target's {theirs}")
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line: `field: message` for the first error pydantic found."""
+    err = exc.errors()[0]
+    loc = ".".join(str(part) for part in err.get("loc", ()))
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{loc}: {msg}" if loc else msg
+
+
+def load_settings(**values: Any) -> WorkerSettings:
+    """Build settings, turning pydantic's report into a one-line ConfigError."""
+    try:
+        return WorkerSettings(**values)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid worker setting {format_validation_error(exc)}") from None

@@ -1,0 +1,152 @@
+"""HTTP plumbing shared by the gateway and the embedded worker (torch-free, so the gateway
+image needs no torch): reading a JSON body with a size and depth limit, SSE framing, and a
+uvicorn server that drains on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import uvicorn
+from starlette.requests import Request
+
+from service.errors import InvalidRequest, PayloadTooLarge
+
+log = logging.getLogger("dflash.http")
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One Server-Sent Event carrying a JSON object."""
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _reject_constant(name: str) -> Any:
+    raise InvalidRequest(f"{name} is not valid JSON.", code="invalid_json")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refusing more than `limit` bytes (413) without reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A JSON object from bytes; anything else (empty, malformed, NaN, too deep, not an
+    object) is a 400."""
+    if not raw.strip():
+        raise InvalidRequest(
+            "The request body is empty; expected a JSON object.", code="invalid_json"
+        )
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
+    """The raw body and the JSON object it holds."""
+    raw = await read_body(request, limit)
+    return raw, parse_json_object(raw)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose signals are handled by `serve_all`: on SIGTERM its `drain()` runs (by
+    default: `on_drain()` at once, then `drain_delay_s`), and then it stops listening
+    (in-flight requests then finish). `sock`: a listening socket of its own (a backlog,
+    SO_REUSEPORT) instead of uvicorn binding host:port."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        on_drain: Callable[[], None],
+        drain_delay_s: float = 0.0,
+        *,
+        sock: socket.socket | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.on_drain = on_drain
+        self.drain_delay_s = drain_delay_s
+        self.socket = sock
+
+    async def drain(self) -> None:
+        self.on_drain()
+        await asyncio.sleep(self.drain_delay_s)
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is None and self.socket is not None:
+            sockets = [self.socket]
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_all(
+    servers: Sequence[DrainingServer], on_started: Callable[[], None] | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM; the first signal drains gracefully, a second forces exit.
+    `on_started` runs once every server listens."""
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+
+    def on_signal() -> None:
+        if stopping.is_set():  # a second signal: stop now, whatever is in flight
+            for server in servers:
+                server.force_exit = True
+                server.should_exit = True
+        stopping.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+
+    async def drain() -> None:
+        await stopping.wait()
+        log.info("draining")
+        await asyncio.gather(*(server.drain() for server in servers))
+        for server in servers:
+            server.should_exit = True
+
+    async def announce() -> None:
+        # uvicorn offers a `started` flag, not an event: poll it.
+        while not all(server.started for server in servers):  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        if on_started is not None:
+            on_started()
+
+    drainer, announcer = asyncio.create_task(drain()), asyncio.create_task(announce())
+    try:
+        await asyncio.gather(*(server.serve() for server in servers))
+    finally:
+        drainer.cancel()
+        announcer.cancel()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def run_servers(
+    servers: Sequence[DrainingServer], on_started: Callable[[], None] | None = None
+) -> None:
+    """Run on uvicorn's preferred loop (uvloop when installed) until drained."""
+    with asyncio.Runner(loop_factory=servers[0].config.get_loop_factory()) as runner:
+        runner.run(serve_all(servers, on_started))

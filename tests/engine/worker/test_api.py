@@ -1,0 +1,84 @@
+"""api.py's own steps: sampling parameters from a request, and engine refusals becoming
+400s that name the field the client used (end to end over HTTP: test_app.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.errors import QueueFull, RequestRejected
+from engine.sequence import SamplingParams
+from engine.worker import api
+from engine.worker.schemas import ChatCompletionRequest, CompletionRequest
+from service.errors import InvalidRequest, Unavailable
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+def test_sampling_params_defaults_and_fields() -> None:
+    req = ChatCompletionRequest.model_validate({"messages": HI})
+    assert api._sampling_params(req) == SamplingParams(max_tokens=None)
+    req = CompletionRequest.model_validate(
+        {
+            "prompt": "x",
+            "max_tokens": 4,
+            "temperature": 0,
+            "top_k": -1,
+            "stop": "a",
+            "stop_token_ids": [9],
+            "seed": 3,
+            "ignore_eos": True,
+        }
+    )
+    assert api._sampling_params(req) == SamplingParams(
+        max_tokens=4,
+        temperature=0.0,
+        top_k=0,
+        stop=("a",),
+        stop_token_ids=(9,),
+        seed=3,
+        ignore_eos=True,
+    )
+
+
+class _Refusing:
+    """Stands in for the engine at the one call `_start` makes: it raises as told."""
+
+    tokenizer = None
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def generate(self, *args: Any) -> Any:
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("body", "engine_param", "client_param"),
+    [
+        ({"messages": HI, "max_completion_tokens": 9}, "max_tokens", "max_completion_tokens"),
+        ({"messages": HI}, "prompt", "messages"),
+        ({"prompt": [1, 2], "max_tokens": 9}, "max_tokens", "max_tokens"),
+    ],
+)
+def test_refusals_name_the_clients_field(
+    body: dict[str, Any], engine_param: str, client_param: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kind = ChatCompletionRequest if "messages" in body else CompletionRequest
+    req = kind.model_validate(body)
+    engine = _Refusing(RequestRejected("too long", engine_param, "context_length_exceeded"))
+    state: Any = type("S", (), {"metrics": None})()
+    monkeypatch.setattr(api, "_prompt_ids", lambda e, r: [1, 2])  # no tokenizer needed
+    with pytest.raises(InvalidRequest) as err:
+        api._start(engine, state, req, "id")  # type: ignore[arg-type]
+    assert err.value.param == client_param and err.value.code == "context_length_exceeded"
+
+
+def test_a_full_engine_is_503(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "_prompt_ids", lambda e, r: [1])
+    req = CompletionRequest.model_validate({"prompt": "x"})
+    state: Any = type("S", (), {"metrics": None})()
+    with pytest.raises(Unavailable) as err:
+        api._start(_Refusing(QueueFull("full")), state, req, "id")  # type: ignore[arg-type]
+    assert err.value.code == "queue_full" and err.value.headers["Retry-After"]

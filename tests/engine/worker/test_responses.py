@@ -1,0 +1,125 @@
+"""Response bodies: vLLM's per-request `metrics` object built from the engine's request
+state (interval definitions, speculation arithmetic, summary vs detailed), usage, chunks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.sequence import RequestMetrics, SamplingParams, SpecDecodeStats
+from engine.worker.responses import Formatter, metrics_object, speculative_object, usage
+from tests.engine.test_sequence import make_seq
+
+
+def test_timing_follows_vllm_definitions() -> None:
+    seq = make_seq(SamplingParams(max_tokens=5))
+    seq.metrics.first_scheduled_time = 10.5
+    seq.append([1], 11.0)
+    seq.append([2, 3], 11.4)
+    seq.append([4, 5], 12.0)
+    m = metrics_object(seq.metrics, "summary", stream=True)
+    assert m["queue_time_ms"] == pytest.approx(500.0)
+    assert m["time_to_first_token_ms"] == pytest.approx(500.0)
+    assert m["generation_time_ms"] == pytest.approx(1000.0)
+    assert m["mean_itl_ms"] == pytest.approx(250.0)
+    assert m["tokens_per_second"] == pytest.approx(5 / 1.5)
+    assert seq.metrics.finished_time == 12.0
+
+
+def test_one_token_has_no_itl_and_no_spec_key_without_drafter() -> None:
+    seq = make_seq(SamplingParams(max_tokens=1), spec=None)
+    seq.metrics.first_scheduled_time = 10.0
+    seq.append([3], 10.2)
+    m = metrics_object(seq.metrics, "summary", stream=True)
+    assert m["mean_itl_ms"] is None and m["generation_time_ms"] == 0.0
+    assert "speculative_decoding" not in m
+
+
+def test_spec_stats_arithmetic() -> None:
+    stats = SpecDecodeStats(num_spec_tokens=3)
+    for drafted, accepted in [(3, 3), (3, 0), (3, 1), (3, 3), (3, 2)]:
+        stats.observe(drafted, accepted)
+    s = speculative_object(stats, "summary", stream=True)
+    assert s["acceptance_histogram"] == [1, 1, 1, 2]
+    assert sum(s["acceptance_histogram"]) == s["num_spec_steps"] == 5
+    assert s["num_accepted_draft_tokens"] == 9 <= s["num_draft_tokens"] == 15
+    assert s["mean_acceptance_length"] == pytest.approx(1 + 9 / 5)
+    assert s["draft_acceptance_rate"] == pytest.approx(9 / 15)
+    assert s["num_spec_tokens"] == 3
+    assert "per_step_accepted" not in s
+    d = speculative_object(stats, "detailed", stream=True)
+    assert d["per_step_accepted"] == [3, 0, 1, 3, 2] and d["per_step_drafted"] == [3] * 5
+
+
+def test_spec_stats_without_steps() -> None:
+    s = speculative_object(SpecDecodeStats(num_spec_tokens=2), "summary", stream=True)
+    assert s["acceptance_histogram"] == [0, 0, 0]
+    assert s["mean_acceptance_length"] == 1.0 and s["draft_acceptance_rate"] == 0.0
+
+
+def test_metrics_before_any_token_are_null() -> None:
+    m = metrics_object(RequestMetrics(arrival_time=1.0), "summary", stream=True)
+    assert m["time_to_first_token_ms"] is None and m["tokens_per_second"] is None
+    assert m["queue_time_ms"] is None
+
+
+def test_summary_sets_per_step_lists_null_in_a_whole_response_only() -> None:
+    stats = SpecDecodeStats(num_spec_tokens=3)
+    stats.observe(3, 2)
+    whole = speculative_object(stats, "summary", stream=False)
+    assert whole["per_step_accepted"] is None and whole["per_step_drafted"] is None
+    assert "per_step_accepted" not in speculative_object(stats, "summary", stream=True)
+
+
+def test_level_none_keeps_timings_and_drops_speculation() -> None:
+    seq = make_seq(SamplingParams(max_tokens=2))
+    seq.metrics.first_scheduled_time = 1.0
+    seq.append([1, 2], 1.5)
+    m = metrics_object(seq.metrics, "none", stream=False)
+    assert "speculative_decoding" not in m and m["time_to_first_token_ms"] == 500.0
+
+
+def test_usage_and_bodies() -> None:
+    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    chat = Formatter("chat", "id-1", "m", created=5)
+    first = chat.chunk("a", None, first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
+    assert chat.chunk("b", "stop")["choices"][0]["delta"] == {"content": "b"}
+    final = chat.usage_chunk(usage(1, 2), {"x": 1})
+    assert final["choices"] == [] and final["metrics"] == {"x": 1}
+    body = Formatter("completion", "id-2", "m").response("t", "length", usage(1, 1), {})
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == "t"
+
+
+def _request_metrics() -> RequestMetrics:
+    spec = SpecDecodeStats(
+        num_spec_tokens=3, per_step_accepted=[3, 0, 1], per_step_drafted=[3, 3, 3]
+    )
+    return RequestMetrics(
+        arrival_time=1.0,
+        first_scheduled_time=1.5,
+        first_token_time=2.0,
+        last_token_time=4.0,
+        finished_time=4.0,
+        num_output_tokens=5,
+        spec=spec,
+    )
+
+
+@pytest.mark.parametrize("level", ["none", "summary", "detailed"])
+def test_metrics_levels(level: str) -> None:
+    m = metrics_object(_request_metrics(), level, stream=True)
+    assert m["queue_time_ms"] == pytest.approx(500.0)
+    assert m["time_to_first_token_ms"] == pytest.approx(500.0)
+    assert m["mean_itl_ms"] == pytest.approx(500.0)
+    if level == "none":
+        assert "speculative_decoding" not in m
+        return
+    sd = m["speculative_decoding"]
+    assert sd["acceptance_histogram"] == [1, 1, 0, 1]
+    assert sd["mean_acceptance_length"] == pytest.approx(1 + 4 / 3)
+    assert ("per_step_accepted" in sd) == (level == "detailed")
+
+
+def test_plain_decoding_has_no_speculative_block() -> None:
+    m = metrics_object(RequestMetrics(arrival_time=0.0), "summary", stream=True)
+    assert "speculative_decoding" not in m and m["mean_itl_ms"] is None

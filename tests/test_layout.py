@@ -1,0 +1,79 @@
+"""The layers of ARCHITECTURE.md, enforced: who may import whom, and a test module for every
+module (tests mirror the packages)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WEB = {"fastapi", "starlette", "uvicorn", "aiohttp", "httpx", "prometheus_client"}
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if p.name != "__init__.py")
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level names of every module `path` imports (lazy imports inside functions too)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _core(path: Path) -> bool:
+    rel = path.relative_to(ROOT / "engine").parts
+    return rel[0] not in {"worker", "train"}
+
+
+@pytest.mark.parametrize("path", [p for p in _modules("engine") if _core(p)], ids=lambda p: p.name)
+def test_engine_core_imports_no_web_framework_and_no_gateway(path: Path) -> None:
+    bad = {m for m in _imports(path) if m.split(".")[0] in WEB | {"service"}}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_engine_control_side_holds_no_tensors() -> None:
+    for name in ("engine.py", "scheduler.py", "sequence.py", "errors.py", "config.py"):
+        roots = {m.split(".")[0] for m in _imports(ROOT / "engine" / name)}
+        assert "torch" not in roots, name
+
+
+@pytest.mark.parametrize("path", _modules("service"), ids=lambda p: p.name)
+def test_gateway_never_imports_the_engine_or_torch(path: Path) -> None:
+    bad = {m for m in _imports(path) if m.split(".")[0] in {"engine", "torch"}}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_importing_the_engine_core_loads_no_web_framework() -> None:
+    code = (
+        "import sys, engine.async_engine\n"
+        f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {sorted(WEB)!r})\n"
+        "print(bad)\n"
+        "raise SystemExit(1 if bad else 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _needs_test(path: Path) -> bool:
+    # The training recipe's stages are driven end to end by tests/engine/train/test_stages.py.
+    return "train" not in path.relative_to(ROOT).parts or path.parent.name != "train"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for pkg in ("service", "engine") for p in _modules(pkg) if _needs_test(p)],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_every_module_has_a_same_named_test_module(path: Path) -> None:
+    rel = path.relative_to(ROOT)
+    expected = ROOT / "tests" / rel.parent / f"test_{rel.name}"
+    assert expected.exists(), f"{rel} has no {expected.relative_to(ROOT)}"
