@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -28,6 +27,7 @@ from service.api import (
 )
 from service.auth import ApiKeyAuth
 from service.errors import ApiError, AuthenticationFailed, install_handlers, render
+from service.http import client_request_id
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy
@@ -35,7 +35,6 @@ from service.schemas import ChatCompletionRequest, CompletionRequest
 from service.settings import GatewaySettings
 
 log = logging.getLogger("dflash.gateway")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 class RequestContext:
@@ -52,9 +51,7 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         scope[STARTED_KEY] = time.perf_counter()
-        headers = dict(scope["headers"])
-        given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        request_id = client_request_id(scope["headers"]) or uuid.uuid4().hex
         scope[REQUEST_ID_KEY] = request_id
         rid = request_id.encode()
 
@@ -63,13 +60,11 @@ class RequestContext:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
             await send(message)
 
-        if self.auth.protects(scope["path"]):
-            authorization = headers.get(b"authorization", b"").decode("latin-1")
-            if not self.auth.allows(authorization):
-                error = AuthenticationFailed("Missing or invalid API key (Authorization: Bearer).")
-                response = render(error, extra={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send_with_id)
-                return
+        if self.auth.protects(scope["path"]) and not self.auth.allows_headers(scope["headers"]):
+            error = AuthenticationFailed("Missing or invalid API key (Authorization: Bearer).")
+            response = render(error, extra={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send_with_id)
+            return
         schema = self.fast.get(scope["path"])
         if schema is not None and scope["method"] == "POST":
             await self.proxy(schema, scope, receive, send_with_id)

@@ -8,6 +8,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import re
 import signal
 import socket
 from collections.abc import Callable, Iterator, Sequence
@@ -30,6 +32,62 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 def _reject_constant(name: str) -> Any:
     raise InvalidRequest(f"{name} is not valid JSON.", code="invalid_json")
+
+
+MAX_JSON_DEPTH = 64  # far beyond any OpenAI body; far below the parser's recursion limit
+MAX_INT_DIGITS = 64  # far beyond int64: the schemas name the field of smaller out-of-range ones
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise InvalidRequest(
+            f"A number in the body has more than {MAX_INT_DIGITS} digits.", code="invalid_json"
+        )
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidRequest("A number in the body is out of range.", code="invalid_json")
+    return value
+
+
+def _check_shape(data: Any, raw: bytes) -> None:
+    """Nesting depth and lone surrogates, looked at only when the bytes say they might be
+    there (a count of brackets, a \\uD8xx-\\uDFxx escape): the common body pays two scans
+    at C speed. A lone surrogate decodes into a str that cannot be encoded again (the
+    tokenizer, the response, a log line all fail on it)."""
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    if not deep and not surrogates:
+        return
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if surrogates:
+                _encodable(value)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(
+                f"The body is nested deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json"
+            )
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        stack.extend([(item, depth + 1) for item in items])
+
+
+def _encodable(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            "The body holds a lone UTF-16 surrogate (\\uD800-\\uDFFF without its pair).",
+            code="invalid_json",
+        ) from None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -55,12 +113,31 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
             "The request body is empty; expected a JSON object.", code="invalid_json"
         )
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(
+            raw,
+            parse_constant=_reject_constant,
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+        )
     except (ValueError, RecursionError):
         raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    _check_shape(data, raw)
     return data
+
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+
+def client_request_id(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The client's X-Request-Id when it is one short token (echoed in headers and logs);
+    None for a missing, repeated, long or odd one (the server then makes its own)."""
+    found = [value for name, value in headers if name.lower() == b"x-request-id"]
+    if len(found) != 1:
+        return None
+    given = found[0].decode("latin-1")
+    return given if REQUEST_ID.fullmatch(given) else None
 
 
 async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:

@@ -29,7 +29,7 @@ from service.errors import (
     Unavailable,
     from_validation_errors,
 )
-from service.http import read_json
+from service.http import client_request_id, read_json
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -87,7 +87,7 @@ async def completions(request: Request) -> Response:
 
 
 def _check_key(state: WorkerState, request: Request) -> None:
-    if state.auth.enabled and not state.auth.allows(request.headers.get("authorization")):
+    if state.auth.enabled and not state.auth.allows_headers(request.scope["headers"]):
         raise AuthenticationFailed("invalid or missing API key")
 
 
@@ -165,7 +165,7 @@ def _start(engine: AsyncEngine, state: WorkerState, req: AnyRequest, request_id:
 async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]) -> Response:
     is_chat = kind is ChatCompletionRequest
     request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-    request.state.request_id = request.headers.get("x-request-id") or request_id
+    request.state.request_id = client_request_id(request.scope["headers"]) or request_id
     engine = _admit(state, request)
     _, payload = await read_json(request, state.settings.max_body_bytes)
     req = _parse(kind, payload)
