@@ -26,7 +26,13 @@ from service.api import (
     router,
 )
 from service.auth import ApiKeyAuth
-from service.errors import ApiError, AuthenticationFailed, install_handlers, render
+from service.errors import (
+    ApiError,
+    AuthenticationFailed,
+    InternalError,
+    install_handlers,
+    render,
+)
 from service.http import client_request_id
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
@@ -38,9 +44,10 @@ log = logging.getLogger("dflash.gateway")
 
 
 class RequestContext:
-    """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer the SSE path): request id
-    in and out, arrival time, the API-key check, and a direct path to the two proxy
-    endpoints (FastAPI's router stays for everything else and for the OpenAPI schema)."""
+    """Pure ASGI wrapper around the whole FastAPI app (outside its middleware, so the hot path
+    pays for none of it): request id in and out, arrival time, the API-key check, and a
+    direct path to the two proxy endpoints (FastAPI's router stays for everything else and
+    for the OpenAPI schema)."""
 
     def __init__(self, app: ASGIApp, auth: ApiKeyAuth) -> None:
         self.app, self.auth = app, auth
@@ -67,19 +74,36 @@ class RequestContext:
             return
         schema = self.fast.get(scope["path"])
         if schema is not None and scope["method"] == "POST":
-            await self.proxy(schema, scope, receive, send_with_id)
+            await self.proxy(schema, scope, receive, send, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
 
-    async def proxy(self, schema: type[Any], scope: Scope, receive: Receive, send: Send) -> None:
-        """The hot path without router and dependency machinery: same handler, same errors."""
+    async def proxy(
+        self, schema: type[Any], scope: Scope, receive: Receive, send: Send, send_with_id: Send
+    ) -> None:
+        """The hot path without router, middleware and dependency machinery: same handler,
+        same errors. The proxy writes the X-Request-Id header itself (no wrapper per send)."""
         try:
             response: Response = await proxy_endpoint(
                 Request(scope, receive), schema, scope["path"]
             )
         except ApiError as error:
-            response = render(error)
+            await render(error)(scope, receive, send_with_id)
+            return
+        except Exception:  # outside FastAPI's handlers here: the same 500 they would give
+            log.exception("request %s: unexpected error", scope[REQUEST_ID_KEY])
+            await render(InternalError("internal error; see the server log"))(
+                scope, receive, send_with_id
+            )
+            return
         await response(scope, receive, send)
+
+
+def outermost(app: FastAPI, auth: ApiKeyAuth) -> None:
+    """Put RequestContext around FastAPI's whole middleware stack (add_middleware would put
+    it inside the error and exception middleware, which then wrap every relayed chunk)."""
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: RequestContext(build(), auth)  # type: ignore[method-assign]
 
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
@@ -116,8 +140,11 @@ def upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
 
 
 def worker_headers(settings: GatewaySettings) -> dict[str, str]:
+    # identity: bodies are relayed (and parsed for metrics) as they come; an encoded one
+    # would reach the client without its Content-Encoding.
     key = settings.worker_api_key
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Accept-Encoding": "identity"}
+    return {**headers, "Authorization": f"Bearer {key}"} if key else headers
 
 
 def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
@@ -167,6 +194,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.gateway = state
     app.include_router(router)
     install_handlers(app, log)
-    app.add_middleware(RequestContext, auth=auth)
+    outermost(app, auth)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

@@ -108,6 +108,10 @@ class WorkerPool:
         self._tasks: list[asyncio.Task[None]] = []
         self._ring: HashRing | None = None
         self._turn = 0
+        # routable() runs several times per request: cached until health changes
+        # (`invalidate`) or the earliest ejection ends.
+        self._routable: list[Worker] | None = None
+        self._routable_until = 0.0
 
     def _new_worker(self, url: str) -> Worker:
         label = url if self._settings.metrics_worker_label == "url" else worker_id(url)
@@ -165,10 +169,12 @@ class WorkerPool:
         for url in found - self.workers.keys():
             log.info("worker %s joined the pool", url)
             self.workers[url] = self._new_worker(url)
+            self.invalidate()
             await self.check(self.workers[url])
         for url in self.workers.keys() - found:
             log.info("worker %s left the pool", url)
             gone = self.workers.pop(url)
+            self.invalidate()
             self._metrics.set_worker_health(gone.label, None)
 
     # -- health -------------------------------------------------------------------------
@@ -187,6 +193,7 @@ class WorkerPool:
             await asyncio.gather(self._scrape_load(worker), self._scrape_models(worker))
         if healthy != worker.healthy:
             log.info("worker %s is %s", worker.url, "healthy" if healthy else "unhealthy")
+            self.invalidate()
         worker.healthy = healthy
         self._publish(worker)
 
@@ -252,12 +259,22 @@ class WorkerPool:
         worker.failed_requests.clear()
         worker.healthy = False  # back only when an active check passes after the cool-down
         worker.ejected_until = now + self._settings.eject_cooldown_s
+        self.invalidate()
         self._publish(worker)
 
     # -- routing ------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Health or membership changed: recompute the routable set on next use."""
+        self._routable = None
+
     def routable(self) -> list[Worker]:
         now = time.monotonic()
-        return [w for w in self.workers.values() if w.routable(now)]
+        if self._routable is None or now >= self._routable_until:
+            workers = self.workers.values()
+            self._routable = [w for w in workers if w.routable(now)]
+            pending = [w.ejected_until for w in workers if w.healthy and w.ejected_until > now]
+            self._routable_until = min(pending, default=math.inf)
+        return self._routable
 
     def models(self) -> list[dict[str, Any]]:
         """Union of the model lists of the routable workers, first seen wins."""

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import anyio
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
+from yarl import URL
 
 from service.errors import (
     ApiError,
@@ -112,14 +112,14 @@ def finish(response: aiohttp.ClientResponse, complete: bool) -> None:
 async def send_body(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
 ) -> None:
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Send, error: ApiError) -> None:
+async def send_error(send: Send, error: ApiError, call: ProxyCall) -> None:
     """The error as `render` writes it, straight onto the ASGI channel."""
-    response = render(error)
+    response = render(error, call.request_id)
     await send(
         {
             "type": "http.response.start",
@@ -128,6 +128,10 @@ async def send_error(send: Send, error: ApiError) -> None:
         }
     )
     await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+def rid_header(call: ProxyCall) -> tuple[bytes, bytes]:
+    return (b"x-request-id", call.request_id.encode())
 
 
 @dataclass
@@ -151,6 +155,7 @@ class Proxy:
         self.refusing = False  # draining: new requests get 503 + Retry-After
         self.in_flight = 0
         self._serial = itertools.count()
+        self._urls: dict[tuple[str, str], URL] = {}  # parsed once: yarl parsing is not free
 
     def response(self, call: ProxyCall) -> ProxyResponse:
         return ProxyResponse(self, call)
@@ -165,7 +170,7 @@ class Proxy:
             error = self._draining()
             error.headers["Connection"] = "close"  # the listener closes soon: reconnect
             outcome.status = error.status_code
-            await send_error(send, error)
+            await send_error(send, error, call)
             return
         self.in_flight += 1
         try:
@@ -199,13 +204,13 @@ class Proxy:
             except Draining:
                 refusal = self._draining()
                 outcome.status = refusal.status_code
-                await send_error(send, refusal)
+                await send_error(send, refusal, call)
                 return
             finally:
                 worker.outstanding -= 1
         error = self._final_error(last)
         outcome.status = error.status_code
-        await send_error(send, error)
+        await send_error(send, error, call)
 
     def _draining(self) -> Unavailable:
         return Unavailable(
@@ -225,14 +230,12 @@ class Proxy:
         return UpstreamError(f"Upstream failure: {last.message}.")
 
     async def _post(self, worker: Worker, call: ProxyCall) -> aiohttp.ClientResponse:
-        # identity: the body is relayed (and parsed for metrics) as it comes; an encoded one
-        # would reach the client without its Content-Encoding.
-        headers = {
-            "content-type": "application/json",
-            "accept-encoding": "identity",
-            "x-request-id": call.request_id,
-        }
-        return await self.session.post(worker.url + call.endpoint, data=call.body, headers=headers)
+        # The session adds Accept-Encoding: identity and the worker key (app.worker_headers).
+        url = self._urls.get((worker.url, call.endpoint))
+        if url is None:
+            url = self._urls[(worker.url, call.endpoint)] = URL(worker.url + call.endpoint)
+        headers = {"content-type": "application/json", "x-request-id": call.request_id}
+        return await self.session.post(url, data=call.body, headers=headers)
 
     def _first_byte_s(self, deadline: float) -> float:
         remaining = deadline - asyncio.get_running_loop().time()
@@ -278,7 +281,9 @@ class Proxy:
             self.metrics.observe_spec(call.label, parsed)
         outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
-        await send_body(send, response.status, body, [(b"content-type", content_type)])
+        await send_body(
+            send, response.status, body, [(b"content-type", content_type), rid_header(call)]
+        )
 
     async def _stream(
         self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
@@ -307,7 +312,9 @@ class Proxy:
                 self.pool.report_success(worker)
                 outcome.status = response.status
                 content_type = response.headers.get("content-type", "application/json").encode()
-                await send_body(send, response.status, body, [(b"content-type", content_type)])
+                await send_body(
+                    send, response.status, body, [(b"content-type", content_type), rid_header(call)]
+                )
                 return
             if not first:
                 raise UpstreamFailure("read", "the worker closed the stream at once")
@@ -335,7 +342,8 @@ class Proxy:
         True when the upstream stream ended cleanly."""
         tap = SseTap(strip_usage_chunk=not call.wants_usage)
         outcome.status = 200
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        headers = [*SSE_HEADERS, rid_header(call)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         failure: UpstreamFailure | None = None
         drained = False
         reader = watch.reader
@@ -419,13 +427,18 @@ class ProxyResponse(Response):
         outcome = Outcome()
         complete = False
         metrics.in_flight.labels(call.label).inc()
+        task = asyncio.current_task()
+        assert task is not None
+        gone = Gone(task)
+        watcher = asyncio.get_running_loop().create_task(gone.watch(receive))
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(watch_disconnect, receive, group.cancel_scope)
-                await self.proxy.run(call, send, outcome)
-                complete = True
-                group.cancel_scope.cancel()
+            await self.proxy.run(call, send, outcome)
+            complete = True
+        except asyncio.CancelledError:
+            if not gone.left or task.uncancel():  # cancelled by someone else as well
+                raise
         finally:
+            watcher.cancel()
             status = outcome.status if complete else CLIENT_CLOSED
             metrics.in_flight.labels(call.label).dec()
             metrics.requests.labels(call.label, call.endpoint, str(status)).inc()
@@ -433,9 +446,18 @@ class ProxyResponse(Response):
             metrics.duration.labels(call.label, call.endpoint).observe(elapsed)
 
 
-async def watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
+class Gone:
+    """Cancels the request's task when the client disconnects (uvicorn's send() to a closed
+    connection returns quietly, so only receive() tells). A plain task, not an anyio task
+    group: this runs once per request."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task, self.left = task, False
+
+    async def watch(self, receive: Receive) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                self.left = True
+                self.task.cancel()
+                return

@@ -184,6 +184,7 @@ def test_a_dead_workers_connect_error_names_no_address() -> None:
         pool = gw.state.live().pool
         for worker in pool.workers.values():
             worker.healthy = True  # as if the last active check had passed
+        pool.invalidate()
         answer = post(gw, CHAT)
     assert answer.status_code == 502
     message = answer.json()["error"]["message"]
