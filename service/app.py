@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -58,7 +58,7 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         scope[STARTED_KEY] = time.perf_counter()
-        request_id = client_request_id(scope["headers"]) or uuid.uuid4().hex
+        request_id = client_request_id(scope["headers"]) or secrets.token_hex(16)
         scope[REQUEST_ID_KEY] = request_id
         rid = request_id.encode()
 

@@ -111,6 +111,7 @@ class GatewayServer(DrainingServer):
             log_level=settings.log_level,
             access_log=settings.access_log,
             backlog=settings.listen_backlog,
+            proxy_headers=False,  # X-Forwarded-* is not read: no middleware for it
             # `drain` has already ended every request when uvicorn stops; this only bounds
             # the flush of their last bytes.
             timeout_graceful_shutdown=FLUSH_S,

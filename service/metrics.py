@@ -129,6 +129,7 @@ class GatewayMetrics:
     def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "dflash_requests", "Requests answered", ["model", "endpoint", "status"], registry=r
@@ -203,20 +204,30 @@ class GatewayMetrics:
             "dflash_spec_accepted_tokens", "Accepted draft tokens", ["model"], registry=r
         )
 
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once: prometheus_client's own lookup validates
+        and hashes the labels on every call, a cost on the request path. Only for series
+        whose label values are bounded (served models, endpoints, statuses), never removed."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def observe_usage(self, model: str, usage: Usage | None) -> None:
         if usage is not None:
-            self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
-            self.completion_tokens.labels(model).inc(usage.completion_tokens)
+            self.child(self.prompt_tokens, model).inc(usage.prompt_tokens)
+            self.child(self.completion_tokens, model).inc(usage.completion_tokens)
 
     def observe_spec(self, model: str, body: Any) -> None:
         for stats in parse_spec(body):
-            self.spec_steps.labels(model).inc(stats.steps)
-            self.spec_drafted.labels(model).inc(stats.draft_tokens)
-            self.spec_accepted.labels(model).inc(stats.accepted_tokens)
+            self.child(self.spec_steps, model).inc(stats.steps)
+            self.child(self.spec_drafted, model).inc(stats.draft_tokens)
+            self.child(self.spec_accepted, model).inc(stats.accepted_tokens)
             if stats.acceptance_length is not None:
-                self.spec_length.labels(model).observe(stats.acceptance_length)
+                self.child(self.spec_length, model).observe(stats.acceptance_length)
             if stats.acceptance_rate is not None:
-                self.spec_rate.labels(model).observe(stats.acceptance_rate)
+                self.child(self.spec_rate, model).observe(stats.acceptance_rate)
 
     def set_worker_health(self, worker: str, healthy: bool | None) -> None:
         """healthy None: the worker left the pool, so its series goes too (bounded labels)."""

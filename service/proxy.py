@@ -188,7 +188,7 @@ class Proxy:
             if worker is None:
                 break
             if attempt:
-                self.metrics.retries.labels(call.label).inc()
+                self.metrics.child(self.metrics.retries, call.label).inc()
             tried.add(worker.url)
             worker.outstanding += 1
             try:
@@ -394,10 +394,10 @@ class Proxy:
         first = tap.first_token_at
         if first is None:
             return
-        self.metrics.ttft.labels(call.label).observe(first - call.started)
+        self.metrics.child(self.metrics.ttft, call.label).observe(first - call.started)
         if usage is not None and call.single_choice and usage.completion_tokens > 1:
             tpot = (end - first) / (usage.completion_tokens - 1)
-            self.metrics.tpot.labels(call.label).observe(tpot)
+            self.metrics.child(self.metrics.tpot, call.label).observe(tpot)
 
 
 def not_sse(response: aiohttp.ClientResponse) -> UpstreamFailure | None:
@@ -426,7 +426,8 @@ class ProxyResponse(Response):
         metrics, call = self.proxy.metrics, self.call
         outcome = Outcome()
         complete = False
-        metrics.in_flight.labels(call.label).inc()
+        in_flight = metrics.child(metrics.in_flight, call.label)
+        in_flight.inc()
         task = asyncio.current_task()
         assert task is not None
         gone = Gone(task)
@@ -440,10 +441,10 @@ class ProxyResponse(Response):
         finally:
             watcher.cancel()
             status = outcome.status if complete else CLIENT_CLOSED
-            metrics.in_flight.labels(call.label).dec()
-            metrics.requests.labels(call.label, call.endpoint, str(status)).inc()
+            in_flight.dec()
+            metrics.child(metrics.requests, call.label, call.endpoint, str(status)).inc()
             elapsed = time.perf_counter() - call.started
-            metrics.duration.labels(call.label, call.endpoint).observe(elapsed)
+            metrics.child(metrics.duration, call.label, call.endpoint).observe(elapsed)
 
 
 class Gone:
