@@ -341,10 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap-ms", type=float, default=50.0, help="gap between events (stream phase)")
     p.add_argument("--rps-concurrency", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway.json"))
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="instead: side by side with nginx and vllm-router (see loadtest/gateway_peers.py)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is not None and "--peers" in argv:
+        from loadtest import gateway_peers  # side by side with nginx and vllm-router
+
+        return gateway_peers.main(argv)
     args = build_parser().parse_args(argv)
     with subprocesses(args.events) as (stub_port, gw_port):
         results = asyncio.run(run_all(stub_port, gw_port, args))
