@@ -236,7 +236,7 @@ def merge(into: Sample, part: Sample) -> None:
 async def one_round(
     args: argparse.Namespace, peers: list[Peer], results: dict[str, PeerResult], stub: int
 ) -> None:
-    unary, stream = body(False), body(True, 0.0)
+    unary, stream = body(False), body(True, args.stream_gap_ms)
     burst_body = body(True, args.burst_gap_ms)
     for peer in peers:
         result = results[peer.name]
@@ -375,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--events", type=int, default=64, help="SSE events per stream")
+    p.add_argument(
+        "--stream-gap-ms", type=float, default=0.0, help="event gap of the stream phase"
+    )
     p.add_argument("--burst", type=int, default=200, help="streams opened at once")
     p.add_argument("--burst-gap-ms", type=float, default=20.0, help="event gap in burst streams")
     p.add_argument("--proxy-cpu", default="1", help="core(s) every proxy is pinned to")

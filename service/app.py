@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -39,6 +38,7 @@ from service.pool import WorkerPool
 from service.proxy import Proxy
 from service.schemas import ChatCompletionRequest, CompletionRequest
 from service.settings import GatewaySettings
+from service.upstream import Pool
 
 log = logging.getLogger("dflash.gateway")
 
@@ -121,21 +121,13 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
+def upstream_pool(settings: GatewaySettings) -> Pool:
     """The request path's client. Only the TCP connect has a timeout here: the proxy applies
     first-byte, idle-stream and whole-request deadlines itself."""
-    # Idle connections are dropped after 4 s, before uvicorn (vLLM's server too) closes them
-    # at 5 s: reusing a connection the worker is closing would fail an attempt for nothing.
-    connector = aiohttp.TCPConnector(
-        limit=settings.max_upstream_connections, limit_per_host=0, keepalive_timeout=4.0
-    )
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        trust_env=False,
+    return Pool(
+        connect_timeout_s=settings.connect_timeout_s,
         headers=worker_headers(settings),
+        max_idle=settings.max_upstream_connections,
     )
 
 
@@ -176,11 +168,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 "or DFLASH_GATEWAY_API_KEY_FILE)"
             )
         client = upstream_client(settings)
-        session = upstream_session(settings)
+        upstream = upstream_pool(settings)
         pool = WorkerPool(settings, client, metrics)
         await pool.start()
-        proxy = Proxy(settings, pool, session, metrics)
-        state.runtime = Runtime(client, session, pool, proxy)
+        proxy = Proxy(settings, pool, upstream, metrics)
+        state.runtime = Runtime(client, upstream, pool, proxy)
         log.info("gateway ready: %d of %d workers healthy", len(pool.routable()), len(pool.workers))
         try:
             yield
@@ -188,7 +180,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             state.runtime = None
             await pool.stop()
             await client.aclose()
-            await session.close()
+            await proxy.watchdog.close()
+            upstream.close()
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state

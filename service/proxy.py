@@ -11,10 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
-from yarl import URL
 
 from service.errors import (
     ApiError,
@@ -29,6 +27,8 @@ from service.metrics import GatewayMetrics, parse_usage
 from service.pool import Worker, WorkerPool
 from service.settings import GatewaySettings
 from service.sse import SseTap
+from service.upstream import Body, ConnectFailed, Pool, Target, UpstreamIOError
+from service.upstream import Response as UpstreamResponse
 from service.watch import Draining, Watch, Watchdog
 
 log = logging.getLogger("dflash.gateway.proxy")
@@ -64,16 +64,15 @@ class UpstreamFailure(Exception):
 
 
 def classify(exc: BaseException) -> UpstreamFailure:
-    # Order matters: aiohttp's connect timeout is also a TimeoutError.
     detail = repr(exc)
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, ConnectFailed):
         return UpstreamFailure("connect", "cannot connect to the worker", detail=detail)
     if isinstance(exc, TimeoutError):
         return UpstreamFailure("timeout", "the worker did not answer in time", detail=detail)
     return UpstreamFailure("read", "the connection to the worker failed", detail=detail)
 
 
-UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+UPSTREAM_ERRORS = (UpstreamIOError, TimeoutError)
 
 
 def status_failure(status: int) -> UpstreamFailure | None:
@@ -91,7 +90,7 @@ def malformed(why: str) -> UpstreamFailure:
     return UpstreamFailure("malformed", "the worker's answer was malformed", detail=why)
 
 
-def encoding_failure(response: aiohttp.ClientResponse) -> UpstreamFailure | None:
+def encoding_failure(response: UpstreamResponse) -> UpstreamFailure | None:
     """Workers are asked for `identity`; an encoded body would reach the client as garbage."""
     encoding = response.headers.get("content-encoding")
     if encoding is None or encoding.lower() == "identity":
@@ -99,7 +98,7 @@ def encoding_failure(response: aiohttp.ClientResponse) -> UpstreamFailure | None
     return malformed(f"content-encoding {encoding!r} although identity was asked for")
 
 
-def finish(response: aiohttp.ClientResponse, complete: bool) -> None:
+def finish(response: UpstreamResponse, complete: bool) -> None:
     """Reuse the connection after a complete response; otherwise close it, which is how the
     worker learns that the client left (it stops generating). Synchronous: safe when the
     request was cancelled."""
@@ -146,16 +145,16 @@ class Proxy:
         self,
         settings: GatewaySettings,
         pool: WorkerPool,
-        session: aiohttp.ClientSession,
+        upstream: Pool,
         metrics: GatewayMetrics,
     ) -> None:
-        self.settings, self.pool, self.session, self.metrics = settings, pool, session, metrics
+        self.settings, self.pool, self.upstream, self.metrics = settings, pool, upstream, metrics
         tick = min(settings.idle_stream_timeout_s, settings.request_timeout_s) / 4
         self.watchdog = Watchdog(min(1.0, tick))
         self.refusing = False  # draining: new requests get 503 + Retry-After
         self.in_flight = 0
         self._serial = itertools.count()
-        self._urls: dict[tuple[str, str], URL] = {}  # parsed once: yarl parsing is not free
+        self._targets: dict[str, Target] = {}  # worker URLs, parsed once
 
     def response(self, call: ProxyCall) -> ProxyResponse:
         return ProxyResponse(self, call)
@@ -229,30 +228,29 @@ class Proxy:
             return UpstreamTimeout(f"Upstream timeout: {last.message}.")
         return UpstreamError(f"Upstream failure: {last.message}.")
 
-    async def _post(self, worker: Worker, call: ProxyCall) -> aiohttp.ClientResponse:
-        # The session adds Accept-Encoding: identity and the worker key (app.worker_headers).
-        url = self._urls.get((worker.url, call.endpoint))
-        if url is None:
-            url = self._urls[(worker.url, call.endpoint)] = URL(worker.url + call.endpoint)
-        headers = {"content-type": "application/json", "x-request-id": call.request_id}
-        return await self.session.post(url, data=call.body, headers=headers)
+    async def _post(self, worker: Worker, call: ProxyCall) -> UpstreamResponse:
+        # The pool adds Accept-Encoding: identity and the worker key (app.worker_headers).
+        target = self._targets.get(worker.url)
+        if target is None:
+            target = self._targets[worker.url] = Target.of(worker.url)
+        return await self.upstream.post(target, call.endpoint.encode(), call.body, call.request_id)
 
     def _first_byte_s(self, deadline: float) -> float:
         remaining = deadline - asyncio.get_running_loop().time()
         return max(0.0, min(self.settings.first_byte_timeout_s, remaining))
 
-    async def _read_body(self, response: aiohttp.ClientResponse, deadline: float) -> bytes:
+    async def _read_body(self, response: UpstreamResponse, deadline: float) -> bytes:
         """The whole body, under the idle and total deadlines (the watchdog's)."""
         watch = self.watchdog.add(response.content, self.settings.idle_stream_timeout_s, deadline)
         try:
-            return await response.read()
+            return await response.content.read()
         finally:
             self.watchdog.discard(watch)
 
     async def _unary(
         self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
     ) -> None:
-        response: aiohttp.ClientResponse | None = None
+        response: UpstreamResponse | None = None
         complete = False
         try:
             async with asyncio.timeout(self._first_byte_s(deadline)):
@@ -288,7 +286,7 @@ class Proxy:
     async def _stream(
         self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
     ) -> None:
-        response: aiohttp.ClientResponse | None = None
+        response: UpstreamResponse | None = None
         complete = False
         try:
             first: bytes | None = None
@@ -322,7 +320,9 @@ class Proxy:
                 response.content, self.settings.idle_stream_timeout_s, deadline
             )
             try:
-                complete = await self._relay(worker, call, send, outcome, watch, first)
+                complete = await self._relay(
+                    worker, call, send, outcome, watch, response.content, first
+                )
             finally:
                 self.watchdog.discard(watch)
         finally:
@@ -336,6 +336,7 @@ class Proxy:
         send: Send,
         outcome: Outcome,
         watch: Watch,
+        reader: Body,
         data: bytes,
     ) -> bool:
         """From the first byte on: pass events through; a failure ends the stream in-band.
@@ -346,7 +347,6 @@ class Proxy:
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         failure: UpstreamFailure | None = None
         drained = False
-        reader = watch.reader
         try:
             while True:
                 out = tap.feed(data)
@@ -400,7 +400,7 @@ class Proxy:
             self.metrics.child(self.metrics.tpot, call.label).observe(tpot)
 
 
-def not_sse(response: aiohttp.ClientResponse) -> UpstreamFailure | None:
+def not_sse(response: UpstreamResponse) -> UpstreamFailure | None:
     content_type = response.headers.get("content-type", "")
     if content_type.startswith("text/event-stream"):
         return None

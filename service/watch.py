@@ -4,7 +4,7 @@ A relayed stream reads thousands of chunks; arming and disarming a timeout aroun
 was a measurable share of the gateway's CPU. Here the relay loop only bumps a counter, and a
 single task per gateway looks at every open body a few times per idle limit: a body that made
 no progress for `idle_s`, or ran past its total deadline, gets a `TimeoutError` raised into
-its reader (aiohttp's `StreamReader.set_exception` wakes the pending read). The same hook
+its reader (`set_exception` wakes the pending read). The same hook
 cuts every open body when the gateway drains (`Draining`).
 """
 
@@ -13,10 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-
-import aiohttp
+from typing import Protocol
 
 MIN_TICK_S = 0.005  # a finer sweep would busy-loop for nothing
+
+
+class Failable(Protocol):
+    """A body reader whose pending and later reads can be made to raise."""
+
+    def set_exception(self, exc: BaseException) -> None: ...
 
 
 class Draining(Exception):
@@ -28,7 +33,7 @@ class Watch:
     """One upstream body. The relay makes `marks` odd while it writes to the client (a slow
     client is not an idle worker) and even again when it goes back to reading."""
 
-    reader: aiohttp.StreamReader
+    reader: Failable
     idle_s: float
     deadline: float  # loop time
     marks: int = 0
@@ -45,7 +50,7 @@ class Watchdog:
     def __len__(self) -> int:
         return len(self._watches)
 
-    def add(self, reader: aiohttp.StreamReader, idle_s: float, deadline: float) -> Watch:
+    def add(self, reader: Failable, idle_s: float, deadline: float) -> Watch:
         watch = Watch(reader, idle_s, deadline)
         watch.progress_at = asyncio.get_running_loop().time()
         self._watches.add(watch)
