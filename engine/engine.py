@@ -90,15 +90,24 @@ class Engine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         _validate_params(params)
-        limit, asked = self.max_model_len, params.max_tokens or 0
-        if n >= limit or n + asked > limit:
+        limit = self.max_model_len
+        if params.max_tokens is not None and params.max_tokens > limit:
             raise RequestRejected(
-                f"This model's maximum context length is {limit} tokens. However, you "
-                f"requested {n + asked} tokens ({n} in the messages, {asked} in the "
-                f"completion). Please reduce the length of the messages or completion.",
-                "prompt" if n >= limit else "max_tokens",
+                f"max_tokens={params.max_tokens} cannot be greater than max_model_len={limit}. "
+                "Please request fewer output tokens.",
+                "max_tokens",
                 "context_length_exceeded",
             )
+        if n >= limit:
+            raise RequestRejected(
+                f"This model's maximum context length is {limit} tokens. However, your prompt "
+                f"contains {n} input tokens, which leaves no room for output tokens. Please "
+                "reduce the length of the input prompt.",
+                "prompt",
+                "context_length_exceeded",
+            )
+        # A prompt plus max_tokens past the limit is served as vLLM does: the completion
+        # stops at the context limit with finish_reason "length".
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -140,7 +149,9 @@ class Engine:
         self._release(batch)
         if batch.prefill:
             self._commit_prefill(batch.prefill, self.runner.prefill(batch.prefill))
-        decode = [s for s in (*batch.decode, *batch.prefill) if not s.finished]
+        # A sequence prefilled in this step decodes from the next one, so its first token goes
+        # out alone, right after the prefill (as vLLM's): the client's first token is early.
+        decode = [s for s in batch.decode if not s.finished]
         if decode:
             self._commit_decode(decode)
         with self._lock:

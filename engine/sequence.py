@@ -94,6 +94,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     metrics: RequestMetrics
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 
 class Detokenizer(Protocol):
@@ -130,6 +131,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.slot: int | None = None
         self.finish_reason: FinishReason | None = None
+        # What stopped it, as vLLM reports it: the stop string, the stop token id, or None.
+        self.stop_reason: str | int | None = None
         self.abort_requested = False
         self.text = ""
         self._detokenizer = detokenizer
@@ -199,7 +202,7 @@ class Sequence:
             window = window[: cut + 1]
             self.output_token_ids.extend(window)
             self.text += self._detokenizer.push(window[:-1])
-            self._set_finished("stop")
+            self._set_finished("stop", self._stop_token_reason(window[-1]))
             return len(window)
         self.output_token_ids.extend(window)
         self.text += self._detokenizer.push(window)
@@ -211,7 +214,7 @@ class Sequence:
         """Append one token; True when the sequence finished on it."""
         self.output_token_ids.append(token)
         if token in self._stop_ids:
-            self._set_finished("stop")
+            self._set_finished("stop", self._stop_token_reason(token))
             return True
         old_len = len(self.text)
         self.text += self._detokenizer.push((token,))
@@ -225,16 +228,25 @@ class Sequence:
 
     def _truncate_at_stop_string(self, old_len: int) -> bool:
         start = max(0, old_len - self._holdback)
-        hits = [i for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
         if not hits:
             return False
-        self.text = self.text[: min(hits)]
+        at, stop = min(hits)
+        self.text = self.text[:at]
+        self.stop_reason = stop
         return True
 
-    def _set_finished(self, reason: FinishReason) -> None:
+    def _stop_token_reason(self, token: int) -> int | None:
+        """vLLM's stop_reason for a stop token: the id for a requested stop token id,
+        None for EOS."""
+        return token if token in self.params.stop_token_ids else None
+
+    def _set_finished(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         # The timestamp is set by `append`, which knows the step's time.
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+        if stop_reason is not None:
+            self.stop_reason = stop_reason
 
     def take_output(self) -> RequestOutput | None:
         """Everything new since the last call, or None when there is nothing to say.
@@ -256,4 +268,5 @@ class Sequence:
             num_prompt_tokens=len(self.prompt_token_ids),
             num_output_tokens=len(self.output_token_ids),
             metrics=self.metrics,
+            stop_reason=self.stop_reason,
         )

@@ -23,6 +23,13 @@ from service.errors import InvalidRequest, PayloadTooLarge
 log = logging.getLogger("dflash.http")
 
 SSE_DONE = b"data: [DONE]\n\n"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def valid_request_id(given: str | None) -> str | None:
+    """A client's X-Request-Id when it is safe to log and echo (short, plain characters),
+    else None: the caller then makes its own."""
+    return given if given is not None and _REQUEST_ID.fullmatch(given) else None
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -127,17 +134,13 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-
-
 def client_request_id(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
     """The client's X-Request-Id when it is one short token (echoed in headers and logs);
     None for a missing, repeated, long or odd one (the server then makes its own)."""
     found = [value for name, value in headers if name.lower() == b"x-request-id"]
     if len(found) != 1:
         return None
-    given = found[0].decode("latin-1")
-    return given if REQUEST_ID.fullmatch(given) else None
+    return valid_request_id(found[0].decode("latin-1"))
 
 
 async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:

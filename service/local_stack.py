@@ -1,8 +1,9 @@
 """`dflash-serve`: the local stack in one command.
 
-Starts N embedded `dflash-worker` subprocesses (bundled model) and a gateway in front of them
-on 127.0.0.1. `--compare` adds a second pool of plain-decoding workers behind a second
-gateway (port + 1), so DFlash and plain decoding can be load-tested side by side.
+Starts N `dflash-worker` subprocesses on the bundled model (the embedded engine, or real vLLM
+with `--backend vllm`) and a gateway in front of them on 127.0.0.1. `--compare` adds a second
+pool of plain-decoding workers behind a second gateway (port + 1), so DFlash and plain
+decoding can be load-tested side by side.
 Ctrl-C / SIGTERM: the gateways drain, then the workers are stopped.
 """
 
@@ -37,6 +38,7 @@ class PoolSpec:
     workers: int
     speculation: bool
     worker_args: tuple[str, ...] = ()
+    backend: str = "embedded"
 
     @property
     def base_url(self) -> str:
@@ -58,7 +60,21 @@ class Stack:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    p.add_argument("--workers", type=int, default=1, help="embedded workers per pool (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="workers per pool (default 1)")
+    p.add_argument(
+        "--backend",
+        choices=["embedded", "vllm"],
+        default="embedded",
+        help="embedded: the pure-PyTorch engine; vllm: real vLLM (`make vllm-env` installs a "
+        "CPU build; add --worker-arg=--enforce-eager for a faster start on a CPU)",
+    )
+    p.add_argument(
+        "--worker-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="pin worker ports: PORT, PORT+1, ... (default: free ports)",
+    )
     p.add_argument("--no-speculation", action="store_true", help="plain decoding (no drafter)")
     p.add_argument(
         "--compare",
@@ -81,15 +97,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def plan(args: argparse.Namespace) -> list[PoolSpec]:
     """The pools to start: one, or DFlash and plain side by side with --compare."""
-    extra = tuple(args.worker_arg)
+    extra, backend = tuple(args.worker_arg), args.backend
     if not args.compare:
         name = "plain" if args.no_speculation else "dflash"
-        return [PoolSpec(name, args.port, args.workers, not args.no_speculation, extra)]
+        return [PoolSpec(name, args.port, args.workers, not args.no_speculation, extra, backend)]
     compare_port = args.compare_port if args.compare_port is not None else args.port + 1
     return [
-        PoolSpec("dflash", args.port, args.workers, True, extra),
-        PoolSpec("plain", compare_port, args.workers, False, extra),
+        PoolSpec("dflash", args.port, args.workers, True, extra, backend),
+        PoolSpec("plain", compare_port, args.workers, False, extra, backend),
     ]
+
+
+def worker_ports(first: int | None, count: int) -> list[int]:
+    """`count` ports: first, first + 1, ... when pinned, else free ones."""
+    return (
+        [first + i for i in range(count)]
+        if first is not None
+        else [free_port() for _ in range(count)]
+    )
 
 
 def free_port() -> int:
@@ -104,9 +129,9 @@ def worker_env(total_workers: int) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(threads), **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def start_worker(pool: PoolSpec, env: dict[str, str]) -> WorkerProcess:
-    port = free_port()
+def start_worker(pool: PoolSpec, env: dict[str, str], port: int) -> WorkerProcess:
     argv = [sys.executable, "-m", "engine.worker.cli", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--backend", pool.backend]
     extra = list(pool.worker_args)
     if not pool.speculation:
         # The plain pool of --compare shares the worker args: drop the drafter there.
@@ -127,11 +152,22 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def wait_ready(workers: Sequence[WorkerProcess], timeout: float) -> None:
-    """Block until every worker answers /health 200; fail fast when one exits."""
-    deadline = time.monotonic() + timeout
+def wait_ready(
+    workers: Sequence[WorkerProcess], timeout: float, report_every: float = 10.0
+) -> None:
+    """Block until every worker answers /health 200; fail fast when one exits; say every
+    `report_every` seconds who is still loading (real vLLM takes a minute or more)."""
+    start = time.monotonic()
+    deadline, next_report = start + timeout, start + report_every
     pending = list(workers)
     while pending:
+        if time.monotonic() >= next_report:
+            next_report += report_every
+            print(
+                f"dflash-serve: {len(pending)} worker(s) still loading after "
+                f"{time.monotonic() - start:.0f}s: {', '.join(w.url for w in pending)}",
+                flush=True,
+            )
         for worker in list(pending):
             if worker.process.poll() is not None:
                 raise RuntimeError(f"worker {worker.url} exited with {worker.process.returncode}")
@@ -184,7 +220,8 @@ def announce(pools: Sequence[PoolSpec]) -> None:
     for pool in pools:
         kind = "DFlash speculative" if pool.speculation else "plain"
         print(
-            f"dflash-serve: {pool.name} ({kind} decoding, {pool.workers} worker(s)) "
+            f"dflash-serve: {pool.name} ({kind} decoding, {pool.workers} {pool.backend} "
+            "worker(s)) "
             f"OpenAI base URL: {pool.base_url}",
             flush=True,
         )
@@ -202,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_as_exit():
             urls: dict[str, list[str]] = {}
+            ports = iter(worker_ports(args.worker_port, sum(p.workers for p in pools)))
             for pool in pools:
-                procs = [start_worker(pool, env) for _ in range(pool.workers)]
+                procs = [start_worker(pool, env, next(ports)) for _ in range(pool.workers)]
                 started += procs
                 urls[pool.name] = [w.url for w in procs]
             wait_ready(started, args.startup_timeout)

@@ -68,6 +68,8 @@ def stack(tiny_checkpoint: Any) -> Iterator[tuple[int, subprocess.Popen[str]]]:
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # printed once the workers are up
+        while "still loading" in line:  # progress reports while a worker loads
+            line = proc.stdout.readline()
         assert f"OpenAI base URL: http://127.0.0.1:{port}/v1" in line, line
         yield port, proc
     finally:

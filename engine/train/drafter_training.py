@@ -22,6 +22,7 @@ from engine.model import Qwen3Target
 from engine.train.blocks import BlockBatch, BlockConfig, build_blocks, sample_anchors
 from engine.train.distill import DistillData
 from engine.train.loop import LoopConfig, train_loop
+from engine.train.target import SERVING_DTYPE
 from engine.train.tokenizer_recipe import MASK, load_tokenizer, token_id
 
 
@@ -127,11 +128,12 @@ def train_drafter(
 
 
 def save_compact(drafter: DFlashDrafter, out_dir: Path) -> None:
-    """DFlash layout via the engine's saver, weights stored as bf16."""
+    """DFlash layout via the engine's saver, weights stored as bf16; served in float32 (see
+    engine.train.target.save_target)."""
     drafter.to(torch.bfloat16)
     save_drafter(drafter, out_dir)
     drafter.to(torch.float32)
     config_path = out_dir / "config.json"
     config = json.loads(config_path.read_text())
-    config["torch_dtype"] = "bfloat16"
+    config["torch_dtype"] = SERVING_DTYPE
     config_path.write_text(json.dumps(config, indent=2) + "\n")

@@ -87,11 +87,20 @@ def heldout_loss(model: Qwen3ForCausalLM, stream: torch.Tensor, seq_len: int, n:
     return float(_lm_loss(model, torch.stack(rows)))
 
 
+SERVING_DTYPE = "float32"  # see save_target
+
+
 def save_target(model: Qwen3ForCausalLM, out_dir: Path, tok: Tokenizer) -> None:
-    """HF layout, weights stored as bf16 (half the bytes; loaders upcast as they like)."""
+    """HF layout, weights stored as bf16 (half the bytes). config.json names float32, the
+    dtype the model was trained and is served in: `--dtype auto` means the config's dtype to
+    vLLM and to the embedded engine alike, and the lossless oracle is exact in float32."""
     torch.nn.Module.to(model, torch.bfloat16)  # (transformers' typed .to() rejects dtypes)
     model.save_pretrained(out_dir)
     torch.nn.Module.to(model, torch.float32)
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = SERVING_DTYPE
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     eos = [token_id(tok, IM_END), token_id(tok, ENDOFTEXT)]
     gen = {"eos_token_id": eos, "pad_token_id": token_id(tok, PAD), "do_sample": False}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")

@@ -130,8 +130,14 @@ def _prompt_ids(engine: AsyncEngine, req: AnyRequest) -> list[int]:
     return list(tok.encode(prompt)) if isinstance(prompt, str) else prompt
 
 
+# OpenAI's and vLLM's default for completions; chat runs to the context limit.
+COMPLETION_MAX_TOKENS = 16
+
+
 def _sampling_params(req: AnyRequest) -> SamplingParams:
     _, max_tokens = req.max_tokens_field()
+    if max_tokens is None and isinstance(req, CompletionRequest):
+        max_tokens = COMPLETION_MAX_TOKENS
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -164,8 +170,10 @@ def _start(engine: AsyncEngine, state: WorkerState, req: AnyRequest, request_id:
 
 async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]) -> Response:
     is_chat = kind is ChatCompletionRequest
-    request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{uuid.uuid4().hex}"
-    request.state.request_id = client_request_id(request.scope["headers"]) or request_id
+    given = client_request_id(request.scope["headers"])
+    request.state.request_id = given or uuid.uuid4().hex
+    # As vLLM: the client's X-Request-Id becomes the body's id.
+    request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{request.state.request_id}"
     engine = _admit(state, request)
     _, payload = await read_json(request, state.settings.max_body_bytes)
     req = _parse(kind, payload)
@@ -187,5 +195,5 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
         await run.close()
     use = usage(last.num_prompt_tokens, last.num_output_tokens)
     body_metrics = metrics_object(last.metrics, level, stream=False)
-    payload = fmt.response(text, finish_reason(last), use, body_metrics)
+    payload = fmt.response(text, finish_reason(last), last.stop_reason, use, body_metrics)
     return JSONResponse(payload, headers=headers)

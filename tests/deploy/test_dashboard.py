@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.deploy.chart import DASHBOARD_FILE, MONITORING_APIS, RULES_FILE, find, render
 from tests.deploy.promql import (
@@ -187,7 +188,7 @@ def test_monitors_select_the_right_pods_and_ports() -> None:
     gw_svc = find(docs, "Service", "-gateway")
     assert sm["spec"]["selector"]["matchLabels"].items() <= gw_svc["metadata"]["labels"].items()
     assert sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in gw_svc["spec"]["ports"]}
-    pod = find(docs, "StatefulSet")["spec"]["template"]
+    pod = find(docs, "Deployment", "-worker")["spec"]["template"]
     assert pm["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     ports = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] in ports
@@ -196,3 +197,16 @@ def test_monitors_select_the_right_pods_and_ports() -> None:
         == pm["spec"]["podMetricsEndpoints"][0]["path"]
         == "/metrics"
     )
+
+
+def test_alerts_select_the_jobs_the_monitors_create() -> None:
+    # The Prometheus Operator names a ServiceMonitor target's job after the Service and a
+    # PodMonitor target's job "<namespace>/<podmonitor>": the rules select exactly those.
+    docs = render(sets=("monitoring.prometheusRule.enabled=true",), api_versions=MONITORING_APIS)
+    rules = yaml.safe_dump(find(docs, "PrometheusRule")["spec"])
+    gateway_job = find(docs, "Service", "-gateway")["metadata"]["name"]
+    worker_job = "llm/" + find(docs, "PodMonitor")["metadata"]["name"]
+    assert f'namespace="llm",job="{gateway_job}"' in rules
+    assert f'namespace="llm",job="{worker_job}"' in rules
+    for kind in ("ServiceMonitor", "PodMonitor"):
+        assert "jobLabel" not in find(docs, kind)["spec"]  # the default job names apply

@@ -14,6 +14,12 @@ from service.settings import GatewaySettings
 from tests.deploy.chart import find, render
 
 
+def secret_value(docs: list[dict[str, Any]], ref: dict[str, str]) -> str:
+    """What the kubelet puts in an env var with this secretKeyRef."""
+    secret = find(docs, "Secret", ref["name"])
+    return base64.b64decode(secret["data"][ref["key"]]).decode()
+
+
 def gateway_settings(
     docs: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> GatewaySettings:
@@ -21,7 +27,9 @@ def gateway_settings(
     assert all(key.startswith("DFLASH_GATEWAY_") for key in env)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    c = find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    c = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    for var in c.get("env", []):  # from the Secret, as the kubelet resolves it
+        monkeypatch.setenv(var["name"], secret_value(docs, var["valueFrom"]["secretKeyRef"]))
     assert c["command"] == ["dflash-gateway"]
     return settings_from_args([str(a) for a in c["args"]])
 
@@ -52,15 +60,28 @@ def test_gateway_reads_the_rendered_settings(
     assert s.routing == "prefix_affinity" and s.max_retries == 4 and s.metrics_auth is True
     assert s.drain_timeout_s == 30.0 and s.dns_interval_s == 5.0
     # The key file path is where the Secret is mounted; its content is the rendered Secret.
-    c = find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    c = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
     mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["api-keys"]
     assert str(s.api_key_file) == f"{mount}/api-keys"
     secret = find(docs, "Secret", "-gateway-api-keys")["data"]["api-keys"]
     (tmp_path / "api-keys").write_bytes(base64.b64decode(secret))
     local = s.model_copy(update={"api_key_file": tmp_path / "api-keys"})
     assert local.load_api_keys() == ["sk-one-1234", "sk-two-5678"]
+    # A generated worker key, never one of the client keys.
+    assert s.worker_api_key and s.worker_api_key.startswith("wk-dflash-")
 
 
 def test_auth_off_renders_no_key_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    s = gateway_settings(render(sets=("gateway.apiKeys.enabled=false",)), monkeypatch)
+    docs = render(sets=("gateway.apiKeys.enabled=false", "worker.requireApiKey=false"))
+    s = gateway_settings(docs, monkeypatch)
     assert s.api_key_file is None and s.load_api_keys() == []
+    assert s.worker_api_key is None
+
+
+def test_gateway_sends_the_key_the_workers_require(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(sets=("gateway.apiKeys.workerKey=wk-test-0123456789",))
+    s = gateway_settings(docs, monkeypatch)
+    assert s.worker_api_key == "wk-test-0123456789"
+    worker = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]
+    ref = next(e for e in worker["env"] if e["name"] == "DFLASH_WORKER_API_KEY")
+    assert secret_value(docs, ref["valueFrom"]["secretKeyRef"]) == s.worker_api_key

@@ -20,20 +20,54 @@ from tests.deploy.chart import ROOT, find, render
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_PRESETS = {"default": (), "b200": ("values-b200.yaml",), "b300": ("values-b300.yaml",)}
 TP4 = ("worker.tensorParallelSize=4", "worker.extraArgs[0]=--enable-prefix-caching")
+LWS = ("ci/multinode-lws-values.yaml",)
+# What the kubelet substitutes for $(VAR) in args: the worker key from the Secret, and the
+# variables the LeaderWorkerSet controller sets in every pod of a group.
+POD_ENV = {
+    "DFLASH_WORKER_API_KEY": "wk-test-key-0123456789",
+    "LWS_LEADER_ADDRESS": "rel-dflash-serving-worker-0.rel-dflash-serving-worker.llm",
+    "LWS_WORKER_INDEX": "1",
+}
+
+
+def expand(arg: str) -> str:
+    for name, value in POD_ENV.items():
+        arg = arg.replace(f"$({name})", value)
+    assert "$(" not in arg, arg  # a variable the pod does not define would stay literal
+    return arg
+
+
+def pod_container(values: tuple[str, ...], sets: tuple[str, ...], role: str) -> dict[str, Any]:
+    docs = render(values, sets)
+    if role == "single":
+        pod = find(docs, "Deployment", "-worker")["spec"]["template"]
+    else:
+        lwt = find(docs, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+        pod = lwt["leaderTemplate" if role == "leader" else "workerTemplate"]
+    c: dict[str, Any] = pod["spec"]["containers"][0]
+    return c
 
 
 @cache
-def worker_command(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[str]:
-    c = find(render(values, sets), "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+def worker_command(
+    values: tuple[str, ...], sets: tuple[str, ...] = (), role: str = "single"
+) -> list[str]:
+    c = pod_container(values, sets, role)
     assert c["command"] == ["dflash-worker"]
-    return [str(a) for a in c["args"]]
+    return [expand(str(a)) for a in c["args"]]
 
 
 @cache
-def dry_run(values: tuple[str, ...], sets: tuple[str, ...] = ()) -> list[str]:
+def dry_run(values: tuple[str, ...], sets: tuple[str, ...] = (), role: str = "single") -> list[str]:
     """The real CLI, as the container runs it: `dflash-worker <args> --dry-run`."""
     proc = subprocess.run(
-        [sys.executable, "-m", "engine.worker.cli", *worker_command(values, sets), "--dry-run"],
+        [
+            sys.executable,
+            "-m",
+            "engine.worker.cli",
+            *worker_command(values, sets, role),
+            "--dry-run",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
@@ -61,7 +95,8 @@ def test_dry_run_gives_the_vllm_command(preset: str) -> None:
     assert flag(argv, "--served-model-name") == "qwen3-8b-dflash"
     assert flag(argv, "--host") == "0.0.0.0" and flag(argv, "--port") == "8000"
     assert flag(argv, "--per-request-spec-decode-metrics") == "summary"
-    assert "--enable-force-include-usage" in argv and "--enable-per-request-metrics" in argv
+    assert "--enable-per-request-metrics" in argv and "--enable-force-include-usage" not in argv
+    assert flag(argv, "--shutdown-timeout") is not None
     rendered = worker_command(VLLM_PRESETS[preset])
     for name in (
         "--max-num-seqs",
@@ -69,10 +104,31 @@ def test_dry_run_gives_the_vllm_command(preset: str) -> None:
         "--gpu-memory-utilization",
         "--dtype",
         "--tensor-parallel-size",
-        "--shutdown-timeout",
         "--seed",
     ):
         assert flag(argv, name) == flag(rendered, name), name
+    # The chart's drain (both backends) is what vLLM gets as its shutdown timeout.
+    assert flag(argv, "--shutdown-timeout") == flag(rendered, "--drain-timeout")
+
+
+def test_workers_require_the_key_without_showing_it() -> None:
+    argv = dry_run(VLLM_PRESETS["default"])
+    assert flag(argv, "--api-key") == "<redacted>"  # given, and kept out of logs
+    assert POD_ENV["DFLASH_WORKER_API_KEY"] not in " ".join(argv)
+    ns, _ = build_parser().parse_known_args(worker_command(("values-embedded.yaml",)))
+    assert ns.api_key == POD_ENV["DFLASH_WORKER_API_KEY"]  # the embedded worker checks it too
+
+
+@pytest.mark.parametrize("role", ["leader", "node"])
+def test_multi_node_commands_carry_vllms_multi_node_flags(role: str) -> None:
+    argv = dry_run(LWS, (), role)
+    assert argv[:3] == ["vllm", "serve", "Qwen/Qwen3-235B-A22B"]
+    assert flag(argv, "--tensor-parallel-size") == "8"
+    assert flag(argv, "--pipeline-parallel-size") == "2"
+    assert flag(argv, "--nnodes") == "2"
+    assert flag(argv, "--master-addr") == POD_ENV["LWS_LEADER_ADDRESS"]
+    assert flag(argv, "--node-rank") == ("0" if role == "leader" else "1")
+    assert ("--headless" in argv) == (role == "node")
 
 
 def test_tensor_parallel_and_extra_args_pass_through() -> None:
@@ -126,7 +182,8 @@ for name, argv in json.load(open(sys.argv[1])).items():
         continue
     keys = ["model_tag", "speculative_config", "tensor_parallel_size", "shutdown_timeout",
             "max_num_seqs", "max_model_len", "gpu_memory_utilization",
-            "per_request_spec_decode_metrics", "enable_prefix_caching"]
+            "per_request_spec_decode_metrics", "enable_prefix_caching", "api_key",
+            "pipeline_parallel_size", "nnodes", "node_rank", "master_addr", "headless"]
     out[name] = {k: getattr(ns, k, None) for k in keys}
 print("RESULTS " + json.dumps(out, default=str))
 """
@@ -140,6 +197,8 @@ def test_vllm_parser_accepts_the_rendered_commands(tmp_path: Path) -> None:
         pytest.skip(".venv-vllm is missing: run `make vllm-env`")
     cases = {name: dry_run(values) for name, values in VLLM_PRESETS.items()}
     cases["tp4"] = dry_run(VLLM_PRESETS["b300"], TP4)
+    cases["lws-leader"] = dry_run(LWS, (), "leader")
+    cases["lws-node"] = dry_run(LWS, (), "node")
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     (tmp_path / "probe.py").write_text(PROBE)
     proc = subprocess.run(
@@ -155,6 +214,9 @@ def test_vllm_parser_accepts_the_rendered_commands(tmp_path: Path) -> None:
     results: dict[str, Any] = json.loads(line[0].removeprefix("RESULTS "))
     for name, got in results.items():
         assert "error" not in got, (name, got)
+        assert got["api_key"] == ["<redacted>"] or got["api_key"] == "<redacted>"
+        if name.startswith("lws"):
+            continue
         assert got["model_tag"] == "Qwen/Qwen3-8B"
         assert got["shutdown_timeout"] == 60
         assert got["per_request_spec_decode_metrics"] == "summary"
@@ -163,3 +225,7 @@ def test_vllm_parser_accepts_the_rendered_commands(tmp_path: Path) -> None:
         assert spec["method"] == "dflash" and spec["num_speculative_tokens"] == 15
     assert results["b200"]["max_num_seqs"] == 128 and results["b300"]["max_model_len"] == 32768
     assert results["tp4"]["tensor_parallel_size"] == 4 and results["tp4"]["enable_prefix_caching"]
+    leader, node = results["lws-leader"], results["lws-node"]
+    assert (leader["nnodes"], leader["node_rank"], leader["headless"]) == (2, 0, False)
+    assert (node["nnodes"], node["node_rank"], node["headless"]) == (2, 1, True)
+    assert leader["pipeline_parallel_size"] == 2 and leader["tensor_parallel_size"] == 8

@@ -212,12 +212,19 @@ def test_context_limit_is_length(ckpt: TinyCheckpoint) -> None:
     assert out.finish_reason == "length" and len(out.token_ids_delta) == 4
 
 
-def test_prompt_plus_max_tokens_over_the_context_is_rejected(ckpt: TinyCheckpoint) -> None:
+def test_context_rules_are_vllms(ckpt: TinyCheckpoint) -> None:
+    """max_tokens over the context and prompts that fill it are refused; a prompt plus
+    max_tokens past the limit runs to the limit ("length"), as vLLM serves it."""
     engine = make_engine(ckpt, max_model_len=32)
     with pytest.raises(RequestRejected) as err:
-        engine.add_request("a", list(range(3, 31)), replace(GREEDY, max_tokens=5))
+        engine.add_request("a", [3, 4], replace(GREEDY, max_tokens=33))
     assert err.value.param == "max_tokens" and err.value.code == "context_length_exceeded"
-    assert "maximum context length is 32 tokens" in err.value.message
+    assert "max_tokens=33 cannot be greater than max_model_len=32" in err.value.message
+    with pytest.raises(RequestRejected) as err:
+        engine.add_request("b", list(range(3, 35)), GREEDY)
+    assert err.value.param == "prompt" and "maximum context length is 32" in err.value.message
+    out = run(engine, [(list(range(3, 31)), replace(GREEDY, max_tokens=20))])["0"]
+    assert out.finish_reason == "length" and len(out.token_ids_delta) == 4
 
 
 def test_speculation_metrics_add_up(ckpt: TinyCheckpoint) -> None:

@@ -45,7 +45,12 @@ def test_compare_serves_dflash_and_plain_side_by_side(tiny_checkpoint: Any) -> N
     )
     try:
         assert proc.stdout is not None
-        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        lines: list[str] = []
+        while len(lines) < 2:
+            line = proc.stdout.readline()
+            assert line, "dflash-serve ended before announcing its pools"
+            if "still loading" not in line:
+                lines.append(line)
         urls = [line.rsplit(" ", 1)[1].strip() for line in lines]
         assert "dflash (DFlash speculative" in lines[0] and "plain (plain" in lines[1]
         metrics = []

@@ -1,55 +1,64 @@
-{{/* Recording and alerting rules, rendered into the PrometheusRule. rules/alerts.yaml is this
-     block rendered with the default values (a test keeps the two identical); promtool unit
-     tests run against that file. Prometheus's own {{ $labels }} are escaped as raw strings. */}}
+{{/* Recording and alerting rules, rendered into the PrometheusRule. Every expression is scoped
+     to this release's series (namespace and job: monitoring.alerts.*Selector), so another vLLM
+     in the same Prometheus triggers nothing. rules/alerts.yaml and rules/cluster.yaml are these
+     groups rendered with the compose stack's selectors (a test keeps them identical); promtool
+     unit tests run against them. Prometheus's own {{ $labels }} are escaped as raw strings. */}}
 {{- define "dflash.ruleGroups" -}}
-{{- $a := .Values.monitoring.alerts -}}
 groups:
+  {{ include "dflash.rules.recording" . }}
+  {{ include "dflash.rules.alerts" . }}
+  {{ include "dflash.rules.cluster" . }}
+{{- end -}}
+
+{{- define "dflash.rules.recording" -}}
+{{- $g := include "dflash.gatewaySelector" . -}}
+{{- $by := "sum by (namespace, job, model)" -}}
   - name: dflash-serving.recording
     rules:
       # Mean acceptance length = tokens committed per verify step = 1 + accepted / steps.
       - record: model:dflash_spec_acceptance_length:mean15m
-        expr: 1 + sum by (model) (rate(dflash_spec_accepted_tokens_total[15m])) / sum by (model) (rate(dflash_spec_steps_total[15m]))
+        expr: 1 + {{ $by }} (rate(dflash_spec_accepted_tokens_total{ {{- $g -}} }[15m])) / {{ $by }} (rate(dflash_spec_steps_total{ {{- $g -}} }[15m]))
       - record: model:dflash_spec_acceptance_length:mean1h
-        expr: 1 + sum by (model) (rate(dflash_spec_accepted_tokens_total[1h])) / sum by (model) (rate(dflash_spec_steps_total[1h]))
-      - record: model:dflash_spec_acceptance_length:mean1d
-        expr: 1 + sum by (model) (rate(dflash_spec_accepted_tokens_total[1d])) / sum by (model) (rate(dflash_spec_steps_total[1d]))
-      - record: model:dflash_spec_draft_acceptance_rate:ratio15m
-        expr: sum by (model) (rate(dflash_spec_accepted_tokens_total[15m])) / sum by (model) (rate(dflash_spec_draft_tokens_total[15m]))
+        expr: 1 + {{ $by }} (rate(dflash_spec_accepted_tokens_total{ {{- $g -}} }[1h])) / {{ $by }} (rate(dflash_spec_steps_total{ {{- $g -}} }[1h]))
       - record: model:dflash_time_to_first_token_seconds:p95_5m
-        expr: histogram_quantile(0.95, sum by (model, le) (rate(dflash_time_to_first_token_seconds_bucket[5m])))
+        expr: histogram_quantile(0.95, sum by (namespace, job, model, le) (rate(dflash_time_to_first_token_seconds_bucket{ {{- $g -}} }[5m])))
       - record: model:dflash_time_per_output_token_seconds:p95_5m
-        expr: histogram_quantile(0.95, sum by (model, le) (rate(dflash_time_per_output_token_seconds_bucket[5m])))
+        expr: histogram_quantile(0.95, sum by (namespace, job, model, le) (rate(dflash_time_per_output_token_seconds_bucket{ {{- $g -}} }[5m])))
       - record: model:dflash_requests_5xx:ratio5m
-        expr: sum by (model) (rate(dflash_requests_total{status=~"5.."}[5m])) / sum by (model) (rate(dflash_requests_total[5m]))
+        expr: {{ $by }} (rate(dflash_requests_total{ {{- $g -}} ,status=~"5.."}[5m])) / {{ $by }} (rate(dflash_requests_total{ {{- $g -}} }[5m]))
+{{- end -}}
+
+{{/* Alerts on the gateway's and the workers' own metrics (DESIGN §3, §3b). */}}
+{{- define "dflash.rules.alerts" -}}
+{{- $a := .Values.monitoring.alerts -}}
+{{- $g := include "dflash.gatewaySelector" . -}}
+{{- $w := include "dflash.workerSelector" . -}}
+{{- $spec := .Values.model.speculative -}}
+{{- $low := round (mulf $a.acceptanceLowRatio $spec.expectedAcceptanceLength) 3 -}}
+{{- $pod := "namespace, job, pod, instance, model_name" -}}
   - name: dflash-serving.alerts
     rules:
       - alert: DFlashAcceptanceLengthLow
-        expr: model:dflash_spec_acceptance_length:mean15m < {{ $a.acceptanceLengthMin }}
+        expr: model:dflash_spec_acceptance_length:mean1h < {{ $low }}
         for: 15m
         labels:
           severity: warning
         annotations:
-          summary: DFlash mean acceptance length is low
+          summary: DFlash acceptance length far below the drafter's expected value
           description: >-
-            {{`Model {{ $labels.model }} commits {{ $value | printf "%.2f" }} tokens per verify step`}} (threshold {{ $a.acceptanceLengthMin }}); speculation is buying little. Check the traffic mix and the drafter.
-      - alert: DFlashAcceptanceLengthDropping
-        expr: model:dflash_spec_acceptance_length:mean1h < {{ $a.acceptanceLengthDropRatio }} * model:dflash_spec_acceptance_length:mean1d
-        for: 30m
-        labels:
-          severity: warning
-        annotations:
-          summary: DFlash acceptance length dropped against its 1-day baseline
-          description: >-
-            {{`Model {{ $labels.model }}: the 1 h mean acceptance length {{ $value | printf "%.2f" }} is below`}} {{ $a.acceptanceLengthDropRatio }} × its 1-day mean. A new traffic mix, a changed sampling default or a model/drafter rollout?
-      - alert: DFlashDraftAcceptanceNearZero
-        expr: model:dflash_spec_draft_acceptance_rate:ratio15m < {{ $a.acceptanceRateNearZero }}
-        for: 10m
+            {{`Model {{ $labels.model }} commits {{ $value | printf "%.2f" }} tokens per verify step over 1 h`}}, below {{ $a.acceptanceLowRatio }} × the expected {{ $spec.expectedAcceptanceLength }} (model.speculative.expectedAcceptanceLength). A traffic-mix shift moves it less; check sampling defaults, the drafter revision and the prompts.
+      - alert: DFlashDrafterMismatch
+        expr: >-
+          (1 + sum by ({{ $pod }}) (rate(vllm:spec_decode_num_accepted_tokens_total{ {{- $w -}} }[5m]))
+          / sum by ({{ $pod }}) (rate(vllm:spec_decode_num_drafts_total{ {{- $w -}} }[5m])) < {{ $a.drafterMismatchLength }})
+          and on ({{ $pod }}) sum by ({{ $pod }}) (rate(vllm:spec_decode_num_drafts_total{ {{- $w -}} }[5m])) > 0.5
+        for: 3m
         labels:
           severity: critical
         annotations:
-          summary: DFlash drafts are almost never accepted (drafter/target mismatch)
+          summary: DFlash drafter does not match the target
           description: >-
-            {{`Model {{ $labels.model }} accepts {{ $value | humanizePercentage }} of draft tokens`}}. The drafter probably does not match the target (wrong checkpoint, tokenizer or revision); every step pays for a useless draft.
+            {{`Worker {{ $labels.instance }} commits {{ $value | printf "%.2f" }} tokens per verify step`}} (a matching drafter: about {{ $spec.expectedAcceptanceLength }}). The drafter probably does not match the target (wrong checkpoint, tokenizer or revision); every step pays for a useless draft. Roll back.
       - alert: DFlashTTFTP95AboveSLO
         expr: model:dflash_time_to_first_token_seconds:p95_5m > {{ $a.ttftP95Seconds }}
         for: 10m
@@ -69,7 +78,7 @@ groups:
           description: >-
             {{`Model {{ $labels.model }}: TPOT p95 is {{ $value | humanizeDuration }}`}} (SLO {{ $a.tpotP95Seconds }} s).
       - alert: DFlashWorkerDown
-        expr: max by (worker) (dflash_worker_healthy) == 0
+        expr: max by (namespace, job, worker) (dflash_worker_healthy{ {{- $g -}} }) == 0
         for: 5m
         labels:
           severity: warning
@@ -77,8 +86,13 @@ groups:
           summary: A DFlash worker fails its health checks
           description: >-
             {{`Worker {{ $labels.worker }} has been unhealthy for every gateway for 5 minutes.`}}
+      # The gauge's series disappear when a worker leaves DNS: no series plus 503s is no worker too.
       - alert: DFlashNoHealthyWorker
-        expr: max without (worker, instance, pod, container, endpoint) (dflash_worker_healthy) == 0
+        expr: >-
+          (max by (namespace, job) (dflash_worker_healthy{ {{- $g -}} }) == 0)
+          or on (namespace, job)
+          (sum by (namespace, job) (rate(dflash_requests_total{ {{- $g -}} ,status="503"}[5m])) > 0
+          unless on (namespace, job) (max by (namespace, job) (dflash_worker_healthy{ {{- $g -}} }) == 1))
         for: 2m
         labels:
           severity: critical
@@ -86,6 +100,18 @@ groups:
           summary: No healthy DFlash worker
           description: >-
             The gateway has no healthy worker; every request gets a 503.
+{{- if gt (int (include "dflash.worker.minReplicas" .)) 0 }}
+      # From the workers' side: no worker is scraped at all (dead, pending, or never started).
+      - alert: DFlashWorkerMetricsAbsent
+        expr: absent(vllm:num_requests_running{ {{- $w -}} })
+        for: 10m
+        labels:
+          severity: critical
+        annotations:
+          summary: No DFlash worker reports metrics
+          description: >-
+            No worker series ({{ $w }}) for 10 minutes: every worker is down, pending or still loading its model, or the PodMonitor selects nothing.
+{{- end }}
       - alert: DFlashHigh5xxRatio
         expr: model:dflash_requests_5xx:ratio5m > {{ $a.errorRatio5xx }}
         for: 5m
@@ -96,12 +122,78 @@ groups:
           description: >-
             {{`Model {{ $labels.model }}: {{ $value | humanizePercentage }} of requests end in 5xx`}} (threshold {{ $a.errorRatio5xx }}).
       - alert: DFlashQueueBacklog
-        expr: vllm:num_requests_waiting > {{ $a.queueBacklog }}
+        expr: vllm:num_requests_waiting{ {{- $w -}} } > {{ $a.queueBacklog }}
         for: 10m
         labels:
           severity: warning
         annotations:
           summary: Requests are queueing on a worker
           description: >-
-            {{`Worker {{ $labels.instance }} has {{ $value }} requests waiting`}} (threshold {{ $a.queueBacklog }}); add workers or lower max concurrency.
+            {{`Worker {{ $labels.instance }} has {{ $value }} requests waiting`}} (threshold {{ $a.queueBacklog }}); add workers (worker.autoscaling) or lower max concurrency.
+      - alert: DFlashKVCachePressure
+        expr: vllm:kv_cache_usage_perc{ {{- $w -}} } > {{ $a.kvCacheUsageHigh }}
+        for: 15m
+        labels:
+          severity: warning
+        annotations:
+          summary: A worker's KV cache is nearly full
+          description: >-
+            {{`Worker {{ $labels.instance }} uses {{ $value | humanizePercentage }} of its KV cache`}} (threshold {{ $a.kvCacheUsageHigh }}); requests will queue or be preempted. Add workers or lower max-num-seqs / max-model-len.
+{{- end -}}
+
+{{/* Alerts on series only a cluster Prometheus has: `up` of the scraped pods, kube-state-metrics,
+     and counters real vLLM exports but the embedded worker does not. */}}
+{{- define "dflash.rules.cluster" -}}
+{{- $a := .Values.monitoring.alerts -}}
+{{- $g := include "dflash.gatewaySelector" . -}}
+{{- $w := include "dflash.workerSelector" . -}}
+{{- $name := include "dflash.worker.fullname" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- $load := div (mul .Values.worker.startupProbe.periodSeconds .Values.worker.startupProbe.failureThreshold) 60 | int -}}
+  - name: dflash-serving.cluster
+    rules:
+      # A pod that answered scrapes and stopped: crash loop, OOM kill, hung engine. A pod still
+      # loading its model has never been up and stays out.
+      - alert: DFlashWorkerTargetDown
+        expr: up{ {{- $w -}} } == 0 and max_over_time(up{ {{- $w -}} }[1h]) == 1
+        for: 3m
+        labels:
+          severity: warning
+        annotations:
+          summary: A DFlash worker stopped answering
+          description: >-
+            {{`Worker {{ $labels.instance }} answered scrapes before and has not for 3 minutes (crash loop, OOM kill or a hung engine).`}}
+      - alert: DFlashGatewayDown
+        expr: (sum by (namespace, job) (up{ {{- $g -}} }) == 0) or absent(up{ {{- $g -}} })
+        for: 5m
+        labels:
+          severity: critical
+        annotations:
+          summary: No DFlash gateway answers
+          description: >-
+            No gateway pod ({{ $g }}) has answered a scrape for 5 minutes: clients get connection errors.
+{{- if include "dflash.multiNode" . }}
+      - alert: DFlashWorkerReplicasUnavailable
+        expr: kube_statefulset_status_replicas_ready{namespace="{{ $ns }}",statefulset="{{ $name }}"} < kube_statefulset_replicas{namespace="{{ $ns }}",statefulset="{{ $name }}"}
+{{- else }}
+      - alert: DFlashWorkerReplicasUnavailable
+        expr: kube_deployment_status_replicas_available{namespace="{{ $ns }}",deployment="{{ $name }}"} < kube_deployment_spec_replicas{namespace="{{ $ns }}",deployment="{{ $name }}"}
+{{- end }}
+        # Longer than a model load (the startup probe's budget), so rollouts stay quiet.
+        for: {{ add $load 15 }}m
+        labels:
+          severity: warning
+        annotations:
+          summary: Fewer DFlash workers ready than requested
+          description: >-
+            {{`{{ $value }}`}} worker(s) of {{ $name }} ready, fewer than requested for {{ add $load 15 }} minutes: pods pending (no free GPU node?), crash-looping or failing to load the model.
+      - alert: DFlashPreemptions
+        expr: sum by (namespace, job, pod, instance, model_name) (rate(vllm:num_preemptions_total{ {{- $w -}} }[5m])) > {{ $a.preemptionsPerSecond }}
+        for: 15m
+        labels:
+          severity: warning
+        annotations:
+          summary: vLLM preempts requests for lack of KV cache
+          description: >-
+            {{`Worker {{ $labels.instance }} preempts {{ $value | printf "%.2f" }} requests/s`}} (threshold {{ $a.preemptionsPerSecond }}): they are recomputed, latency suffers. Add workers or lower max-num-seqs.
 {{- end -}}

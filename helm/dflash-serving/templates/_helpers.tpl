@@ -1,34 +1,43 @@
-{{/* Names: every object is "<fullname>-<component>", cut to the 63-character DNS limit. */}}
+{{/* Names: every object is "<fullname>-<component>", within the 63-character DNS limit. */}}
 {{- define "dflash.name" -}}
 {{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{/* The release name alone when it already names the chart ("dflash-serving-prod") or is a
+     leading part of it ("dflash"): `helm install dflash` gives dflash-gateway, not
+     dflash-dflash-serving-gateway. 54 characters leave room for "-gateway"/"-worker". */}}
 {{- define "dflash.fullname" -}}
 {{- if .Values.fullnameOverride -}}
-{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- .Values.fullnameOverride | trunc 54 | trimSuffix "-" -}}
 {{- else -}}
 {{- $name := default .Chart.Name .Values.nameOverride -}}
-{{- if contains $name .Release.Name -}}
-{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- if or (contains $name .Release.Name) (hasPrefix (printf "%s-" .Release.Name) (printf "%s-" $name)) -}}
+{{- .Release.Name | trunc 54 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 54 | trimSuffix "-" -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "dflash.gateway.fullname" -}}
-{{- printf "%s-gateway" (include "dflash.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-gateway" (include "dflash.fullname" .) -}}
 {{- end -}}
 
 {{- define "dflash.worker.fullname" -}}
-{{- printf "%s-worker" (include "dflash.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-worker" (include "dflash.fullname" .) -}}
 {{- end -}}
 
-{{/* Labels shared by every object; call with (dict "ctx" $ "component" "gateway"). */}}
+{{/* Labels of every object's metadata; call with (dict "ctx" $ "component" "gateway").
+     Pod templates use dflash.podLabels instead: no chart or app version there, so a chart
+     bump does not roll every pod (a worker restart is a model load). */}}
 {{- define "dflash.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version | replace "+" "_" }}
 app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
 app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+{{ include "dflash.podLabels" . }}
+{{- end -}}
+
+{{- define "dflash.podLabels" -}}
 app.kubernetes.io/part-of: dflash-serving
 {{ include "dflash.selectorLabels" . }}
 {{- with .ctx.Values.commonLabels }}
@@ -51,6 +60,10 @@ app.kubernetes.io/component: {{ .component }}
 {{- if eq .Values.mode "embedded" }}true{{ end -}}
 {{- end -}}
 
+{{- define "dflash.multiNode" -}}
+{{- if and .Values.worker.multiNode.enabled (not (include "dflash.embedded" .)) }}true{{ end -}}
+{{- end -}}
+
 {{/* The worker's headless Service DNS name the gateway re-resolves to find every pod. */}}
 {{- define "dflash.worker.dns" -}}
 {{- printf "%s.%s.svc.cluster.local:%d" (include "dflash.worker.fullname" .) .Release.Namespace (int .Values.worker.port) -}}
@@ -60,8 +73,23 @@ app.kubernetes.io/component: {{ .component }}
 {{- default (printf "%s-api-keys" (include "dflash.gateway.fullname" .)) .Values.gateway.apiKeys.existingSecret -}}
 {{- end -}}
 
+{{/* Workers require the worker key only when the gateway has a Secret to hold it. */}}
+{{- define "dflash.worker.keyed" -}}
+{{- if and .Values.worker.requireApiKey .Values.gateway.apiKeys.enabled }}true{{ end -}}
+{{- end -}}
+
 {{- define "dflash.worker.hfTokenSecret" -}}
 {{- default (printf "%s-hf-token" (include "dflash.worker.fullname" .)) .Values.worker.hfToken.existingSecret -}}
+{{- end -}}
+
+{{/* ServiceAccount name of a component; call with (dict "ctx" $ "component" "worker"). */}}
+{{- define "dflash.serviceAccountName" -}}
+{{- $sa := (index .ctx.Values .component).serviceAccount -}}
+{{- if $sa.create -}}
+{{- default (printf "%s-%s" (include "dflash.fullname" .ctx) .component) $sa.name -}}
+{{- else -}}
+{{- default "default" $sa.name -}}
+{{- end -}}
 {{- end -}}
 
 {{/* "auto" means: render when the cluster serves the CRD (helm template --api-versions). */}}
@@ -72,66 +100,26 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/* Labels of a monitoring object: monitoring.labels, then the object's own labels. */}}
+{{- define "dflash.monitoringLabels" -}}
+{{- $labels := merge (dict) (.own | default dict) (.ctx.Values.monitoring.labels | default dict) -}}
+{{- with $labels }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* PromQL matchers of this release's series. The Prometheus Operator names the job of a
+     ServiceMonitor target after the Service, and of a PodMonitor target "<ns>/<podmonitor>". */}}
+{{- define "dflash.gatewaySelector" -}}
+{{- default (printf "namespace=\"%s\",job=\"%s\"" .Release.Namespace (include "dflash.gateway.fullname" .)) .Values.monitoring.alerts.gatewaySelector -}}
+{{- end -}}
+
+{{- define "dflash.workerSelector" -}}
+{{- default (printf "namespace=\"%s\",job=\"%s/%s\"" .Release.Namespace .Release.Namespace (include "dflash.worker.fullname" .)) .Values.monitoring.alerts.workerSelector -}}
+{{- end -}}
+
 {{/* The speculative config JSON exactly as `vllm serve --speculative-config` takes it. */}}
 {{- define "dflash.speculativeConfig" -}}
 {{- $spec := .Values.model.speculative -}}
 {{- dict "method" "dflash" "model" $spec.drafter "num_speculative_tokens" (int $spec.numSpeculativeTokens) | toJson -}}
-{{- end -}}
-
-{{/* The worker argv after the `dflash-worker` command; one flag or value per list item. */}}
-{{- define "dflash.worker.args" -}}
-{{- if include "dflash.embedded" . -}}
-{{- /* No MODEL: the embedded worker serves the bundled target with its DFlash drafter. */ -}}
-- --backend
-- embedded
-{{- if not .Values.model.speculative.enabled }}
-- --no-speculation
-{{- end }}
-- --served-model-name
-- {{ .Values.embedded.servedModelName | quote }}
-- --max-num-seqs
-- {{ int .Values.embedded.maxNumSeqs | quote }}
-- --max-model-len
-- {{ int .Values.embedded.maxModelLen | quote }}
-{{- else -}}
-- --backend
-- vllm
-- {{ .Values.model.name | quote }}
-{{- if .Values.model.speculative.enabled }}
-- --speculative-config
-- {{ include "dflash.speculativeConfig" . | quote }}
-{{- end }}
-- --served-model-name
-- {{ .Values.model.servedModelName | quote }}
-- --max-num-seqs
-- {{ int .Values.worker.maxNumSeqs | quote }}
-- --max-model-len
-- {{ int .Values.worker.maxModelLen | quote }}
-- --tensor-parallel-size
-- {{ int .Values.worker.tensorParallelSize | quote }}
-- --gpu-memory-utilization
-- {{ .Values.worker.gpuMemoryUtilization | quote }}
-- --dtype
-- {{ .Values.worker.dtype | quote }}
-{{- end }}
-- --seed
-- {{ int .Values.worker.seed | quote }}
-- --host
-- "0.0.0.0"
-- --port
-- {{ int .Values.worker.port | quote }}
-- --per-request-spec-decode-metrics
-- {{ .Values.worker.perRequestSpecDecodeMetrics | quote }}
-{{- if include "dflash.embedded" . }}
-- --drain-timeout
-- {{ int .Values.worker.shutdownTimeoutSeconds | quote }}
-{{- else }}
-- --shutdown-timeout
-- {{ int .Values.worker.shutdownTimeoutSeconds | quote }}
-{{- range .Values.worker.extraArgs }}
-- {{ . | quote }}
-{{- end }}
-{{- end }}
 {{- end -}}
 
 {{/* The model name on the gateway side: what clients send. */}}
@@ -139,67 +127,27 @@ app.kubernetes.io/component: {{ .component }}
 {{- if include "dflash.embedded" . }}{{ .Values.embedded.servedModelName }}{{ else }}{{ .Values.model.servedModelName }}{{ end -}}
 {{- end -}}
 
-{{/* Worker affinity: GPU-product node affinity (vllm mode) + soft one-per-node spreading,
-     merged with worker.affinity (whose nodeAffinity, if given, replaces the generated one). */}}
-{{- define "dflash.worker.affinity" -}}
-{{- $w := .Values.worker -}}
-{{- $aff := deepCopy $w.affinity -}}
-{{- if and (not (hasKey $aff "nodeAffinity")) (not (include "dflash.embedded" .)) -}}
-{{- $exprs := list -}}
-{{- if $w.gpu.products -}}
-{{- $exprs = append $exprs (dict "key" "nvidia.com/gpu.product" "operator" "In" "values" $w.gpu.products) -}}
-{{- end -}}
-{{- $exprs = concat $exprs $w.extraNodeMatchExpressions -}}
-{{- if $exprs -}}
-{{- $terms := list (dict "matchExpressions" $exprs) -}}
-{{- $_ := set $aff "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" $terms)) -}}
-{{- end -}}
-{{- end -}}
-{{- if and $w.spreadAcrossNodes (not (hasKey $aff "podAntiAffinity")) -}}
-{{- $labels := include "dflash.selectorLabels" (dict "ctx" . "component" "worker") | fromYaml -}}
-{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" $labels) -}}
-{{- $_ := set $aff "podAntiAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" (list (dict "weight" 100 "podAffinityTerm" $term))) -}}
-{{- end -}}
-{{- if $aff }}{{ toYaml $aff }}{{ end -}}
+{{/* Worker replicas the PDB and the alerts can count on (autoscaling: its minimum). */}}
+{{- define "dflash.worker.minReplicas" -}}
+{{- if .Values.worker.autoscaling.enabled }}{{ int .Values.worker.autoscaling.minReplicas }}{{ else }}{{ int .Values.worker.replicas }}{{ end -}}
 {{- end -}}
 
-{{/* Worker tolerations: the GPU taint (vllm mode) + worker.tolerations. */}}
-{{- define "dflash.worker.tolerations" -}}
-{{- $tol := list -}}
-{{- if and .Values.worker.gpu.tolerateGpuTaint (not (include "dflash.embedded" .)) -}}
-{{- $tol = append $tol (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") -}}
-{{- end -}}
-{{- $tol = concat $tol .Values.worker.tolerations -}}
-{{- if $tol }}{{ toYaml $tol }}{{ end -}}
-{{- end -}}
-
-{{/* Worker resources: one GPU per tensor-parallel rank (vllm mode). */}}
-{{- define "dflash.worker.resources" -}}
-{{- if include "dflash.embedded" . -}}
-{{- toYaml .Values.embedded.resources -}}
+{{/* Checksum of the client keys: the rendered Secret's, or the live existing Secret's
+     (`lookup`; empty under `helm template`, so GitOps renders stay stable). */}}
+{{- define "dflash.gateway.apiKeysChecksum" -}}
+{{- $k := .Values.gateway.apiKeys -}}
+{{- if $k.existingSecret -}}
+{{- $live := (lookup "v1" "Secret" .Release.Namespace $k.existingSecret).data | default dict -}}
+{{- get $live $k.secretKey | sha256sum -}}
 {{- else -}}
-{{- $r := deepCopy .Values.worker.resources -}}
-{{- $gpus := int .Values.worker.tensorParallelSize -}}
-{{- $_ := set $r "limits" (merge (dict "nvidia.com/gpu" $gpus) ($r.limits | default dict)) -}}
-{{- $_ = set $r "requests" (merge (dict "nvidia.com/gpu" $gpus) ($r.requests | default dict)) -}}
-{{- toYaml $r -}}
+{{- $data := (include (print .Template.BasePath "/gateway-secret.yaml") . | fromYaml).data | default dict -}}
+{{- get $data $k.secretKey | sha256sum -}}
 {{- end -}}
 {{- end -}}
 
-{{/* Worker environment: the HF cache and token (vllm mode), HOME on the writable /tmp
-     (embedded mode runs with a read-only root filesystem), then worker.extraEnv. */}}
-{{- define "dflash.worker.env" -}}
-{{- $w := .Values.worker -}}
-{{- $env := list -}}
-{{- if include "dflash.embedded" . -}}
-{{- $env = append $env (dict "name" "HOME" "value" "/tmp") -}}
-{{- else -}}
-{{- $env = append $env (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $w.modelCache.mountPath)) -}}
-{{- if or $w.hfToken.existingSecret $w.hfToken.value -}}
-{{- $ref := dict "name" (include "dflash.worker.hfTokenSecret" .) "key" $w.hfToken.secretKey -}}
-{{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" (dict "secretKeyRef" $ref)) -}}
-{{- end -}}
-{{- end -}}
-{{- $env = concat $env $w.extraEnv -}}
-{{- toYaml $env -}}
+{{/* Running requests per worker the autoscaler aims at (default 80 % of max-num-seqs). */}}
+{{- define "dflash.worker.targetRunning" -}}
+{{- $a := .Values.worker.autoscaling -}}
+{{- $seqs := ternary .Values.embedded.maxNumSeqs .Values.worker.maxNumSeqs (eq .Values.mode "embedded") -}}
+{{- if gt (float64 $a.targetRunningPerWorker) 0.0 }}{{ $a.targetRunningPerWorker }}{{ else }}{{ max 1 (div (mul (int $seqs) 8) 10) }}{{ end -}}
 {{- end -}}

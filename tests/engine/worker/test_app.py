@@ -102,9 +102,8 @@ def test_chat_stream_equals_non_stream_and_ends_with_usage(client: openai.OpenAI
     last = chunks[-1]
     assert last.choices == [] and last.usage is not None
     assert last.usage.completion_tokens == 12
-    # --enable-force-include-usage (as our vLLM argv): running usage on every chunk too.
-    counts = [c.usage.completion_tokens for c in chunks if c.usage is not None]
-    assert len(counts) == len(chunks) and counts == sorted(counts)
+    # Usage as OpenAI defines it: on the last chunk only, unless continuous_usage_stats.
+    assert [c for c in chunks if c.usage is not None] == [last]
     assert metrics_of(last)["speculative_decoding"]["num_spec_steps"] >= 1
 
 
@@ -123,7 +122,8 @@ async def test_async_completions_stream_and_not(worker: AppHandle) -> None:
     stream = await client.completions.create(**args, stream=True)
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == resp.choices[0].text
-    assert chunks[-1].choices == [] and chunks[-1].usage is not None  # forced usage, as vLLM
+    # No stream_options: no usage anywhere (as OpenAI and vLLM without force-include).
+    assert chunks[-1].choices and all(c.usage is None for c in chunks)
     await client.close()
 
 
@@ -229,7 +229,7 @@ LONG_PROMPT = "word " * 2000
         (CHAT, {"messages": HI, "top_p": 1.5}, 400, "top_p"),
         (CHAT, {"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-        (CHAT, {"messages": HI, "max_tokens": MAX_LEN}, 400, "max_tokens"),
+        (CHAT, {"messages": HI, "max_tokens": MAX_LEN + 1}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "n": 3}, 400, "n"),
         (CHAT, {"messages": HI, "logprobs": True}, 400, "logprobs"),
         (CHAT, {"messages": HI, "stop": [""]}, 400, "stop"),
@@ -466,8 +466,7 @@ def test_sigterm_drains_in_flight_then_aborts_past_the_timeout(ckpt: TinyCheckpo
         assert wait_for(lambda: not _admits(w.base_url), timeout=20)
         finished = sse_payloads(a_lines)
         assert finished[-1] == "[DONE]"
-        assert finished[-2]["choices"] == [] and finished[-2]["usage"]["completion_tokens"] == 40
-        assert finished[-3]["choices"][0]["finish_reason"] == "length"
+        assert finished[-2]["choices"][0]["finish_reason"] == "length"
         cut = sse_payloads(b_lines)
         assert cut[-1] == "[DONE]"
         assert cut[-2]["error"]["code"] == "aborted"
@@ -496,3 +495,41 @@ async def test_a_model_that_fails_to_load_is_fatal(ckpt: TinyCheckpoint, tmp_pat
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://w") as c:
         r = await c.get("/health")
     assert r.status_code == 503 and r.json()["error"]["code"] == "load_failed"
+
+
+def test_vllm_defaults_and_ids(worker: AppHandle) -> None:
+    """As vLLM: completions default to 16 tokens; the client's X-Request-Id becomes the body
+    id; stop_reason says which stop string or stop token ended the answer."""
+    headers = {**AUTH, "X-Request-Id": "trace-42"}
+    body = {"prompt": "def f(x):", "temperature": 0, "ignore_eos": True}
+    r = httpx.post(f"{worker.base_url}{COMP}", headers=headers, json=body, timeout=30).json()
+    assert r["usage"]["completion_tokens"] == 16 and r["id"] == "cmpl-trace-42"
+    assert r["choices"][0]["finish_reason"] == "length" and r["choices"][0]["stop_reason"] is None
+    text = r["choices"][0]["text"]
+    stop = text[3:5]
+    r = httpx.post(
+        f"{worker.base_url}{COMP}", headers=AUTH, json={**body, "stop": [stop]}, timeout=30
+    ).json()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == stop
+
+
+def test_chat_stream_opens_with_a_role_chunk_then_the_first_token_alone(
+    worker: AppHandle,
+) -> None:
+    body = {
+        "messages": HI,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    with httpx.stream("POST", f"{worker.base_url}{CHAT}", headers=AUTH, json=body, timeout=30) as r:
+        events = sse_payloads(r.iter_lines())
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    first = events[1]["choices"][0]
+    assert first["finish_reason"] is None
+    # The first token is sent on its own, straight after the prompt is processed.
+    assert events[1]["usage"]["completion_tokens"] == 1
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 8
+    assert events[-1] == "[DONE]"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.worker import vllm_backend
 from engine.worker.cli import main
 from tests.fixtures.tiny_models import TinyCheckpoint
 
@@ -78,8 +79,9 @@ def test_dry_run_prints_the_exact_vllm_serve_argv(
         ),
         "--per-request-spec-decode-metrics",
         "detailed",
-        "--enable-force-include-usage",
         "--enable-per-request-metrics",
+        "--shutdown-timeout",
+        "30",
     ]
 
 
@@ -148,8 +150,19 @@ def test_vllm_backend_without_vllm_installed(
     tmp_path: Path,
 ) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("DFLASH_VLLM_BIN", raising=False)
+    monkeypatch.setattr(vllm_backend, "CPU_BUILD", tmp_path / "no-such-venv" / "vllm")
     assert main(["--backend", "vllm", str(ckpt.target_dir)]) == 2
-    assert "`vllm` executable is not on PATH" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no `vllm` executable" in err and "make vllm-env" in err
+
+
+def test_vllm_bin_must_be_an_executable(
+    ckpt: TinyCheckpoint, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["--backend", "vllm", str(ckpt.target_dir), "--vllm-bin", str(tmp_path / "nope")]
+    assert main(args) == 2
+    assert "vllm_bin" in capsys.readouterr().err
 
 
 def test_vllm_backend_execs_vllm_serve(ckpt: TinyCheckpoint, tmp_path: Path) -> None:

@@ -81,13 +81,14 @@ def test_level_none_keeps_timings_and_drops_speculation() -> None:
 def test_usage_and_bodies() -> None:
     assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     chat = Formatter("chat", "id-1", "m", created=5)
-    first = chat.chunk("a", None, first=True)
-    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "a"}
-    assert chat.chunk("b", "stop")["choices"][0]["delta"] == {"content": "b"}
+    assert chat.role_chunk()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    end = chat.chunk("b", "stop", "##")["choices"][0]
+    assert end["delta"] == {"content": "b"} and end["stop_reason"] == "##"
     final = chat.usage_chunk(usage(1, 2), {"x": 1})
     assert final["choices"] == [] and final["metrics"] == {"x": 1}
-    body = Formatter("completion", "id-2", "m").response("t", "length", usage(1, 1), {})
+    body = Formatter("completion", "id-2", "m").response("t", "length", None, usage(1, 1), {})
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "t"
+    assert body["choices"][0]["stop_reason"] is None
 
 
 def _request_metrics() -> RequestMetrics:

@@ -44,7 +44,8 @@ for name, argv in cases["parse"].items():
         continue
     keys = ["model_tag", "served_model_name", "host", "port", "max_num_seqs", "max_model_len",
             "seed", "speculative_config", "per_request_spec_decode_metrics",
-            "enable_force_include_usage", "enable_per_request_metrics", "enable_prefix_caching"]
+            "enable_force_include_usage", "enable_per_request_metrics", "enable_prefix_caching",
+            "shutdown_timeout"]
     results["parse"][name] = {"ok": True, "values": {k: getattr(ns, k, None) for k in keys}}
 from vllm.engine.arg_utils import EngineArgs
 for name, case in cases["engine"].items():
@@ -166,7 +167,8 @@ def test_vllm_parser_accepts_our_dry_run_argv(contract: dict[str, Any]) -> None:
     assert values["model_tag"] == argv[2]
     assert values["speculative_config"] == json.loads(argv[argv.index("--speculative-config") + 1])
     assert values["per_request_spec_decode_metrics"] == "detailed"
-    assert values["enable_force_include_usage"] is True
+    assert not values["enable_force_include_usage"]  # usage only when the client asks
+    assert values["shutdown_timeout"] == 30  # SIGTERM drains
     assert values["enable_per_request_metrics"] is True
     assert (values["max_num_seqs"], values["max_model_len"]) == (4, 1024)
 

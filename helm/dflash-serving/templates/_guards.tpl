@@ -1,0 +1,39 @@
+{{/* Value combinations the schema cannot express; each fails with a message naming the values. */}}
+{{- define "dflash.guards" -}}
+{{- $w := .Values.worker -}}
+{{- $drain := add $w.preStopSleepSeconds $w.shutdownTimeoutSeconds | int -}}
+{{- if le (int $w.terminationGracePeriodSeconds) $drain -}}
+{{- fail (printf "worker.terminationGracePeriodSeconds (%d) must exceed worker.preStopSleepSeconds + worker.shutdownTimeoutSeconds (%d), or vLLM is killed mid-drain" (int $w.terminationGracePeriodSeconds) $drain) -}}
+{{- end -}}
+{{- if lt (float64 $w.preStopSleepSeconds) (float64 .Values.gateway.discoveryIntervalSeconds) -}}
+{{- fail (printf "worker.preStopSleepSeconds (%v) must be at least gateway.discoveryIntervalSeconds (%v): gateways must re-resolve DNS and stop routing to a worker before it drains" $w.preStopSleepSeconds .Values.gateway.discoveryIntervalSeconds) -}}
+{{- end -}}
+{{- if and (eq (int $w.rollingUpdate.maxSurge) 0) (eq (int $w.rollingUpdate.maxUnavailable) 0) -}}
+{{- fail "worker.rollingUpdate: maxSurge and maxUnavailable cannot both be 0 (the rollout could never start)" -}}
+{{- end -}}
+{{- $spec := .Values.model.speculative -}}
+{{- if gt (float64 $spec.expectedAcceptanceLength) (float64 (add1 (int $spec.numSpeculativeTokens))) -}}
+{{- fail (printf "model.speculative.expectedAcceptanceLength (%v) cannot exceed numSpeculativeTokens + 1 (%d): a verify step commits at most that many tokens" $spec.expectedAcceptanceLength (add1 (int $spec.numSpeculativeTokens))) -}}
+{{- end -}}
+{{- $a := $w.autoscaling -}}
+{{- if $a.enabled -}}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) -}}
+{{- fail (printf "worker.autoscaling.minReplicas (%d) exceeds maxReplicas (%d)" (int $a.minReplicas) (int $a.maxReplicas)) -}}
+{{- end -}}
+{{- if and (eq $a.driver "keda") (not $a.keda.prometheusAddress) -}}
+{{- fail "worker.autoscaling.keda.prometheusAddress is required with driver keda (the Prometheus KEDA queries, e.g. http://prometheus-operated.monitoring:9090)" -}}
+{{- end -}}
+{{- if and (eq $a.driver "hpa") (lt (int $a.minReplicas) 1) -}}
+{{- fail "worker.autoscaling.minReplicas must be at least 1 with driver hpa (only KEDA scales to zero)" -}}
+{{- end -}}
+{{- if include "dflash.multiNode" . -}}
+{{- fail "worker.autoscaling and worker.multiNode cannot be combined: scale a LeaderWorkerSet with worker.replicas" -}}
+{{- end -}}
+{{- end -}}
+{{- if and $w.requireApiKey (not .Values.gateway.apiKeys.enabled) (not (include "dflash.embedded" .)) -}}
+{{- fail "worker.requireApiKey needs gateway.apiKeys.enabled (the worker key lives in the gateway's API-key Secret); set worker.requireApiKey=false to run workers without a key" -}}
+{{- end -}}
+{{- if and (eq $w.modelCache.type "hostPath") (not $w.modelCache.hostPath) -}}
+{{- fail "worker.modelCache.hostPath is required with worker.modelCache.type=hostPath" -}}
+{{- end -}}
+{{- end -}}
