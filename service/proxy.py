@@ -149,7 +149,14 @@ class Proxy:
         metrics: GatewayMetrics,
     ) -> None:
         self.settings, self.pool, self.upstream, self.metrics = settings, pool, upstream, metrics
-        tick = min(settings.idle_stream_timeout_s, settings.request_timeout_s) / 4
+        tick = (
+            min(
+                settings.first_byte_timeout_s,
+                settings.idle_stream_timeout_s,
+                settings.request_timeout_s,
+            )
+            / 4
+        )
         self.watchdog = Watchdog(min(1.0, tick))
         self.refusing = False  # draining: new requests get 503 + Retry-After
         self.in_flight = 0
@@ -228,38 +235,41 @@ class Proxy:
             return UpstreamTimeout(f"Upstream timeout: {last.message}.")
         return UpstreamError(f"Upstream failure: {last.message}.")
 
-    async def _post(self, worker: Worker, call: ProxyCall) -> UpstreamResponse:
-        # The pool adds Accept-Encoding: identity and the worker key (app.worker_headers).
+    async def _post(self, worker: Worker, call: ProxyCall, watch: Watch) -> UpstreamResponse:
+        """Send the request; the watch follows the connection it goes out on (its first-byte
+        deadline, then the body's). The pool adds Accept-Encoding: identity and the worker
+        key (app.worker_headers)."""
         target = self._targets.get(worker.url)
         if target is None:
             target = self._targets[worker.url] = Target.of(worker.url)
-        return await self.upstream.post(target, call.endpoint.encode(), call.body, call.request_id)
+        return await self.upstream.post(
+            target, call.endpoint.encode(), call.body, call.request_id, watch.follow
+        )
 
-    def _first_byte_s(self, deadline: float) -> float:
-        remaining = deadline - asyncio.get_running_loop().time()
-        return max(0.0, min(self.settings.first_byte_timeout_s, remaining))
+    def _watch(self, deadline: float) -> Watch:
+        """The attempt's deadlines: nothing from the worker for first_byte_timeout_s, or the
+        total deadline; `got_first_byte` then switches to the idle limit."""
+        return self.watchdog.add(None, self.settings.first_byte_timeout_s, deadline)
 
-    async def _read_body(self, response: UpstreamResponse, deadline: float) -> bytes:
-        """The whole body, under the idle and total deadlines (the watchdog's)."""
-        watch = self.watchdog.add(response.content, self.settings.idle_stream_timeout_s, deadline)
-        try:
-            return await response.content.read()
-        finally:
-            self.watchdog.discard(watch)
+    def _got_first_byte(self, watch: Watch) -> None:
+        watch.idle_s = self.settings.idle_stream_timeout_s
+        watch.marks += 2
 
     async def _unary(
         self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
     ) -> None:
         response: UpstreamResponse | None = None
         complete = False
+        watch = self._watch(deadline)
         try:
-            async with asyncio.timeout(self._first_byte_s(deadline)):
-                response = await self._post(worker, call)
-            body = await self._read_body(response, deadline)
+            response = await self._post(worker, call, watch)
+            self._got_first_byte(watch)
+            body = await response.content.read()
             complete = True
         except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
         finally:
+            self.watchdog.discard(watch)
             if response is not None:
                 finish(response, complete)
         failure = status_failure(response.status) or encoding_failure(response)
@@ -288,18 +298,20 @@ class Proxy:
     ) -> None:
         response: UpstreamResponse | None = None
         complete = False
+        watch = self._watch(deadline)
         try:
             first: bytes | None = None
             try:
-                async with asyncio.timeout(self._first_byte_s(deadline)):
-                    response = await self._post(worker, call)
-                    if response.status == 200:
-                        failure = encoding_failure(response) or not_sse(response)
-                        if failure is not None:
-                            raise failure
-                        first = await response.content.readany()
-                if first is None:
-                    body = await self._read_body(response, deadline)
+                response = await self._post(worker, call, watch)
+                if response.status == 200:
+                    failure = encoding_failure(response) or not_sse(response)
+                    if failure is not None:
+                        raise failure
+                    first = await response.content.readany()
+                    self._got_first_byte(watch)
+                else:
+                    self._got_first_byte(watch)
+                    body = await response.content.read()
                     complete = True
             except UPSTREAM_ERRORS as exc:
                 raise classify(exc) from None
@@ -316,16 +328,11 @@ class Proxy:
                 return
             if not first:
                 raise UpstreamFailure("read", "the worker closed the stream at once")
-            watch = self.watchdog.add(
-                response.content, self.settings.idle_stream_timeout_s, deadline
+            complete = await self._relay(
+                worker, call, send, outcome, watch, response.content, first
             )
-            try:
-                complete = await self._relay(
-                    worker, call, send, outcome, watch, response.content, first
-                )
-            finally:
-                self.watchdog.discard(watch)
         finally:
+            self.watchdog.discard(watch)
             if response is not None:
                 finish(response, complete)
 

@@ -15,7 +15,7 @@ import collections
 import contextlib
 import socket
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -161,9 +161,16 @@ class Connection(asyncio.Protocol):
     # -- the request -------------------------------------------------------------------------
     def send(self, request: bytes) -> asyncio.Future[Response]:
         self.head = asyncio.get_running_loop().create_future()
+        if self.body._exception is not None:  # a deadline missed before the request went out
+            self.head.set_exception(self.body._exception)
+            return self.head
         assert self.transport is not None
         self.transport.write(request)
         return self.head
+
+    def set_exception(self, exc: BaseException) -> None:
+        """A deadline or a drain, from the watchdog: fail the wait for the head or the body."""
+        self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         if self.head is not None and not self.head.done():
@@ -279,7 +286,14 @@ class Pool:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn
 
-    async def post(self, target: Target, path: bytes, body: bytes, request_id: str) -> Response:
+    async def post(
+        self,
+        target: Target,
+        path: bytes,
+        body: bytes,
+        request_id: str,
+        on_connection: Callable[[Connection], None],
+    ) -> Response:
         """POST `body` (JSON) and wait for the response head. A reused connection that the
         worker had closed (it fails before any byte of an answer) is retried once on a new
         one: the request never reached the worker."""
@@ -303,15 +317,18 @@ class Pool:
         conn = self._take(key)
         if conn is not None:
             try:
-                return await self._exchange(conn, request)
+                return await self._exchange(conn, request, on_connection)
             except ReadFailed:
                 if conn.headers:  # the worker had begun to answer: not a stale connection
                     raise
-        return await self._exchange(await self._connect(key), request)
+        return await self._exchange(await self._connect(key), request, on_connection)
 
     @staticmethod
-    async def _exchange(conn: Connection, request: bytes) -> Response:
+    async def _exchange(
+        conn: Connection, request: bytes, on_connection: Callable[[Connection], None]
+    ) -> Response:
         try:
+            on_connection(conn)
             return await conn.send(request)
         except BaseException:  # failed, timed out or cancelled: the connection is spent
             conn._close()

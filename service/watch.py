@@ -33,12 +33,25 @@ class Watch:
     """One upstream body. The relay makes `marks` odd while it writes to the client (a slow
     client is not an idle worker) and even again when it goes back to reading."""
 
-    reader: Failable
+    reader: Failable | None  # None until the request went out on a connection
     idle_s: float
     deadline: float  # loop time
     marks: int = 0
     seen: int = field(default=-1)
     progress_at: float = 0.0
+    fired: BaseException | None = None
+
+    def follow(self, reader: Failable) -> None:
+        """Watch this reader from now on (the request went out on it; a retry on a fresh
+        connection moves the watch along). A deadline already missed fails it at once."""
+        self.reader = reader
+        if self.fired is not None:
+            reader.set_exception(self.fired)
+
+    def fire(self, exc: BaseException) -> None:
+        self.fired = exc
+        if self.reader is not None:
+            self.reader.set_exception(exc)
 
 
 class Watchdog:
@@ -50,7 +63,7 @@ class Watchdog:
     def __len__(self) -> int:
         return len(self._watches)
 
-    def add(self, reader: Failable, idle_s: float, deadline: float) -> Watch:
+    def add(self, reader: Failable | None, idle_s: float, deadline: float) -> Watch:
         watch = Watch(reader, idle_s, deadline)
         watch.progress_at = asyncio.get_running_loop().time()
         self._watches.add(watch)
@@ -67,7 +80,7 @@ class Watchdog:
         cut = list(self._watches)
         self._watches.clear()
         for watch in cut:
-            watch.reader.set_exception(Draining("the gateway is shutting down"))
+            watch.fire(Draining("the gateway is shutting down"))
         return len(cut)
 
     async def _sweep(self) -> None:
@@ -80,7 +93,7 @@ class Watchdog:
                     why = self._overdue(watch, now)
                     if why:
                         self._watches.discard(watch)
-                        watch.reader.set_exception(TimeoutError(why))
+                        watch.fire(TimeoutError(why))
         finally:
             self._task = None
 

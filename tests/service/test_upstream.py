@@ -54,6 +54,10 @@ async def server() -> AsyncIterator[Server]:
         yield fake
 
 
+def ignore(_: object) -> None:
+    """No watchdog here: the connection a request goes out on is of no interest."""
+
+
 def target(port: int) -> Target:
     return Target.of(f"http://127.0.0.1:{port}")
 
@@ -61,7 +65,7 @@ def target(port: int) -> Target:
 async def test_keep_alive_reuses_one_connection(server: Server) -> None:
     pool = Pool(connect_timeout_s=1, headers={"Accept-Encoding": "identity"})
     for i in range(3):
-        response = await pool.post(target(server.port), b"/v1/x", b"{}", f"id{i}")
+        response = await pool.post(target(server.port), b"/v1/x", b"{}", f"id{i}", ignore)
         assert response.status == 200 and await response.content.read() == b"ok"
         response.release()
     assert server.connections == 1
@@ -79,7 +83,7 @@ async def test_chunked_body_arrives_in_parts(server: Server) -> None:
         b"2\r\nde\r\n0\r\n\r\n",
     ]
     pool = Pool(connect_timeout_s=1, headers={})
-    response = await pool.post(target(server.port), b"/", b"{}", "r")
+    response = await pool.post(target(server.port), b"/", b"{}", "r", ignore)
     assert response.headers["content-type"] == "text/event-stream"
     assert await response.content.read() == b"abcde"
     response.release()
@@ -90,7 +94,7 @@ async def test_a_stale_kept_alive_connection_is_replaced(server: Server) -> None
     server.close_after_reply = True  # the worker closes idle connections (keep-alive end)
     pool = Pool(connect_timeout_s=1, headers={})
     for _ in range(2):
-        response = await pool.post(target(server.port), b"/", b"{}", "r")
+        response = await pool.post(target(server.port), b"/", b"{}", "r", ignore)
         assert await response.content.read() == b"ok"
         response.release()
         await asyncio.sleep(0.05)
@@ -101,22 +105,22 @@ async def test_a_stale_kept_alive_connection_is_replaced(server: Server) -> None
 async def test_connect_and_read_failures_are_told_apart(server: Server) -> None:
     pool = Pool(connect_timeout_s=1, headers={})
     with pytest.raises(ConnectFailed):
-        await pool.post(target(free_port()), b"/", b"{}", "r")
+        await pool.post(target(free_port()), b"/", b"{}", "r", ignore)
     server.reply = lambda n: [b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nabc"]
     server.close_after_reply = True
-    response = await pool.post(target(server.port), b"/", b"{}", "r")
+    response = await pool.post(target(server.port), b"/", b"{}", "r", ignore)
     with pytest.raises(ReadFailed):
         await response.content.read()  # 3 of 10 bytes, then the connection closed
     server.reply = lambda n: [b"NOT HTTP\r\n\r\n"]
     with pytest.raises(ReadFailed):
-        await pool.post(target(server.port), b"/", b"{}", "r")
+        await pool.post(target(server.port), b"/", b"{}", "r", ignore)
     pool.close()
 
 
 async def test_set_exception_wakes_a_pending_read(server: Server) -> None:
     server.reply = lambda n: [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\na\r\n"]
     pool = Pool(connect_timeout_s=1, headers={})
-    response = await pool.post(target(server.port), b"/", b"{}", "r")
+    response = await pool.post(target(server.port), b"/", b"{}", "r", ignore)
     assert await response.content.readany() == b"a"
     asyncio.get_running_loop().call_later(0.05, response.content.set_exception, TimeoutError())
     with pytest.raises(TimeoutError):
