@@ -151,11 +151,5 @@ def test_spread_failover_recovery_and_in_band_error(
     assert len(counts) == 1 and counts[0] > 1
 
 
-def test_first_byte_timeout(worker: WorkerHandle) -> None:
-    body = {**CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-    # No worker answers within 0.5 ms: every attempt times out before the first byte: 504.
-    with running_gateway(workers=[worker.base_url], first_byte_timeout_s=0.0005) as gw:
-        reply = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
-        assert reply.status_code == 504
-        assert reply.json()["error"]["code"] == "upstream_timeout"
-    # The idle-stream limit mid-stream: test_proxy_faults (a fake worker that stalls).
+# First-byte, idle and total deadlines: test_proxy_faults (a fake worker that stays silent;
+# deadlines fire within one watchdog tick, >= 5 ms, so sub-millisecond limits are no test).

@@ -104,6 +104,14 @@ def test_non_streaming_request_obeys_the_first_byte_timeout(gw_over: Any) -> Non
     assert time.monotonic() - started < 5
 
 
+def test_streaming_request_obeys_the_first_byte_timeout(gw_over: Any) -> None:
+    gw, _ = gw_over(silent, first_byte_timeout_s=0.3)
+    started = time.monotonic()
+    answer = post(gw, STREAM)
+    assert answer.status_code == 504 and answer.json()["error"]["code"] == "upstream_timeout"
+    assert time.monotonic() - started < 5
+
+
 def test_non_streaming_body_obeys_the_idle_timeout(gw_over: Any) -> None:
     gw, _ = gw_over(half_body, idle_stream_timeout_s=0.3)
     started = time.monotonic()
