@@ -161,7 +161,10 @@ def start_peers(
     args: argparse.Namespace, upstream: int, workdir: Path, missing: dict[str, str]
 ) -> list[Peer]:
     peers: list[Peer] = []
-    env = {**os.environ, "DFLASH_GATEWAY_API_KEYS": ""}
+    # The stub shares its core with the load generator: under a closed loop its /health can
+    # take longer than the default 1 s, and a gateway would then mark it down (503s that
+    # measure the bench, not the proxy); nginx has no active checks to trip.
+    env = {**os.environ, "DFLASH_GATEWAY_API_KEYS": "", "DFLASH_GATEWAY_HEALTH_TIMEOUT_S": "5"}
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
     worker = f"http://127.0.0.1:{upstream}"
     sources = [("dflash-gateway", ROOT)]
@@ -209,13 +212,13 @@ async def burst(port: int, count: int, payload: bytes) -> Sample:
 
         try:
             status = await client.post("/v1/chat/completions", payload, on_chunk)
-        except (OSError, asyncio.IncompleteReadError, ValueError):
-            sample.errors += 1
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            sample.error(type(exc).__name__)
             return
         finally:
             client.close()
         if status != 200 or not first:
-            sample.errors += 1
+            sample.error(f"HTTP {status}")
             return
         sample.completed += 1
         sample.latencies_s.append(first[0] - start)
@@ -229,6 +232,8 @@ async def burst(port: int, count: int, payload: bytes) -> Sample:
 def merge(into: Sample, part: Sample) -> None:
     into.latencies_s += part.latencies_s
     into.errors += part.errors
+    for kind, count in part.error_kinds.items():
+        into.error_kinds[kind] = into.error_kinds.get(kind, 0) + count
     into.completed += part.completed
     into.elapsed_s += part.elapsed_s
 
@@ -287,6 +292,15 @@ def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[
         "burst_direct_ttft_ms": {"p50": ms(d, 50), "p99": ms(d, 99)},
         "burst_added_ttft_ms": added,
         "burst_errors": result.burst.errors,
+        "error_kinds": {
+            phase: sample.error_kinds
+            for phase, sample in (
+                ("unary", result.unary),
+                ("stream", result.stream),
+                ("burst", result.burst),
+            )
+            if sample.error_kinds
+        },
         "rss_mb": result.rss_mb,
     }
 
@@ -375,9 +389,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--events", type=int, default=64, help="SSE events per stream")
-    p.add_argument(
-        "--stream-gap-ms", type=float, default=0.0, help="event gap of the stream phase"
-    )
+    p.add_argument("--stream-gap-ms", type=float, default=0.0, help="event gap of the stream phase")
     p.add_argument("--burst", type=int, default=200, help="streams opened at once")
     p.add_argument("--burst-gap-ms", type=float, default=20.0, help="event gap in burst streams")
     p.add_argument("--proxy-cpu", default="1", help="core(s) every proxy is pinned to")
