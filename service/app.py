@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -26,21 +25,29 @@ from service.api import (
     router,
 )
 from service.auth import ApiKeyAuth
-from service.errors import ApiError, AuthenticationFailed, install_handlers, render
-from service.http import valid_request_id
+from service.errors import (
+    ApiError,
+    AuthenticationFailed,
+    InternalError,
+    install_handlers,
+    render,
+)
+from service.http import client_request_id
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy
 from service.schemas import ChatCompletionRequest, CompletionRequest
 from service.settings import GatewaySettings
+from service.upstream import Pool
 
 log = logging.getLogger("dflash.gateway")
 
 
 class RequestContext:
-    """Pure ASGI middleware (no BaseHTTPMiddleware: it would buffer the SSE path): request id
-    in and out, arrival time, the API-key check, and a direct path to the two proxy
-    endpoints (FastAPI's router stays for everything else and for the OpenAPI schema)."""
+    """Pure ASGI wrapper around the whole FastAPI app (outside its middleware, so the hot path
+    pays for none of it): request id in and out, arrival time, the API-key check, and a
+    direct path to the two proxy endpoints (FastAPI's router stays for everything else and
+    for the OpenAPI schema)."""
 
     def __init__(self, app: ASGIApp, auth: ApiKeyAuth) -> None:
         self.app, self.auth = app, auth
@@ -51,9 +58,7 @@ class RequestContext:
             await self.app(scope, receive, send)
             return
         scope[STARTED_KEY] = time.perf_counter()
-        headers = dict(scope["headers"])
-        given = headers.get(b"x-request-id", b"").decode("latin-1")
-        request_id = valid_request_id(given) or uuid.uuid4().hex
+        request_id = client_request_id(scope["headers"]) or secrets.token_hex(16)
         scope[REQUEST_ID_KEY] = request_id
         rid = request_id.encode()
 
@@ -62,28 +67,43 @@ class RequestContext:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
             await send(message)
 
-        if self.auth.protects(scope["path"]):
-            authorization = headers.get(b"authorization", b"").decode("latin-1")
-            if not self.auth.allows(authorization):
-                error = AuthenticationFailed("Missing or invalid API key (Authorization: Bearer).")
-                response = render(error, extra={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send_with_id)
-                return
+        if self.auth.protects(scope["path"]) and not self.auth.allows_headers(scope["headers"]):
+            error = AuthenticationFailed()
+            response = render(error, extra={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send_with_id)
+            return
         schema = self.fast.get(scope["path"])
         if schema is not None and scope["method"] == "POST":
-            await self.proxy(schema, scope, receive, send_with_id)
+            await self.proxy(schema, scope, receive, send, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
 
-    async def proxy(self, schema: type[Any], scope: Scope, receive: Receive, send: Send) -> None:
-        """The hot path without router and dependency machinery: same handler, same errors."""
+    async def proxy(
+        self, schema: type[Any], scope: Scope, receive: Receive, send: Send, send_with_id: Send
+    ) -> None:
+        """The hot path without router, middleware and dependency machinery: same handler,
+        same errors. The proxy writes the X-Request-Id header itself (no wrapper per send)."""
         try:
             response: Response = await proxy_endpoint(
                 Request(scope, receive), schema, scope["path"]
             )
         except ApiError as error:
-            response = render(error)
+            await render(error)(scope, receive, send_with_id)
+            return
+        except Exception:  # outside FastAPI's handlers here: the same 500 they would give
+            log.exception("request %s: unexpected error", scope[REQUEST_ID_KEY])
+            await render(InternalError("internal error; see the server log"))(
+                scope, receive, send_with_id
+            )
+            return
         await response(scope, receive, send)
+
+
+def outermost(app: FastAPI, auth: ApiKeyAuth) -> None:
+    """Put RequestContext around FastAPI's whole middleware stack (add_middleware would put
+    it inside the error and exception middleware, which then wrap every relayed chunk)."""
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: RequestContext(build(), auth)  # type: ignore[method-assign]
 
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
@@ -101,27 +121,22 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def upstream_session(settings: GatewaySettings) -> aiohttp.ClientSession:
+def upstream_pool(settings: GatewaySettings) -> Pool:
     """The request path's client. Only the TCP connect has a timeout here: the proxy applies
     first-byte, idle-stream and whole-request deadlines itself."""
-    # Idle connections are dropped after 4 s, before uvicorn (vLLM's server too) closes them
-    # at 5 s: reusing a connection the worker is closing would fail an attempt for nothing.
-    connector = aiohttp.TCPConnector(
-        limit=settings.max_upstream_connections, limit_per_host=0, keepalive_timeout=4.0
-    )
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout_s)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        trust_env=False,
+    return Pool(
+        connect_timeout_s=settings.connect_timeout_s,
         headers=worker_headers(settings),
+        max_idle=settings.max_upstream_connections,
     )
 
 
 def worker_headers(settings: GatewaySettings) -> dict[str, str]:
+    # identity: bodies are relayed (and parsed for metrics) as they come; an encoded one
+    # would reach the client without its Content-Encoding.
     key = settings.worker_api_key
-    return {"Authorization": f"Bearer {key}"} if key else {}
+    headers = {"Accept-Encoding": "identity"}
+    return {**headers, "Authorization": f"Bearer {key}"} if key else headers
 
 
 def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
@@ -153,11 +168,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 "or DFLASH_GATEWAY_API_KEY_FILE)"
             )
         client = upstream_client(settings)
-        session = upstream_session(settings)
+        upstream = upstream_pool(settings)
         pool = WorkerPool(settings, client, metrics)
         await pool.start()
-        proxy = Proxy(settings, pool, session, metrics)
-        state.runtime = Runtime(client, session, pool, proxy)
+        proxy = Proxy(settings, pool, upstream, metrics)
+        state.runtime = Runtime(client, upstream, pool, proxy)
         log.info("gateway ready: %d of %d workers healthy", len(pool.routable()), len(pool.workers))
         try:
             yield
@@ -165,12 +180,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             state.runtime = None
             await pool.stop()
             await client.aclose()
-            await session.close()
+            await proxy.watchdog.close()
+            upstream.close()
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
     app.include_router(router)
     install_handlers(app, log)
-    app.add_middleware(RequestContext, auth=auth)
+    outermost(app, auth)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

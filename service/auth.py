@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 # Paths that stay open whatever the keys: probes must work without a Secret mounted.
 OPEN_PATHS = frozenset({"/health", "/ready"})
@@ -26,6 +27,13 @@ class ApiKeyAuth:
         if not self.enabled or path in OPEN_PATHS or path in SCHEMA_PATHS:
             return False
         return self._protect_metrics or path != "/metrics"
+
+    def allows_headers(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        """The one rule of gateway and worker alike: exactly one Authorization header, with
+        the Bearer scheme and a known key (two headers are refused: servers and proxies
+        disagree on which one counts)."""
+        found = [value for name, value in headers if name.lower() == b"authorization"]
+        return len(found) == 1 and self.allows(found[0].decode("latin-1"))
 
     def allows(self, authorization: str | None) -> bool:
         """True when the header carries one of the keys (every key compared, no early exit)."""

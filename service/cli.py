@@ -4,11 +4,16 @@ defaults; SIGTERM drains (flip /ready, wait shutdown_delay_s, finish in-flight r
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
-import math
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import uvicorn
 from pydantic import ValidationError
@@ -16,17 +21,42 @@ from pydantic import ValidationError
 from service.api import GatewayState
 from service.app import create_app
 from service.http import DrainingServer, run_servers
+from service.http_server import guarded_protocol, listening_socket
+from service.metrics import MULTIPROC_ENV
+from service.proxy import Proxy
 from service.settings import GatewaySettings
 
 log = logging.getLogger("dflash.gateway")
 
 
+class SecretSafeParser(argparse.ArgumentParser):
+    """argparse whose error messages never repeat a value from the command line: a key given
+    to a flag that does not exist (`--api-key sk-...`) must not reach a terminal or a log."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.values: list[str] = []
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        argv = list(sys.argv[1:] if args is None else args)
+        values = [a.partition("=")[2] if a.startswith("-") else a for a in argv]
+        self.values = sorted({v for v in values if v and not v.startswith("-")}, key=len)[::-1]
+        return super().parse_args(argv, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        for value in self.values:
+            message = message.replace(value, "***")
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = SecretSafeParser(
         prog="dflash-gateway",
         description="OpenAI-compatible gateway over a pool of DFlash workers. "
         "Every flag can also be set as DFLASH_GATEWAY_<NAME> in the environment.",
         argument_default=argparse.SUPPRESS,
+        allow_abbrev=False,  # `--api-key` must not silently mean `--api-key-file`
     )
     p.add_argument("--host", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (default 8000)")
@@ -37,10 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity"])
     p.add_argument("--api-key-file", metavar="PATH", help="file with one API key per line")
     p.add_argument("--metrics-auth", action="store_true", help="require the API key on /metrics")
+    p.add_argument(
+        "--metrics-worker-label",
+        choices=["id", "url"],
+        help="worker label of the metrics: an opaque id (default) or the worker URL",
+    )
     p.add_argument("--max-retries", type=int)
     p.add_argument("--health-interval-s", type=float)
     p.add_argument("--drain-timeout-s", type=float)
     p.add_argument("--shutdown-delay-s", type=float)
+    p.add_argument("--processes", type=int, help="processes sharing the port (default 1)")
+    p.add_argument("--listen-backlog", type=int, help="pending connections (default 4096)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")
     return p
@@ -51,27 +88,83 @@ def settings_from_args(argv: Sequence[str] | None) -> GatewaySettings:
     return GatewaySettings(**overrides)
 
 
-class GatewayServer(DrainingServer):
-    """One gateway under uvicorn: SIGTERM flips /ready to 503, then after shutdown_delay_s
-    the listener closes and in-flight requests finish."""
+def describe_invalid(exc: ValidationError) -> str:
+    """pydantic's complaints without the offending values (one may be a key)."""
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"  {where}: {error['msg']}")
+    return "\n".join(lines)
 
-    def __init__(self, settings: GatewaySettings) -> None:
+
+class GatewayServer(DrainingServer):
+    """One gateway under uvicorn, on a socket of its own (backlog, SO_REUSEPORT), with header
+    and body read deadlines, and the gateway's drain (`drain`)."""
+
+    def __init__(self, settings: GatewaySettings, *, reuse_port: bool = False) -> None:
         app = create_app(settings)
         config = uvicorn.Config(
             app,
             host=settings.host,
             port=settings.port,
+            http=guarded_protocol(settings.header_read_timeout_s, settings.body_read_timeout_s),
             log_level=settings.log_level,
             access_log=settings.access_log,
-            timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s),  # 0: no wait
+            backlog=settings.listen_backlog,
+            proxy_headers=False,  # X-Forwarded-* is not read: no middleware for it
+            # `drain` has already ended every request when uvicorn stops; this only bounds
+            # the flush of their last bytes.
+            timeout_graceful_shutdown=FLUSH_S,
             lifespan="on",
         )
         self.settings = settings
         self.state: GatewayState = app.state.gateway
-        super().__init__(config, self._begin_drain, settings.shutdown_delay_s)
+        sock = listening_socket(
+            settings.host, settings.port, settings.listen_backlog, reuse_port=reuse_port
+        )
+        super().__init__(config, self._begin_drain, settings.shutdown_delay_s, sock=sock)
+
+    @property
+    def port(self) -> int:
+        assert self.socket is not None
+        return int(self.socket.getsockname()[1])
 
     def _begin_drain(self) -> None:
         self.state.draining = True  # /ready now says 503
+
+    def proxy(self) -> Proxy | None:
+        runtime = self.state.runtime
+        return runtime.proxy if runtime is not None else None
+
+    async def drain(self) -> None:
+        """/ready says 503 at once; requests are still served for shutdown_delay_s (load
+        balancers take time to notice); then new ones get 503 + Retry-After while in-flight
+        ones get up to drain_timeout_s; streams still open then end with an in-band error and
+        [DONE]. Only then does uvicorn close the listener."""
+        self._begin_drain()
+        log.info("draining: /ready is 503; refusing new requests in %.1fs", self.drain_delay_s)
+        await asyncio.sleep(self.drain_delay_s)
+        proxy = self.proxy()
+        if proxy is not None:
+            proxy.refusing = True
+            await settled(proxy, self.settings.drain_timeout_s)
+            cut = proxy.cut_streams()
+            if cut:
+                log.warning("drain timeout: cut %d open upstream bodies", cut)
+            await settled(proxy, FLUSH_S)
+
+
+FLUSH_S = 2
+
+
+async def settled(proxy: Proxy, within_s: float) -> None:
+    """Until no request is in flight, or `within_s`. Polled: an event per request would cost
+    the request path for the sake of shutdown."""
+    deadline = asyncio.get_running_loop().time() + within_s
+    while proxy.in_flight:
+        if asyncio.get_running_loop().time() >= deadline:
+            return
+        await asyncio.sleep(0.02)
 
 
 def configure_logging(level: str) -> None:
@@ -82,11 +175,15 @@ def configure_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
+CHILD_ENV = "DFLASH_GATEWAY_CHILD_INDEX"  # set by the supervisor for its processes
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
     try:
-        settings = settings_from_args(argv)
+        settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"dflash-gateway: invalid settings:\n{exc}", file=sys.stderr)
+        print(f"dflash-gateway: invalid settings:\n{describe_invalid(exc)}", file=sys.stderr)
         return 2
     if not settings.workers and not settings.worker_dns:
         print(
@@ -95,8 +192,45 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     configure_logging(settings.log_level)
-    run_servers([GatewayServer(settings)])
+    if settings.processes > 1 and os.environ.get(CHILD_ENV) is None:
+        if settings.port == 0:
+            print("dflash-gateway: --processes needs a fixed --port", file=sys.stderr)
+            return 2
+        return supervise(args, settings.processes)
+    run_servers([GatewayServer(settings, reuse_port=settings.processes > 1)])
     return 0
+
+
+def supervise(args: list[str], processes: int) -> int:
+    """Start `processes` gateways on one port (SO_REUSEPORT: the kernel spreads connections)
+    sharing a Prometheus multiprocess directory, so that any one's /metrics is the sum;
+    forward SIGTERM/SIGINT to them and exit when they all have."""
+    own_dir = None
+    env = dict(os.environ)
+    if not env.get(MULTIPROC_ENV):
+        own_dir = tempfile.mkdtemp(prefix="dflash-gateway-metrics-")
+        env[MULTIPROC_ENV] = own_dir
+    children = []
+    for index in range(processes):
+        child_env = {**env, CHILD_ENV: str(index)}
+        command = [sys.executable, "-m", "service.cli", *args]
+        children.append(subprocess.Popen(command, env=child_env))
+    log.info("started %d gateway processes: %s", processes, [c.pid for c in children])
+
+    def forward(signum: int, _: Any) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes = [child.wait() for child in children]
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+    return max(codes, key=abs)
 
 
 if __name__ == "__main__":

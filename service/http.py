@@ -8,8 +8,10 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import re
 import signal
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -27,7 +29,7 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 def valid_request_id(given: str | None) -> str | None:
     """A client's X-Request-Id when it is safe to log and echo (short, plain characters),
     else None: the caller then makes its own."""
-    return given if given is not None and _REQUEST_ID.match(given) else None
+    return given if given is not None and _REQUEST_ID.fullmatch(given) else None
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:
@@ -37,6 +39,62 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 def _reject_constant(name: str) -> Any:
     raise InvalidRequest(f"{name} is not valid JSON.", code="invalid_json")
+
+
+MAX_JSON_DEPTH = 64  # far beyond any OpenAI body; far below the parser's recursion limit
+MAX_INT_DIGITS = 64  # far beyond int64: the schemas name the field of smaller out-of-range ones
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise InvalidRequest(
+            f"A number in the body has more than {MAX_INT_DIGITS} digits.", code="invalid_json"
+        )
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise InvalidRequest("A number in the body is out of range.", code="invalid_json")
+    return value
+
+
+def _check_shape(data: Any, raw: bytes) -> None:
+    """Nesting depth and lone surrogates, looked at only when the bytes say they might be
+    there (a count of brackets, a \\uD8xx-\\uDFxx escape): the common body pays two scans
+    at C speed. A lone surrogate decodes into a str that cannot be encoded again (the
+    tokenizer, the response, a log line all fail on it)."""
+    deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH
+    surrogates = _SURROGATE_ESCAPE.search(raw) is not None
+    if not deep and not surrogates:
+        return
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if surrogates:
+                _encodable(value)
+            continue
+        if not isinstance(value, dict | list):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidRequest(
+                f"The body is nested deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json"
+            )
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        stack.extend([(item, depth + 1) for item in items])
+
+
+def _encodable(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            "The body holds a lone UTF-16 surrogate (\\uD800-\\uDFFF without its pair).",
+            code="invalid_json",
+        ) from None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -62,12 +120,27 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
             "The request body is empty; expected a JSON object.", code="invalid_json"
         )
     try:
-        data = json.loads(raw, parse_constant=_reject_constant)
+        data = json.loads(
+            raw,
+            parse_constant=_reject_constant,
+            parse_int=_bounded_int,
+            parse_float=_finite_float,
+        )
     except (ValueError, RecursionError):
         raise InvalidRequest("The request body is not valid JSON.", code="invalid_json") from None
     if not isinstance(data, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
+    _check_shape(data, raw)
     return data
+
+
+def client_request_id(headers: Sequence[tuple[bytes, bytes]]) -> str | None:
+    """The client's X-Request-Id when it is one short token (echoed in headers and logs);
+    None for a missing, repeated, long or odd one (the server then makes its own)."""
+    found = [value for name, value in headers if name.lower() == b"x-request-id"]
+    if len(found) != 1:
+        return None
+    return valid_request_id(found[0].decode("latin-1"))
 
 
 async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
@@ -77,15 +150,32 @@ async def read_json(request: Request, limit: int) -> tuple[bytes, dict[str, Any]
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn whose signals are handled by `serve_all`: on SIGTERM it is told `on_drain()`
-    at once and stops listening `drain_delay_s` later (in-flight requests then finish)."""
+    """uvicorn whose signals are handled by `serve_all`: on SIGTERM its `drain()` runs (by
+    default: `on_drain()` at once, then `drain_delay_s`), and then it stops listening
+    (in-flight requests then finish). `sock`: a listening socket of its own (a backlog,
+    SO_REUSEPORT) instead of uvicorn binding host:port."""
 
     def __init__(
-        self, config: uvicorn.Config, on_drain: Callable[[], None], drain_delay_s: float = 0.0
+        self,
+        config: uvicorn.Config,
+        on_drain: Callable[[], None],
+        drain_delay_s: float = 0.0,
+        *,
+        sock: socket.socket | None = None,
     ) -> None:
         super().__init__(config)
         self.on_drain = on_drain
         self.drain_delay_s = drain_delay_s
+        self.socket = sock
+
+    async def drain(self) -> None:
+        self.on_drain()
+        await asyncio.sleep(self.drain_delay_s)
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        if sockets is None and self.socket is not None:
+            sockets = [self.socket]
+        await super().serve(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -101,9 +191,10 @@ async def serve_all(
     stopping = asyncio.Event()
 
     def on_signal() -> None:
-        if stopping.is_set():
+        if stopping.is_set():  # a second signal: stop now, whatever is in flight
             for server in servers:
                 server.force_exit = True
+                server.should_exit = True
         stopping.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -111,11 +202,8 @@ async def serve_all(
 
     async def drain() -> None:
         await stopping.wait()
-        for server in servers:
-            server.on_drain()
-        delay = max(server.drain_delay_s for server in servers)
-        log.info("draining: stopping the listeners in %.1fs", delay)
-        await asyncio.sleep(delay)
+        log.info("draining")
+        await asyncio.gather(*(server.drain() for server in servers))
         for server in servers:
             server.should_exit = True
 

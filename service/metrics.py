@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+# prometheus_client chooses where values live (memory or per-process mmap files) from this
+# variable when it is imported; the gateway's supervisor sets it for `--processes N`.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
@@ -114,16 +120,26 @@ def parse_spec(body: object) -> list[SpecStats]:
 
 
 class GatewayMetrics:
-    """All gateway series in one registry owned by the app (no process-global state)."""
+    """All gateway series in one registry owned by the app (no process-global state).
 
-    def __init__(self) -> None:
+    With several processes (`multiprocess_dir`, by default the directory prometheus_client
+    itself was set up with) each writes its own files and /metrics sums them all, so every
+    process answers for the whole gateway."""
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
+        self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.registry = CollectorRegistry(auto_describe=True)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "dflash_requests", "Requests answered", ["model", "endpoint", "status"], registry=r
         )
         self.in_flight = Gauge(
-            "dflash_requests_in_flight", "Requests in flight", ["model"], registry=r
+            "dflash_requests_in_flight",
+            "Requests in flight",
+            ["model"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.duration = Histogram(
             "dflash_request_duration_seconds",
@@ -152,7 +168,11 @@ class GatewayMetrics:
         )
         self._spec_series(r)
         self.worker_healthy = Gauge(
-            "dflash_worker_healthy", "1 when the worker takes traffic", ["worker"], registry=r
+            "dflash_worker_healthy",
+            "1 when the worker takes traffic",
+            ["worker"],
+            registry=r,
+            multiprocess_mode="livemax",  # takes traffic from at least one process
         )
         self.upstream_errors = Counter(
             "dflash_upstream_errors", "Failed upstream attempts", ["worker", "kind"], registry=r
@@ -184,20 +204,30 @@ class GatewayMetrics:
             "dflash_spec_accepted_tokens", "Accepted draft tokens", ["model"], registry=r
         )
 
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once: prometheus_client's own lookup validates
+        and hashes the labels on every call, a cost on the request path. Only for series
+        whose label values are bounded (served models, endpoints, statuses), never removed."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def observe_usage(self, model: str, usage: Usage | None) -> None:
         if usage is not None:
-            self.prompt_tokens.labels(model).inc(usage.prompt_tokens)
-            self.completion_tokens.labels(model).inc(usage.completion_tokens)
+            self.child(self.prompt_tokens, model).inc(usage.prompt_tokens)
+            self.child(self.completion_tokens, model).inc(usage.completion_tokens)
 
     def observe_spec(self, model: str, body: Any) -> None:
         for stats in parse_spec(body):
-            self.spec_steps.labels(model).inc(stats.steps)
-            self.spec_drafted.labels(model).inc(stats.draft_tokens)
-            self.spec_accepted.labels(model).inc(stats.accepted_tokens)
+            self.child(self.spec_steps, model).inc(stats.steps)
+            self.child(self.spec_drafted, model).inc(stats.draft_tokens)
+            self.child(self.spec_accepted, model).inc(stats.accepted_tokens)
             if stats.acceptance_length is not None:
-                self.spec_length.labels(model).observe(stats.acceptance_length)
+                self.child(self.spec_length, model).observe(stats.acceptance_length)
             if stats.acceptance_rate is not None:
-                self.spec_rate.labels(model).observe(stats.acceptance_rate)
+                self.child(self.spec_rate, model).observe(stats.acceptance_rate)
 
     def set_worker_health(self, worker: str, healthy: bool | None) -> None:
         """healthy None: the worker left the pool, so its series goes too (bounded labels)."""
@@ -208,4 +238,8 @@ class GatewayMetrics:
         self.worker_healthy.labels(worker).set(1 if healthy else 0)
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(merged), CONTENT_TYPE_LATEST

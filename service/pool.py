@@ -22,16 +22,29 @@ from service.settings import GatewaySettings
 log = logging.getLogger("dflash.gateway.pool")
 
 
+def worker_id(url: str) -> str:
+    """A stable, opaque name for a worker: the same on every gateway replica (alerts group by
+    it), without the internal address (which the logs map to it when the worker joins)."""
+    return "w-" + hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
+
+
 @dataclass
 class Worker:
     url: str
+    label: str = ""  # the `worker` label of its metrics: worker_id(url), or the URL itself
     healthy: bool = False
     outstanding: int = 0
     waiting: float = 0.0  # the worker's own vllm:num_requests_waiting, from its /metrics
-    failures: int = 0  # consecutive passive failures
+    # Distinct requests that failed on it since its last success: one request (one client
+    # retrying the same poison input under new ids is still many) counts once at most.
+    failed_requests: set[int] = field(default_factory=set)
     ejected_until: float = 0.0
     models: list[dict[str, Any]] = field(default_factory=list)
     model_ids: frozenset[str] = frozenset()
+
+    @property
+    def failures(self) -> int:
+        return len(self.failed_requests)
 
     def routable(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until
@@ -91,10 +104,19 @@ class WorkerPool:
         self._settings = settings
         self._client = client
         self._metrics = metrics
-        self.workers: dict[str, Worker] = {url: Worker(url) for url in settings.workers}
+        self.workers: dict[str, Worker] = {url: self._new_worker(url) for url in settings.workers}
         self._tasks: list[asyncio.Task[None]] = []
         self._ring: HashRing | None = None
         self._turn = 0
+        # routable() runs several times per request: cached until health changes
+        # (`invalidate`) or the earliest ejection ends.
+        self._routable: list[Worker] | None = None
+        self._routable_until = 0.0
+
+    def _new_worker(self, url: str) -> Worker:
+        label = url if self._settings.metrics_worker_label == "url" else worker_id(url)
+        log.info("worker %s is %s in metrics", url, label)
+        return Worker(url, label)
 
     async def start(self) -> None:
         """First discovery and health round before serving, then the background loops."""
@@ -146,12 +168,14 @@ class WorkerPool:
         found |= set(self._settings.workers)
         for url in found - self.workers.keys():
             log.info("worker %s joined the pool", url)
-            self.workers[url] = Worker(url)
+            self.workers[url] = self._new_worker(url)
+            self.invalidate()
             await self.check(self.workers[url])
         for url in self.workers.keys() - found:
             log.info("worker %s left the pool", url)
-            del self.workers[url]
-            self._metrics.set_worker_health(url, None)
+            gone = self.workers.pop(url)
+            self.invalidate()
+            self._metrics.set_worker_health(gone.label, None)
 
     # -- health -------------------------------------------------------------------------
     async def check_all(self) -> None:
@@ -169,6 +193,7 @@ class WorkerPool:
             await asyncio.gather(self._scrape_load(worker), self._scrape_models(worker))
         if healthy != worker.healthy:
             log.info("worker %s is %s", worker.url, "healthy" if healthy else "unhealthy")
+            self.invalidate()
         worker.healthy = healthy
         self._publish(worker)
 
@@ -198,31 +223,58 @@ class WorkerPool:
 
     def _publish(self, worker: Worker) -> None:
         if worker.url in self.workers:
-            self._metrics.set_worker_health(worker.url, worker.routable(time.monotonic()))
+            self._metrics.set_worker_health(worker.label, worker.routable(time.monotonic()))
 
     # -- passive health -----------------------------------------------------------------
     def report_success(self, worker: Worker) -> None:
-        worker.failures = 0
+        worker.failed_requests.clear()
 
-    def report_failure(self, worker: Worker, kind: str, *, counts: bool = True) -> None:
-        """A failed attempt; `counts` False for overload (503), which is not ill health."""
-        self._metrics.upstream_errors.labels(worker.url, kind).inc()
+    def report_failure(
+        self, worker: Worker, kind: str, request: int, *, counts: bool = True
+    ) -> None:
+        """A failed attempt of request number `request` (a gateway serial, never the client's
+        id). `counts` is False for what says nothing about the worker's health: its 503
+        (overload) and its 4xx. Ejection needs `eject_after_failures` distinct requests,
+        and never takes out the last routable worker (a panic threshold: with one worker
+        left, a bad worker beats no worker, and the active check still decides)."""
+        self._metrics.upstream_errors.labels(worker.label, kind).inc()
         if not counts:
             return
-        worker.failures += 1
-        if worker.failures >= self._settings.eject_after_failures:
+        worker.failed_requests.add(request)
+        if worker.failures < self._settings.eject_after_failures:
+            return
+        now = time.monotonic()
+        if not any(w is not worker and w.routable(now) for w in self.workers.values()):
             log.warning(
-                "ejecting worker %s after %d failures (%s)", worker.url, worker.failures, kind
+                "not ejecting worker %s after %d failed requests (%s): it is the last "
+                "routable worker",
+                worker.url,
+                worker.failures,
+                kind,
             )
-            worker.failures = 0
-            worker.healthy = False  # back only when an active check passes after the cool-down
-            worker.ejected_until = time.monotonic() + self._settings.eject_cooldown_s
-            self._publish(worker)
+            return
+        log.warning(
+            "ejecting worker %s after %d failed requests (%s)", worker.url, worker.failures, kind
+        )
+        worker.failed_requests.clear()
+        worker.healthy = False  # back only when an active check passes after the cool-down
+        worker.ejected_until = now + self._settings.eject_cooldown_s
+        self.invalidate()
+        self._publish(worker)
 
     # -- routing ------------------------------------------------------------------------
+    def invalidate(self) -> None:
+        """Health or membership changed: recompute the routable set on next use."""
+        self._routable = None
+
     def routable(self) -> list[Worker]:
         now = time.monotonic()
-        return [w for w in self.workers.values() if w.routable(now)]
+        if self._routable is None or now >= self._routable_until:
+            workers = self.workers.values()
+            self._routable = [w for w in workers if w.routable(now)]
+            pending = [w.ejected_until for w in workers if w.healthy and w.ejected_until > now]
+            self._routable_until = min(pending, default=math.inf)
+        return self._routable
 
     def models(self) -> list[dict[str, Any]]:
         """Union of the model lists of the routable workers, first seen wins."""

@@ -4,20 +4,20 @@ client disconnects closing the upstream request, per-request metrics."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-import anyio
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service.errors import (
     ApiError,
     NoHealthyWorker,
+    Unavailable,
     UpstreamError,
     UpstreamTimeout,
     WorkersBusy,
@@ -27,6 +27,9 @@ from service.metrics import GatewayMetrics, parse_usage
 from service.pool import Worker, WorkerPool
 from service.settings import GatewaySettings
 from service.sse import SseTap
+from service.upstream import Body, ConnectFailed, Pool, Target, UpstreamIOError
+from service.upstream import Response as UpstreamResponse
+from service.watch import Draining, Watch, Watchdog
 
 log = logging.getLogger("dflash.gateway.proxy")
 CLIENT_CLOSED = 499  # status label of requests the client abandoned (nginx's convention)
@@ -49,23 +52,27 @@ class ProxyCall:
 
 
 class UpstreamFailure(Exception):
-    """An attempt failed before the client saw a byte: another worker may take it."""
+    """An attempt failed before the client saw a byte: another worker may take it.
+    `message` is for the client (no address, no library repr); `detail` for the log."""
 
-    def __init__(self, kind: str, message: str, *, counts: bool = True) -> None:
+    def __init__(self, kind: str, message: str, *, counts: bool = True, detail: str = "") -> None:
         super().__init__(message)
-        self.kind, self.message, self.counts = kind, message, counts
+        self.kind, self.message, self.counts, self.detail = kind, message, counts, detail
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail or self.message}"
 
 
 def classify(exc: BaseException) -> UpstreamFailure:
-    # Order matters: aiohttp's connect timeout is also a TimeoutError.
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
-        return UpstreamFailure("connect", f"cannot connect to the worker: {exc}")
+    detail = repr(exc)
+    if isinstance(exc, ConnectFailed):
+        return UpstreamFailure("connect", "cannot connect to the worker", detail=detail)
     if isinstance(exc, TimeoutError):
-        return UpstreamFailure("timeout", "the worker did not answer in time")
-    return UpstreamFailure("read", f"the worker connection failed: {exc!r}")
+        return UpstreamFailure("timeout", "the worker did not answer in time", detail=detail)
+    return UpstreamFailure("read", "the connection to the worker failed", detail=detail)
 
 
-UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError)
+UPSTREAM_ERRORS = (UpstreamIOError, TimeoutError)
 
 
 def status_failure(status: int) -> UpstreamFailure | None:
@@ -73,11 +80,25 @@ def status_failure(status: int) -> UpstreamFailure | None:
     if status == 503:
         return UpstreamFailure("overloaded", "the worker is at capacity", counts=False)
     if status >= 500:
-        return UpstreamFailure("status_5xx", f"the worker answered HTTP {status}")
+        return UpstreamFailure(
+            "status_5xx", f"the worker answered HTTP {status}", detail=f"HTTP {status}"
+        )
     return None
 
 
-def finish(response: aiohttp.ClientResponse, complete: bool) -> None:
+def malformed(why: str) -> UpstreamFailure:
+    return UpstreamFailure("malformed", "the worker's answer was malformed", detail=why)
+
+
+def encoding_failure(response: UpstreamResponse) -> UpstreamFailure | None:
+    """Workers are asked for `identity`; an encoded body would reach the client as garbage."""
+    encoding = response.headers.get("content-encoding")
+    if encoding is None or encoding.lower() == "identity":
+        return None
+    return malformed(f"content-encoding {encoding!r} although identity was asked for")
+
+
+def finish(response: UpstreamResponse, complete: bool) -> None:
     """Reuse the connection after a complete response; otherwise close it, which is how the
     worker learns that the client left (it stops generating). Synchronous: safe when the
     request was cancelled."""
@@ -90,14 +111,14 @@ def finish(response: aiohttp.ClientResponse, complete: bool) -> None:
 async def send_body(
     send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]]
 ) -> None:
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
+    headers.append((b"content-length", str(len(body)).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Send, error: ApiError) -> None:
+async def send_error(send: Send, error: ApiError, call: ProxyCall) -> None:
     """The error as `render` writes it, straight onto the ASGI channel."""
-    response = render(error)
+    response = render(error, call.request_id)
     await send(
         {
             "type": "http.response.start",
@@ -106,6 +127,10 @@ async def send_error(send: Send, error: ApiError) -> None:
         }
     )
     await send({"type": "http.response.body", "body": response.body, "more_body": False})
+
+
+def rid_header(call: ProxyCall) -> tuple[bytes, bytes]:
+    return (b"x-request-id", call.request_id.encode())
 
 
 @dataclass
@@ -120,40 +145,85 @@ class Proxy:
         self,
         settings: GatewaySettings,
         pool: WorkerPool,
-        session: aiohttp.ClientSession,
+        upstream: Pool,
         metrics: GatewayMetrics,
     ) -> None:
-        self.settings, self.pool, self.session, self.metrics = settings, pool, session, metrics
+        self.settings, self.pool, self.upstream, self.metrics = settings, pool, upstream, metrics
+        tick = (
+            min(
+                settings.first_byte_timeout_s,
+                settings.idle_stream_timeout_s,
+                settings.request_timeout_s,
+            )
+            / 4
+        )
+        self.watchdog = Watchdog(min(1.0, tick))
+        self.refusing = False  # draining: new requests get 503 + Retry-After
+        self.in_flight = 0
+        self._serial = itertools.count()
+        self._targets: dict[str, Target] = {}  # worker URLs, parsed once
 
     def response(self, call: ProxyCall) -> ProxyResponse:
         return ProxyResponse(self, call)
 
+    def cut_streams(self) -> int:
+        """End every open upstream body (the drain's last step): streams get an in-band
+        error and `[DONE]`. Returns how many were cut."""
+        return self.watchdog.cut_all()
+
     async def run(self, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+        if self.refusing:
+            error = self._draining()
+            error.headers["Connection"] = "close"  # the listener closes soon: reconnect
+            outcome.status = error.status_code
+            await send_error(send, error, call)
+            return
+        self.in_flight += 1
+        try:
+            await self._attempts(call, send, outcome)
+        finally:
+            self.in_flight -= 1
+
+    async def _attempts(self, call: ProxyCall, send: Send, outcome: Outcome) -> None:
+        serial = next(self._serial)
         tried: set[str] = set()
         last: UpstreamFailure | None = None
+        deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_s
         for attempt in range(self.settings.max_retries + 1):
             worker = self.pool.pick(call.model, call.affinity_key, tried)
             if worker is None:
                 break
             if attempt:
-                self.metrics.retries.labels(call.label).inc()
+                self.metrics.child(self.metrics.retries, call.label).inc()
             tried.add(worker.url)
             worker.outstanding += 1
             try:
                 attempt_fn = self._stream if call.stream else self._unary
-                await attempt_fn(worker, call, send, outcome)
+                await attempt_fn(worker, call, send, outcome, deadline)
                 return
             except UpstreamFailure as failure:
                 log.warning(
                     "request %s: worker %s failed: %s", call.request_id, worker.url, failure
                 )
-                self.pool.report_failure(worker, failure.kind, counts=failure.counts)
+                self.pool.report_failure(worker, failure.kind, serial, counts=failure.counts)
                 last = failure
+            except Draining:
+                refusal = self._draining()
+                outcome.status = refusal.status_code
+                await send_error(send, refusal, call)
+                return
             finally:
                 worker.outstanding -= 1
         error = self._final_error(last)
         outcome.status = error.status_code
-        await send_error(send, error)
+        await send_error(send, error, call)
+
+    def _draining(self) -> Unavailable:
+        return Unavailable(
+            "The gateway is shutting down; retry the request.",
+            code="draining",
+            retry_after=self.settings.retry_after_s,
+        )
 
     def _final_error(self, last: UpstreamFailure | None) -> ApiError:
         retry_after = {"Retry-After": str(self.settings.retry_after_s)}
@@ -165,69 +235,104 @@ class Proxy:
             return UpstreamTimeout(f"Upstream timeout: {last.message}.")
         return UpstreamError(f"Upstream failure: {last.message}.")
 
-    async def _post(self, worker: Worker, call: ProxyCall) -> aiohttp.ClientResponse:
-        headers = {"content-type": "application/json", "x-request-id": call.request_id}
-        return await self.session.post(worker.url + call.endpoint, data=call.body, headers=headers)
+    async def _post(self, worker: Worker, call: ProxyCall, watch: Watch) -> UpstreamResponse:
+        """Send the request; the watch follows the connection it goes out on (its first-byte
+        deadline, then the body's). The pool adds Accept-Encoding: identity and the worker
+        key (app.worker_headers)."""
+        target = self._targets.get(worker.url)
+        if target is None:
+            target = self._targets[worker.url] = Target.of(worker.url)
+        return await self.upstream.post(
+            target, call.endpoint.encode(), call.body, call.request_id, watch.follow
+        )
 
-    async def _unary(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
-        response: aiohttp.ClientResponse | None = None
+    def _watch(self, deadline: float) -> Watch:
+        """The attempt's deadlines: nothing from the worker for first_byte_timeout_s, or the
+        total deadline; `got_first_byte` then switches to the idle limit."""
+        return self.watchdog.add(None, self.settings.first_byte_timeout_s, deadline)
+
+    def _got_first_byte(self, watch: Watch) -> None:
+        watch.idle_s = self.settings.idle_stream_timeout_s
+        watch.marks += 2
+
+    async def _unary(
+        self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
+    ) -> None:
+        response: UpstreamResponse | None = None
         complete = False
+        watch = self._watch(deadline)
         try:
-            async with asyncio.timeout(self.settings.request_timeout_s):
-                response = await self._post(worker, call)
-                body = await response.read()
-                complete = True
+            response = await self._post(worker, call, watch)
+            self._got_first_byte(watch)
+            body = await response.content.read()
+            complete = True
         except UPSTREAM_ERRORS as exc:
             raise classify(exc) from None
         finally:
+            self.watchdog.discard(watch)
             if response is not None:
                 finish(response, complete)
-        failure = status_failure(response.status)
+        failure = status_failure(response.status) or encoding_failure(response)
         if failure is not None:
             raise failure
+        parsed: Any = None
+        if 200 <= response.status < 300:
+            try:
+                parsed = json.loads(body)
+            except ValueError:
+                raise malformed(f"HTTP {response.status} with a body that is not JSON") from None
+            if not isinstance(parsed, dict):
+                raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
         self.pool.report_success(worker)
-        if response.status == 200:
-            self._observe_body(call, body)
+        if parsed is not None:
+            self.metrics.observe_usage(call.label, parse_usage(parsed))
+            self.metrics.observe_spec(call.label, parsed)
         outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
-        await send_body(send, response.status, body, [(b"content-type", content_type)])
+        await send_body(
+            send, response.status, body, [(b"content-type", content_type), rid_header(call)]
+        )
 
-    def _observe_body(self, call: ProxyCall, body: bytes) -> None:
-        try:
-            parsed: Any = json.loads(body)
-        except ValueError:
-            return
-        self.metrics.observe_usage(call.label, parse_usage(parsed))
-        self.metrics.observe_spec(call.label, parsed)
-
-    async def _stream(self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome) -> None:
-        response: aiohttp.ClientResponse | None = None
+    async def _stream(
+        self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
+    ) -> None:
+        response: UpstreamResponse | None = None
         complete = False
+        watch = self._watch(deadline)
         try:
             first: bytes | None = None
             try:
-                async with asyncio.timeout(self.settings.first_byte_timeout_s):
-                    response = await self._post(worker, call)
-                    if response.status == 200:
-                        first = await response.content.readany()
-                    else:
-                        body = await response.read()
-                        complete = True
+                response = await self._post(worker, call, watch)
+                if response.status == 200:
+                    failure = encoding_failure(response) or not_sse(response)
+                    if failure is not None:
+                        raise failure
+                    first = await response.content.readany()
+                    self._got_first_byte(watch)
+                else:
+                    self._got_first_byte(watch)
+                    body = await response.content.read()
+                    complete = True
             except UPSTREAM_ERRORS as exc:
                 raise classify(exc) from None
             if first is None:  # a non-200 answer: retry on 5xx, pass a 4xx through
-                failure = status_failure(response.status)
+                failure = status_failure(response.status) or encoding_failure(response)
                 if failure is not None:
                     raise failure
                 self.pool.report_success(worker)
                 outcome.status = response.status
                 content_type = response.headers.get("content-type", "application/json").encode()
-                await send_body(send, response.status, body, [(b"content-type", content_type)])
+                await send_body(
+                    send, response.status, body, [(b"content-type", content_type), rid_header(call)]
+                )
                 return
             if not first:
                 raise UpstreamFailure("read", "the worker closed the stream at once")
-            complete = await self._relay(worker, call, send, outcome, response.content, first)
+            complete = await self._relay(
+                worker, call, send, outcome, watch, response.content, first
+            )
         finally:
+            self.watchdog.discard(watch)
             if response is not None:
                 finish(response, complete)
 
@@ -237,40 +342,55 @@ class Proxy:
         call: ProxyCall,
         send: Send,
         outcome: Outcome,
-        content: aiohttp.StreamReader,
+        watch: Watch,
+        reader: Body,
         data: bytes,
     ) -> bool:
         """From the first byte on: pass events through; a failure ends the stream in-band.
         True when the upstream stream ended cleanly."""
         tap = SseTap(strip_usage_chunk=not call.wants_usage)
         outcome.status = 200
-        await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+        headers = [*SSE_HEADERS, rid_header(call)]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
         failure: UpstreamFailure | None = None
+        drained = False
         try:
             while True:
                 out = tap.feed(data)
                 if out:
+                    watch.marks += 1  # odd: writing to the client, not waiting on the worker
                     await send({"type": "http.response.body", "body": out, "more_body": True})
-                async with asyncio.timeout(self.settings.idle_stream_timeout_s):
-                    data = await content.readany()
+                    watch.marks += 1
+                data = await reader.readany()
                 if not data:
                     break
         except UPSTREAM_ERRORS as exc:
             failure = classify(exc)
-        if failure is None and not tap.done:
+        except Draining:
+            drained = True
+        if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
         tail = b""
-        if failure is not None:
+        if drained:
+            tail = Unavailable(
+                "The gateway is shutting down; the stream was cut. Retry the request.",
+                code="draining",
+            ).sse()
+        elif failure is not None:
             log.warning(
                 "request %s: stream from %s broke: %s", call.request_id, worker.url, failure
             )
-            self.pool.report_failure(worker, failure.kind, counts=failure.counts)
+            # A fresh serial: this request never failed on this worker before (a worker is
+            # tried once per request), so it counts as one more distinct request.
+            self.pool.report_failure(
+                worker, failure.kind, next(self._serial), counts=failure.counts
+            )
             tail = UpstreamError(f"Upstream failure: {failure.message}.", code=failure.kind).sse()
         else:
             self.pool.report_success(worker)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         self._observe_stream(call, tap)
-        return failure is None
+        return failure is None and not drained
 
     def _observe_stream(self, call: ProxyCall, tap: SseTap) -> None:
         end = time.perf_counter()
@@ -281,10 +401,17 @@ class Proxy:
         first = tap.first_token_at
         if first is None:
             return
-        self.metrics.ttft.labels(call.label).observe(first - call.started)
+        self.metrics.child(self.metrics.ttft, call.label).observe(first - call.started)
         if usage is not None and call.single_choice and usage.completion_tokens > 1:
             tpot = (end - first) / (usage.completion_tokens - 1)
-            self.metrics.tpot.labels(call.label).observe(tpot)
+            self.metrics.child(self.metrics.tpot, call.label).observe(tpot)
+
+
+def not_sse(response: UpstreamResponse) -> UpstreamFailure | None:
+    content_type = response.headers.get("content-type", "")
+    if content_type.startswith("text/event-stream"):
+        return None
+    return malformed(f"a streaming answer of type {content_type!r}")
 
 
 SSE_HEADERS = [
@@ -306,24 +433,39 @@ class ProxyResponse(Response):
         metrics, call = self.proxy.metrics, self.call
         outcome = Outcome()
         complete = False
-        metrics.in_flight.labels(call.label).inc()
+        in_flight = metrics.child(metrics.in_flight, call.label)
+        in_flight.inc()
+        task = asyncio.current_task()
+        assert task is not None
+        gone = Gone(task)
+        watcher = asyncio.get_running_loop().create_task(gone.watch(receive))
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(watch_disconnect, receive, group.cancel_scope)
-                await self.proxy.run(call, send, outcome)
-                complete = True
-                group.cancel_scope.cancel()
+            await self.proxy.run(call, send, outcome)
+            complete = True
+        except asyncio.CancelledError:
+            if not gone.left or task.uncancel():  # cancelled by someone else as well
+                raise
         finally:
+            watcher.cancel()
             status = outcome.status if complete else CLIENT_CLOSED
-            metrics.in_flight.labels(call.label).dec()
-            metrics.requests.labels(call.label, call.endpoint, str(status)).inc()
+            in_flight.dec()
+            metrics.child(metrics.requests, call.label, call.endpoint, str(status)).inc()
             elapsed = time.perf_counter() - call.started
-            metrics.duration.labels(call.label, call.endpoint).observe(elapsed)
+            metrics.child(metrics.duration, call.label, call.endpoint).observe(elapsed)
 
 
-async def watch_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
-    while True:
-        message: Message = await receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return
+class Gone:
+    """Cancels the request's task when the client disconnects (uvicorn's send() to a closed
+    connection returns quietly, so only receive() tells). A plain task, not an anyio task
+    group: this runs once per request."""
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self.task, self.left = task, False
+
+    async def watch(self, receive: Receive) -> None:
+        while True:
+            message: Message = await receive()
+            if message["type"] == "http.disconnect":
+                self.left = True
+                self.task.cancel()
+                return

@@ -16,6 +16,10 @@ from service.errors import InvalidRequest, from_validation_errors
 _OPEN = ConfigDict(extra="allow", strict=True)
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+# Counts and token ids fit int32 on every engine; a seed fits int64 (torch's generator).
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class StreamOptions(BaseModel):
@@ -39,10 +43,10 @@ class SamplingFields(BaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=128)] | None = 1
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    seed: int | None = None
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     user: str | None = None
 
@@ -68,10 +72,10 @@ class ChatCompletionRequest(SamplingFields):
         },
     )
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Count | None = None
 
 
-PromptItems = list[str] | list[int] | list[list[int]]
+PromptItems = list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):

@@ -27,6 +27,9 @@ class GatewaySettings(BaseSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     api_key_file: Path | None = None
     metrics_auth: bool = False
+    # The `worker` label of the metrics: "id" (w-<hash of the URL>: the same on every
+    # replica, no internal address on an open /metrics) or "url" (the base URL).
+    metrics_worker_label: Literal["id", "url"] = "id"
     # Bearer key the gateway sends to workers started with `--api-key` (vLLM's flag).
     worker_api_key: str | None = Field(default=None, repr=False)
     # Routing.
@@ -46,10 +49,17 @@ class GatewaySettings(BaseSettings):
     first_byte_timeout_s: float = Field(default=120.0, gt=0)
     idle_stream_timeout_s: float = Field(default=60.0, gt=0)
     request_timeout_s: float = Field(default=600.0, gt=0)
+    # Deadlines of the client side: headers from the request's first byte, then the body.
+    header_read_timeout_s: float = Field(default=10.0, gt=0)
+    body_read_timeout_s: float = Field(default=30.0, gt=0)
+    # Processes sharing the port (SO_REUSEPORT); metrics are summed over them.
+    processes: int = Field(default=1, ge=1, le=256)
+    listen_backlog: int = Field(default=4096, ge=16)
     max_upstream_connections: int = Field(default=2048, ge=1)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # Shutdown: /ready flips at once; serving continues for shutdown_delay_s (so load
-    # balancers notice), then in-flight requests get up to drain_timeout_s.
+    # balancers notice); then new requests get 503 + Retry-After while in-flight ones get up
+    # to drain_timeout_s; streams still open then end with an in-band error and [DONE].
     shutdown_delay_s: float = Field(default=0.0, ge=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -47,7 +47,7 @@ from service.errors import (
     Unavailable,
     from_validation_errors,
 )
-from service.http import read_json, valid_request_id
+from service.http import client_request_id, read_json
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -160,7 +160,7 @@ async def completions(request: Request) -> Response:
 
 
 def _check_key(state: WorkerState, request: Request) -> None:
-    if state.auth.enabled and not state.auth.allows(request.headers.get("authorization")):
+    if state.auth.enabled and not state.auth.allows_headers(request.scope["headers"]):
         raise AuthenticationFailed()
 
 
@@ -277,7 +277,7 @@ async def _start(
 
 async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]) -> Response:
     is_chat = kind is ChatCompletionRequest
-    given = valid_request_id(request.headers.get("x-request-id"))
+    given = client_request_id(request.scope["headers"])
     request.state.request_id = given or uuid.uuid4().hex
     # As vLLM: the client's X-Request-Id becomes the body's id.
     request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{request.state.request_id}"

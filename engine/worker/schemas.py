@@ -21,7 +21,7 @@ class _WorkerFields(gateway.SamplingFields):
     # A worker serves one model: like vLLM, a request may leave `model` out.
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # type: ignore[assignment]
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**63 - 1)] | None = None  # torch's int64
+    seed: gateway.Seed | None = None  # torch's int64
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False

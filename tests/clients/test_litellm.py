@@ -148,14 +148,6 @@ def test_valid_api_key_is_accepted(keyed_gateway: str) -> None:
     assert reply.usage.completion_tokens == MAX_TOKENS
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=BadRequestError,
-    reason="server bug: the gateway's 401 body has type 'invalid_request_error' and the message "
-    "'Missing or invalid API key ...'; LiteLLM maps any body containing 'invalid_request_error' "
-    "to BadRequestError unless the message contains OpenAI's wording 'Incorrect API key "
-    "provided' (vLLM's 401 has no such type and maps to AuthenticationError)",
-)
 def test_wrong_api_key_is_authentication_error(keyed_gateway: str) -> None:
     with pytest.raises(AuthenticationError) as caught:
         complete(keyed_gateway, api_key="sk-wrong")

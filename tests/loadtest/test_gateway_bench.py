@@ -43,3 +43,21 @@ def test_gateway_bench_writes_its_report(tmp_path: Path) -> None:
     stream = report["results"]["stream"]
     assert stream["gateway"]["event_delay_ms"]["p50"] is not None
     assert set(report["goals"]) >= {"unary", "stream_event", "p50_added_ms_max"}
+
+
+def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "peers.json"
+    argv = ["gateway", "--peers", "--duration", "0.3", "--warmup", "0.1", "--rounds", "1"]
+    argv += ["--concurrency", "4", "--events", "3", "--burst", "5", "--out", str(out)]
+    assert bench_main(argv) == 0
+    report = json.loads(out.read_text())
+    names = [row["proxy"] for row in report["results"]]
+    assert names[0] == "dflash-gateway"
+    for peer in ("nginx", "vllm-router"):
+        assert (peer in names) != (peer in report["missing"])  # run, or said why not
+    for row in report["results"]:
+        assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
+        assert row["unary_cpu_us_per_request"] > 0 and row["streams_per_s"] > 0
+        assert row["burst_added_ttft_ms"]["p99"] is not None

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -16,7 +17,10 @@ from service.cli import main as gateway_main
 from service.cli import settings_from_args
 from service.local_stack import build_parser, plan
 from tests.fixtures.worker import WorkerHandle, free_port
-from tests.service.conftest import MODEL, wait_until
+from tests.service.conftest import MODEL, scrape, wait_until
+from tests.service.fake_upstream import MODEL as FAKE
+from tests.service.fake_upstream import endless_stream, fake_worker
+from tests.service.gateway_process import gateway_process
 
 
 def test_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,3 +105,74 @@ def _status(url: str) -> int:
         return httpx.get(url, timeout=2).status_code
     except httpx.HTTPError:
         return 0
+
+
+def test_no_prefix_matching_and_no_secret_in_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "sk-live-0123456789abcdef"
+    for argv in (
+        ["--api-key", secret, "--worker", "http://a:1"],  # was taken as --api-key-file
+        [f"--api-key={secret}", "--worker", "http://a:1"],
+        ["--port", secret, "--worker", "http://a:1"],
+        ["--worker", "http://a:1", secret],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            gateway_main(argv)
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert secret not in err and "error:" in err, err
+    with pytest.raises(SystemExit):
+        gateway_main(["--api-key-f", "/tmp/x", "--worker", "http://a:1"])  # no abbreviations
+
+
+def test_invalid_settings_are_named_without_their_values(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DFLASH_GATEWAY_PORT", "sk-live-0123456789abcdef")
+    assert gateway_main(["--worker", "http://a:1"]) == 2
+    err = capsys.readouterr().err
+    assert "port" in err and "sk-live" not in err
+
+
+def test_drain_refuses_new_requests_with_503_and_cuts_streams_in_band() -> None:
+    chat = {"model": FAKE, "messages": [{"role": "user", "content": "hi"}]}
+    drain = {"shutdown_delay_s": "0.3", "drain_timeout_s": "1.5"}
+    with fake_worker(endless_stream) as fake, gateway_process(fake.url, **drain) as (base, proc):
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            body = {**chat, "stream": True}
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        assert started.wait(10)
+        proc.send_signal(signal.SIGTERM)
+        wait_until(lambda: _status(base + "/ready") == 503, timeout=5)
+        time.sleep(0.5)  # past the shutdown delay: new requests are refused, not dropped
+        refused = httpx.post(base + "/v1/chat/completions", json=chat, timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "draining"
+        thread.join(30)
+        events = [line for line in lines if line.startswith("data: ")]
+        assert len(events) > 10
+        assert events[-1] == "data: [DONE]" and '"code":"draining"' in events[-2]
+        assert proc.wait(timeout=30) == 0
+
+
+def test_processes_share_the_port_and_metrics_add_up() -> None:
+    chat = {"model": FAKE, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with fake_worker() as fake, gateway_process(fake.url, "--processes", "2") as (base, proc):
+        for _ in range(30):  # a new connection each: the kernel spreads them
+            assert httpx.post(base + "/v1/chat/completions", json=chat, timeout=10).is_success
+        for _ in range(4):  # whichever process answers, /metrics counts all of them
+            assert scrape(base, "dflash_requests_total", model=FAKE) == 30
+        children = subprocess.run(
+            ["ps", "-o", "pid=", "--ppid", str(proc.pid)], capture_output=True, text=True
+        ).stdout.split()
+        assert len(children) == 2
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

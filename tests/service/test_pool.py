@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from service.metrics import GatewayMetrics
-from service.pool import HashRing, Worker, WorkerPool, parse_waiting
+from service.pool import HashRing, Worker, WorkerPool, parse_waiting, worker_id
 from service.settings import GatewaySettings
 from tests.fixtures.worker import WorkerHandle
 from tests.service.conftest import MODEL
@@ -49,18 +49,62 @@ def test_unhealthy_ejected_and_other_model_workers_are_skipped() -> None:
     assert pool.pick("m", None, {URLS[3]}) is None
 
 
-def test_passive_ejection_after_consecutive_failures() -> None:
+def test_passive_ejection_after_failures_of_distinct_requests() -> None:
     pool = make_pool()
     worker = pool.workers[URLS[0]]
-    pool.report_failure(worker, "connect")
+    pool.report_failure(worker, "connect", 1)
     pool.report_success(worker)  # success resets the count
-    pool.report_failure(worker, "connect")
-    pool.report_failure(worker, "connect")
+    pool.report_failure(worker, "connect", 2)
+    pool.report_failure(worker, "connect", 3)
     assert worker.routable(0.0)
-    pool.report_failure(worker, "connect")  # third consecutive (eject_after_failures=3)
+    pool.report_failure(worker, "connect", 4)  # third distinct request (eject_after_failures=3)
     assert not worker.healthy and worker.ejected_until > 0
-    pool.report_failure(pool.workers[URLS[1]], "overloaded", counts=False)
-    assert pool.workers[URLS[1]].failures == 0
+
+
+def test_one_request_failing_again_and_again_counts_once() -> None:
+    pool = make_pool()
+    worker = pool.workers[URLS[0]]
+    for _ in range(10):
+        pool.report_failure(worker, "status_5xx", 7)
+    assert worker.failures == 1 and worker.routable(0.0)
+
+
+def test_overload_and_4xx_never_count() -> None:
+    pool = make_pool()
+    worker = pool.workers[URLS[1]]
+    for request in range(10):
+        pool.report_failure(worker, "overloaded", request, counts=False)
+    assert worker.failures == 0 and worker.healthy
+    assert pool._metrics.upstream_errors.labels(worker.label, "overloaded")._value.get() == 10
+
+
+def test_the_last_routable_worker_is_never_ejected() -> None:
+    pool = make_pool()
+    *others, last = pool.workers.values()
+    for worker in others:
+        worker.healthy = False
+    for request in range(20):
+        pool.report_failure(last, "status_5xx", request)
+    assert last.routable(0.0) and pool.pick("m", None, set()) is last
+    others[0].healthy = True  # once another worker is back, the failing one can go
+    pool.report_failure(last, "status_5xx", 99)
+    assert not last.healthy
+
+
+def test_metrics_name_workers_by_an_opaque_stable_id() -> None:
+    pool = make_pool()
+    for worker in pool.workers.values():
+        pool._publish(worker)
+    text = pool._metrics.render()[0].decode()
+    assert "10.0.0." not in text
+    label = worker_id(URLS[0])
+    assert f'dflash_worker_healthy{{worker="{label}"}} 1.0' in text
+    assert label == make_pool().workers[URLS[0]].label  # the same on every replica
+    settings = GatewaySettings(workers=URLS, metrics_worker_label="url")
+    assert (
+        WorkerPool(settings, httpx.AsyncClient(), GatewayMetrics()).workers[URLS[0]].label
+        == (URLS[0])
+    )
 
 
 def test_prefix_affinity_is_sticky_and_bounded() -> None:

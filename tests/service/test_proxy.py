@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import openai
 
+from service.pool import worker_id
 from tests.fixtures.worker import WorkerHandle, free_port
 from tests.service.conftest import (
     MODEL,
@@ -112,7 +113,8 @@ def test_spread_failover_recovery_and_in_band_error(
         b = stack.enter_context(worker_on_port(port, args))
         gw = stack.enter_context(running_gateway(workers=[worker.base_url, url_b], **settings))
         sdk = openai.OpenAI(base_url=gw.v1, api_key="x", max_retries=0, timeout=60)
-        assert gw.metric("dflash_worker_healthy", worker=url_b) == 1
+        label_b = worker_id(url_b)
+        assert gw.metric("dflash_worker_healthy", worker=label_b) == 1
         seen_a, seen_b = prompts_seen(worker), prompts_seen(b)
         for _ in range(4):
             sdk.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=2)
@@ -125,10 +127,10 @@ def test_spread_failover_recovery_and_in_band_error(
             )
             assert reply.choices
         assert gw.metric("dflash_retries_total", model=MODEL) >= 1
-        assert gw.metric("dflash_upstream_errors_total", worker=url_b) >= 1
-        assert gw.metric("dflash_worker_healthy", worker=url_b) == 0  # ejected
+        assert gw.metric("dflash_upstream_errors_total", worker=label_b) >= 1
+        assert gw.metric("dflash_worker_healthy", worker=label_b) == 0  # ejected
         with worker_on_port(port, args) as b:
-            wait_until(lambda: gw.metric("dflash_worker_healthy", worker=url_b) == 1)  # back
+            wait_until(lambda: gw.metric("dflash_worker_healthy", worker=label_b) == 1)  # back
             results: dict[str, Any] = {}
             started = [threading.Event(), threading.Event()]
             threads = [
@@ -149,19 +151,5 @@ def test_spread_failover_recovery_and_in_band_error(
     assert len(counts) == 1 and counts[0] > 1
 
 
-def test_first_byte_and_idle_stream_timeouts(worker: WorkerHandle) -> None:
-    body = {**CHAT, "max_tokens": 50, "ignore_eos": True, "stream": True}
-    # No worker answers within 0.5 ms: every attempt times out before the first byte: 504.
-    with running_gateway(workers=[worker.base_url], first_byte_timeout_s=0.0005) as gw:
-        reply = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
-        assert reply.status_code == 504
-        assert reply.json()["error"]["code"] == "upstream_timeout"
-    # Tokens come milliseconds apart: a 0.5 ms idle limit breaks the stream after its start,
-    # which the client sees as a final in-band error event.
-    with running_gateway(workers=[worker.base_url], idle_stream_timeout_s=0.0005) as gw:
-        reply = httpx.post(gw.v1 + "/chat/completions", json=body, timeout=30)
-        assert reply.status_code == 200
-        events = [line for line in reply.text.split("\n") if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]"
-        assert '"code":"timeout"' in events[-2] and "error" in events[-2]
-        assert gw.metric("dflash_upstream_errors_total", kind="timeout") >= 1
+# First-byte, idle and total deadlines: test_proxy_faults (a fake worker that stays silent;
+# deadlines fire within one watchdog tick, >= 5 ms, so sub-millisecond limits are no test).

@@ -1,0 +1,429 @@
+"""`dflash-bench gateway --peers`: the gateway side by side with other proxies, on the same stub
+upstream, with the same load generator, in interleaved rounds.
+
+Peers: `dflash-gateway` (one process), nginx (the Debian package: `scripts/install-tools.sh`),
+vllm-router (PyPI, a Rust router: `scripts/install-vllm-router.sh`), and optionally a second
+gateway from another source tree (`--baseline-src`, e.g. a checkout of main) to compare a
+change. A peer that is not installed is reported as missing, with why, and skipped.
+
+Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
+others (`--aux-cpus`); each round runs every phase against every proxy in turn, so that the
+machine's load (shared, noisy) weighs on all of them alike. Per proxy:
+- CPU µs per unary request: the proxy's CPU time (all its processes) over a closed loop of
+  `--concurrency` clients, divided by the requests completed; and those requests/s;
+- streams: the same for SSE streams of `--events` events (CPU µs per stream and per event),
+  and completed streams/s (new streams/s the proxy sustains);
+- burst: `--burst` streams opened at once on fresh connections: time to first byte, minus the
+  same burst sent to the stub directly (added TTFT p50/p99);
+- RSS after the run.
+Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.gateway_bench import (
+    RawClient,
+    Sample,
+    body,
+    closed_loop,
+    free_port,
+    percentile,
+    wait_healthy,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+NGINX = "/usr/sbin/nginx"
+ROUTER = ROOT / ".tools" / "vllm-router" / "bin" / "vllm-router"
+NGINX_CONF = """
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir};
+  proxy_temp_path {dir};
+  upstream stub {{ server 127.0.0.1:{upstream}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass http://stub;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+    }}
+  }}
+}}
+"""
+
+
+@dataclass
+class Peer:
+    name: str
+    port: int
+    process: subprocess.Popen[bytes]
+    ready_path: str
+
+
+@dataclass
+class PeerResult:
+    unary: Sample = field(default_factory=Sample)
+    unary_cpu_s: float = 0.0
+    stream: Sample = field(default_factory=Sample)
+    stream_cpu_s: float = 0.0
+    burst: Sample = field(default_factory=Sample)
+    rss_mb: float | None = None
+
+
+_TAKEN: set[int] = set()
+
+
+def fresh_port() -> int:
+    """A free port no other peer of this run was given (free_port alone may hand the same
+    port twice before the first process binds it)."""
+    for _ in range(100):
+        port = free_port()
+        if port not in _TAKEN:
+            _TAKEN.add(port)
+            return port
+    raise RuntimeError("no free port")
+
+
+def pinned(cpus: str | None, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", cpus, *argv] if cpus and shutil.which("taskset") else argv
+
+
+def tree_pids(pid: int) -> list[int]:
+    """The process and its descendants (nginx's master and worker, a launcher's child)."""
+    found, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            found.append(child)
+            frontier.append(child)
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    total = 0.0
+    for one in tree_pids(pid):
+        try:
+            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def rss_mb(pid: int) -> float:
+    total = 0
+    for one in tree_pids(pid):
+        with contextlib.suppress(OSError):
+            for line in Path(f"/proc/{one}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+    return round(total / 1024, 1)
+
+
+def missing_peers(args: argparse.Namespace) -> dict[str, str]:
+    why: dict[str, str] = {}
+    if not Path(NGINX).is_file():
+        why["nginx"] = f"{NGINX} not found: run scripts/install-tools.sh (Debian package nginx)"
+    if not ROUTER.is_file():
+        why["vllm-router"] = f"{ROUTER} not found: run scripts/install-vllm-router.sh"
+    if not shutil.which("taskset"):
+        why["pinning"] = "taskset (util-linux) not found: proxies run unpinned"
+    return why
+
+
+def start_peers(
+    args: argparse.Namespace, upstream: int, workdir: Path, missing: dict[str, str]
+) -> list[Peer]:
+    peers: list[Peer] = []
+    # The stub shares its core with the load generator: under a closed loop its /health can
+    # take longer than the default 1 s, and a gateway would then mark it down (503s that
+    # measure the bench, not the proxy); nginx has no active checks to trip.
+    env = {**os.environ, "DFLASH_GATEWAY_API_KEYS": "", "DFLASH_GATEWAY_HEALTH_TIMEOUT_S": "5"}
+    env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
+    worker = f"http://127.0.0.1:{upstream}"
+    sources = [("dflash-gateway", ROOT)]
+    if args.baseline_src is not None:
+        sources.append(("dflash-gateway@baseline", args.baseline_src.resolve()))
+    for name, src in sources:
+        port = fresh_port()
+        argv = [sys.executable, "-m", "service.cli", "--port", str(port), "--worker", worker]
+        argv += ["--log-level", "warning"]
+        process = subprocess.Popen(
+            pinned(args.proxy_cpu, argv), env={**env, "PYTHONPATH": str(src)}, cwd=src
+        )
+        peers.append(Peer(name, port, process, "/ready"))
+    if "nginx" not in missing:
+        port = fresh_port()
+        conf = workdir / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(dir=workdir, upstream=upstream, port=port))
+        argv = [NGINX, "-c", str(conf), "-p", str(workdir)]
+        process = subprocess.Popen(pinned(args.proxy_cpu, argv), stderr=subprocess.DEVNULL)
+        peers.append(Peer("nginx", port, process, "/health"))
+    if "vllm-router" not in missing:
+        port = fresh_port()
+        argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker]
+        argv += ["--policy", "round_robin", "--log-level", "warning"]
+        argv += ["--prometheus-port", str(fresh_port())]
+        process = subprocess.Popen(
+            pinned(args.proxy_cpu, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        peers.append(Peer("vllm-router", port, process, "/health"))
+    return peers
+
+
+async def burst(port: int, count: int, payload: bytes) -> Sample:
+    """`count` streams at once, each on a new connection: time to first byte of each."""
+    sample = Sample()
+
+    async def one() -> None:
+        client = RawClient(port)
+        start = time.perf_counter()
+        first: list[float] = []
+
+        def on_chunk(_: bytes) -> None:
+            if not first:
+                first.append(time.perf_counter())
+
+        try:
+            status = await client.post("/v1/chat/completions", payload, on_chunk)
+        except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            sample.error(type(exc).__name__)
+            return
+        finally:
+            client.close()
+        if status != 200 or not first:
+            sample.error(f"HTTP {status}")
+            return
+        sample.completed += 1
+        sample.latencies_s.append(first[0] - start)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(count)))
+    sample.elapsed_s = time.perf_counter() - start
+    return sample
+
+
+def merge(into: Sample, part: Sample) -> None:
+    into.latencies_s += part.latencies_s
+    into.errors += part.errors
+    for kind, count in part.error_kinds.items():
+        into.error_kinds[kind] = into.error_kinds.get(kind, 0) + count
+    into.completed += part.completed
+    into.elapsed_s += part.elapsed_s
+
+
+async def one_round(
+    args: argparse.Namespace, peers: list[Peer], results: dict[str, PeerResult], stub: int
+) -> None:
+    unary, stream = body(False), body(True, args.stream_gap_ms)
+    burst_body = body(True, args.burst_gap_ms)
+    for peer in peers:
+        result = results[peer.name]
+        before = cpu_seconds(peer.process.pid)
+        part = await closed_loop(peer.port, unary, args.concurrency, args.duration, False)
+        result.unary_cpu_s += cpu_seconds(peer.process.pid) - before
+        merge(result.unary, part)
+        before = cpu_seconds(peer.process.pid)
+        part = await closed_loop(peer.port, stream, args.concurrency, args.duration, True)
+        result.stream_cpu_s += cpu_seconds(peer.process.pid) - before
+        merge(result.stream, part)
+    for peer in peers:  # each proxy's burst right after one sent to the stub directly
+        merge(results[f"direct:{peer.name}"].burst, await burst(stub, args.burst, burst_body))
+        await asyncio.sleep(0.2)  # let a burst's connections close before the next
+        merge(results[peer.name].burst, await burst(peer.port, args.burst, burst_body))
+        await asyncio.sleep(0.2)
+
+
+def ms(values: list[float], q: float) -> float | None:
+    value = percentile(values, q)
+    return None if value is None else round(value * 1000, 2)
+
+
+def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[str, Any]:
+    unary_us = result.unary_cpu_s / result.unary.completed * 1e6 if result.unary.completed else 0
+    stream_us = (
+        result.stream_cpu_s / result.stream.completed * 1e6 if result.stream.completed else 0
+    )
+    b, d = result.burst.latencies_s, direct.burst.latencies_s
+    added = {
+        q: (None if ms(b, p) is None or ms(d, p) is None else round(ms(b, p) - ms(d, p), 2))  # type: ignore[operator]
+        for q, p in (("p50", 50), ("p99", 99))
+    }
+    return {
+        "proxy": name,
+        "unary_cpu_us_per_request": round(unary_us, 1),
+        "unary_requests_per_s": round(result.unary.completed / result.unary.elapsed_s, 1)
+        if result.unary.elapsed_s
+        else 0,
+        "unary_errors": result.unary.errors,
+        "stream_cpu_us_per_stream": round(stream_us, 1),
+        "stream_cpu_us_per_event": round(stream_us / events, 2),
+        "streams_per_s": round(result.stream.completed / result.stream.elapsed_s, 1)
+        if result.stream.elapsed_s
+        else 0,
+        "stream_errors": result.stream.errors,
+        "burst_ttft_ms": {"p50": ms(b, 50), "p99": ms(b, 99)},
+        "burst_direct_ttft_ms": {"p50": ms(d, 50), "p99": ms(d, 99)},
+        "burst_added_ttft_ms": added,
+        "burst_errors": result.burst.errors,
+        "error_kinds": {
+            phase: sample.error_kinds
+            for phase, sample in (
+                ("unary", result.unary),
+                ("stream", result.stream),
+                ("burst", result.burst),
+            )
+            if sample.error_kinds
+        },
+        "rss_mb": result.rss_mb,
+    }
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    head = (
+        "proxy",
+        "CPU µs/unary",
+        f"req/s c={args.concurrency}",
+        "CPU µs/stream",
+        "CPU µs/event",
+        "streams/s",
+        f"burst {args.burst} added TTFT p50/p99 ms",
+        "RSS MB",
+        "errors",
+    )
+    lines = [head]
+    for r in rows:
+        added = r["burst_added_ttft_ms"]
+        errors = r["unary_errors"] + r["stream_errors"] + r["burst_errors"]
+        lines.append(
+            (
+                r["proxy"],
+                str(r["unary_cpu_us_per_request"]),
+                str(r["unary_requests_per_s"]),
+                str(r["stream_cpu_us_per_stream"]),
+                str(r["stream_cpu_us_per_event"]),
+                str(r["streams_per_s"]),
+                f"{added['p50']} / {added['p99']}",
+                str(r["rss_mb"]),
+                str(errors),
+            )
+        )
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join(
+        " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines
+    )
+
+
+@contextlib.contextmanager
+def stub_process(args: argparse.Namespace) -> Iterator[int]:
+    port = fresh_port()
+    argv = [sys.executable, "-m", "loadtest.stub_upstream", "--port", str(port)]
+    argv += ["--events", str(args.events)]
+    process = subprocess.Popen(pinned(args.aux_cpus, argv), cwd=ROOT)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}/health", process)
+        yield port
+    finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def run(args: argparse.Namespace, stub: int, peers: list[Peer]) -> list[dict[str, Any]]:
+    results = {peer.name: PeerResult() for peer in peers}
+    results.update({f"direct:{peer.name}": PeerResult() for peer in peers})
+    for peer in peers:  # warm-up: connections, caches, lazy imports
+        await closed_loop(peer.port, body(False), 8, args.warmup, False)
+        await closed_loop(peer.port, body(True), 8, args.warmup, True)
+    for _ in range(args.rounds):
+        await one_round(args, peers, results, stub)
+    for peer in peers:
+        results[peer.name].rss_mb = rss_mb(peer.process.pid)
+    return [
+        row(peer.name, results[peer.name], results[f"direct:{peer.name}"], args.events)
+        for peer in peers
+    ]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-bench gateway --peers", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    p.add_argument("--peers", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per phase, proxy, round")
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--events", type=int, default=64, help="SSE events per stream")
+    p.add_argument("--stream-gap-ms", type=float, default=0.0, help="event gap of the stream phase")
+    p.add_argument("--burst", type=int, default=200, help="streams opened at once")
+    p.add_argument("--burst-gap-ms", type=float, default=20.0, help="event gap in burst streams")
+    p.add_argument("--proxy-cpu", default="1", help="core(s) every proxy is pinned to")
+    p.add_argument("--aux-cpus", default="0", help="cores of the stub and the load generator")
+    p.add_argument("--baseline-src", type=Path, help="also run the gateway from this tree")
+    p.add_argument("--out", type=Path, default=Path("bench-results/gateway-peers.json"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    missing = missing_peers(args)
+    if shutil.which("taskset") and args.aux_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.aux_cpus.split(",")})
+    with tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp, stub_process(args) as stub:
+        peers = start_peers(args, stub, Path(tmp), missing)
+        try:
+            for peer in peers:
+                wait_healthy(f"http://127.0.0.1:{peer.port}{peer.ready_path}", peer.process, 60)
+            rows = asyncio.run(run(args, stub, peers))
+        finally:
+            for peer in peers:
+                stop(peer.process)
+    report = {
+        "benchmark": "gateway-peers",
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "missing": missing,
+        "results": rows,
+    }
+    print(table(rows, args))
+    for name, why in missing.items():
+        print(f"missing {name}: {why}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+    return 0
