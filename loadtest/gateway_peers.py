@@ -60,7 +60,10 @@ http {{
   access_log off;
   client_body_temp_path {dir};
   proxy_temp_path {dir};
-  upstream stub {{ server 127.0.0.1:{upstream}; keepalive 256; }}
+  # nginx closes a keep-alive connection after 1000 requests by default; a load generator
+  # whose request was in flight on it then counts an error that is not the proxy's.
+  keepalive_requests 10000000;
+  upstream stub {{ server 127.0.0.1:{upstream}; keepalive 256; keepalive_requests 10000000; }}
   server {{
     listen 127.0.0.1:{port} backlog=4096;
     location / {{
