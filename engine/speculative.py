@@ -18,19 +18,20 @@ position of `last_token`, which is committed but not yet in any cache.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from engine.drafter import DFlashDrafter
-from engine.kv_cache import SlotCaches
+from engine.kv_cache import CacheIndex, SlotCaches
 from engine.model import Qwen3Target
 from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
 
-__all__ = ["DecodeRow", "PrefillRow", "RowResult", "RowSampling", "SpecState",
-           "accept_greedy", "accept_sampled", "prefill", "release", "row_probabilities",
-           "spec_step"]
+__all__ = ["DecodeRow", "PrefillRow", "RowResult", "RowSampling", "SpecState", "StepTimings",
+           "accept_greedy", "accept_sampled", "max_draft_tokens", "prefill", "release",
+           "row_probabilities", "spec_step"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +74,9 @@ class SpecState:
         size = block_size if active is not None else 1
         capacity = max_model_len + size  # a step near the limit never overflows
         target_cache = target.new_cache(max_num_seqs, capacity, device, dtype)
+        # the drafter's context cache is in the drafter's own dtype (may differ: see .dtype)
         draft_cache = None if active is None else active.new_cache(
-            max_num_seqs, capacity, device, dtype)
+            max_num_seqs, capacity, device, active.dtype)
         return cls(target=target, drafter=active, caches=SlotCaches(target_cache, draft_cache),
                    block_size=size, device=torch.device(device))
 
@@ -134,11 +136,13 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
 
 
 def _propose(state: SpecState, rows: list[DecodeRow], block: Tensor, positions: Tensor,
-             slots: Tensor) -> None:
+             slots: Tensor, index: CacheIndex | None = None) -> None:
     """Fill block[:, 1:] with the drafter's argmax proposals (one forward for all rows)."""
     assert state.drafter is not None and state.caches.drafter is not None
-    lengths = torch.tensor([r.position for r in rows], device=state.device)
-    hidden = state.drafter.draft_hidden(block, positions, state.caches.drafter, slots, lengths)
+    hosts = [r.position for r in rows]
+    lengths = torch.tensor(hosts, device=state.device)
+    hidden = state.drafter.draft_hidden(block, positions, state.caches.drafter, slots, lengths,
+                                        index=index, lengths=hosts)
     block[:, 1:] = greedy(state.drafter.logits(hidden[:, 1:]))  # [b, B-1]
 
 
@@ -177,35 +181,99 @@ def _decide(logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
             for i, s in enumerate(sampling)]
 
 
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of one `spec_step` (filled when one is passed)."""
+
+    prepare: float = 0.0  # host lists -> tensors, cache index
+    draft: float = 0.0  # drafter forward + argmax
+    verify: float = 0.0  # target forward over the block
+    accept: float = 0.0  # argmax / probabilities, acceptance, one host transfer
+    context: float = 0.0  # drafter context K/V for the committed positions
+    commit: float = 0.0  # slot lengths (commit + rollback), results
+
+    def add(self, other: StepTimings) -> None:
+        for name in ("prepare", "draft", "verify", "accept", "context", "commit"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def total(self) -> float:
+        return self.prepare + self.draft + self.verify + self.accept + self.context + self.commit
+
+
+def max_draft_tokens(state: SpecState) -> int:
+    """The most draft tokens one step can verify (block_size - 1; 0 without a drafter)."""
+    return state.block_size - 1 if state.drafter is not None else 0
+
+
 @torch.inference_mode()
-def spec_step(state: SpecState, rows: list[DecodeRow],
-              sampling: list[RowSampling]) -> list[RowResult]:
-    """One decoding step for every row: draft, verify, accept, commit, roll back."""
+def spec_step(state: SpecState, rows: list[DecodeRow], sampling: list[RowSampling],
+              num_draft: int | None = None, timings: StepTimings | None = None
+              ) -> list[RowResult]:
+    """One decoding step for every row: draft, verify, accept, commit, roll back.
+
+    `num_draft`: draft tokens to verify this step, 0..max_draft_tokens(state) (None = the
+    most). 0 is plain decoding through the same path (the drafter context still grows by
+    the committed token, so speculation can resume on the next step)."""
     if not rows:
         return []
-    size, dev = state.block_size, state.device
+    top = max_draft_tokens(state)
+    k = top if num_draft is None else num_draft
+    if not 0 <= k <= top:
+        raise ValueError(f"num_draft must be in [0, {top}], got {num_draft}")
+    clock = time.perf_counter if timings is not None else None
+    t0 = clock() if clock else 0.0
+    size, dev = k + 1, state.device
+    hosts = [r.position for r in rows]
     for r in rows:
         if r.position + size > state.caches.target.capacity:
             raise ValueError(f"slot {r.slot}: position {r.position} + block exceeds capacity")
-    slots = torch.tensor([r.slot for r in rows], device=dev)
-    starts = torch.tensor([r.position for r in rows], device=dev)
+    slot_list = [r.slot for r in rows]
+    starts = torch.tensor(hosts, device=dev)
     positions = starts[:, None] + torch.arange(size, device=dev)[None, :]  # [b, B]
+    index = CacheIndex.build(slot_list, hosts, positions, None, dev)
     mask_id = state.drafter.mask_token_id if state.drafter is not None else 0
     block = torch.full((len(rows), size), mask_id, dtype=torch.long, device=dev)
     block[:, 0] = torch.tensor([r.last_token for r in rows], device=dev)
+    t1 = clock() if clock else 0.0
     if size > 1:
-        _propose(state, rows, block, positions, slots)
-    out = state.target(block, positions, None, state.caches.target, slots, state.layer_ids())
+        _propose(state, rows, block, positions, index.slots, index=index)
+    t2 = clock() if clock else 0.0
+    out = state.target(block, positions, None, state.caches.target, index.slots,
+                       state.layer_ids(), index=index, kv_len=max(hosts) + size)
+    t3 = clock() if clock else 0.0
     drafts = block[:, 1:].tolist()
     decisions = _decide(out.logits, drafts, sampling)
-    accepted = torch.tensor([n for n, _ in decisions], device=dev)
+    t4 = clock() if clock else 0.0
+    accepted = [n for n, _ in decisions]
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
-        # context for the committed block positions: last_token and the accepted drafts
-        valid = torch.arange(size, device=dev)[None, :] <= accepted[:, None]  # [b, B]
-        state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
+        _append_committed(state, out.hidden, positions, index, hosts, accepted)
+    t5 = clock() if clock else 0.0
     results = []
     for row, draft, (n, bonus) in zip(rows, drafts, decisions, strict=True):
         state.caches.set_length(row.slot, row.position + n + 1)  # commit + roll back
-        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=size - 1,
+        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=k,
                                  num_accepted=n))
+    if timings is not None and clock is not None:
+        t6 = clock()
+        timings.add(StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
     return results
+
+
+def _append_committed(state: SpecState, hidden: Tensor, positions: Tensor, index: CacheIndex,
+                      hosts: list[int], accepted: list[int]) -> None:
+    """Drafter context for the committed block positions: last_token and the accepted
+    drafts. Only the columns some row committed are projected."""
+    assert state.drafter is not None and state.caches.drafter is not None
+    width = max(accepted) + 1
+    hidden, positions = hidden[:, :width], positions[:, :width]
+    top = max(hosts) + width - 1
+    if len(hosts) == 1:  # one row: every kept column is committed
+        assert index.block is not None
+        state.drafter.append_context(hidden, positions, None, state.caches.drafter,
+                                     index.slots, index=index, max_position=top)
+        return
+    counts = torch.tensor(accepted, device=state.device)
+    valid = torch.arange(width, device=state.device)[None, :] <= counts[:, None]  # [b, w]
+    state.drafter.append_context(hidden, positions, valid, state.caches.drafter, index.slots,
+                                 max_position=top)

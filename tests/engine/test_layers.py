@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers import Attention, LayerShape, RMSNorm, Rotary, apply_rotary
+from engine.layers import Attention, LayerShape, RMSNorm, Rotary, apply_rotary, rms_norm
 
 
 def test_rms_norm() -> None:
@@ -49,3 +49,60 @@ def test_grouped_query_attention_shares_kv_heads() -> None:
             ctx[0, :, h * 4:(h + 1) * 4] = w @ v[0, h // 2]
         torch.testing.assert_close(out, attn.o_proj(ctx))
     torch.testing.assert_close(ctx[0, :, 12:], head3)
+
+
+def _random_attention() -> Attention:
+    attn = Attention(LayerShape(32, 64, num_attention_heads=4, num_key_value_heads=2,
+                                head_dim=8, rms_norm_eps=1e-6))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return attn
+
+
+def test_fused_inference_projections_equal_the_separate_ones_bit_for_bit() -> None:
+    """The inference path (one qkv matmul, q/k norms and RoPE together) must give the
+    same bits as query + key_value: greedy equality with plain decoding relies on it."""
+    attn = _random_attention()
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(4))
+    cos, sin = Rotary(8, 10000.0).cos_sin(torch.arange(5)[None].expand(2, 5), torch.float32)
+    q, (k, v) = attn.query(x, cos, sin), attn.key_value(x, cos, sin)  # grad enabled
+    with torch.inference_mode():
+        fq, fk, fv = attn.project(x, cos, sin)
+        pk, pv = attn.project_kv(x, cos, sin)
+    assert torch.equal(fq, q) and torch.equal(fk, k) and torch.equal(fv, v)
+    assert torch.equal(pk, k) and torch.equal(pv, v)
+
+
+def test_fused_weights_follow_in_place_edits() -> None:
+    attn = _random_attention()
+    x = torch.randn(1, 3, 32)
+    cos, sin = Rotary(8, 10000.0).cos_sin(torch.arange(3)[None], torch.float32)
+    with torch.inference_mode():
+        before = attn.project(x, cos, sin)[0]
+    with torch.no_grad():
+        attn.q_proj.weight.mul_(2.0)
+    with torch.inference_mode():
+        after = attn.project(x, cos, sin)[0]
+    assert not torch.equal(before, after)
+    assert torch.equal(after, attn.query(x, cos, sin).detach())
+
+
+def test_rms_norm_fast_path_equals_the_textbook_formula() -> None:
+    x = torch.randn(3, 7, 256, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(256)
+    x32 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.equal(rms_norm(x, w, 1e-6), w * x32)
+
+
+def test_rotary_table_equals_direct_computation() -> None:
+    """cos and signed sin gathered from the cached table == computed from the angles."""
+    rope = Rotary(8, 10000.0)
+    pos = torch.tensor([[0, 5, 3000]])  # beyond the first table size: it grows
+    cos, sin = rope.cos_sin(pos, torch.float32)
+    freqs = pos.float()[..., None] * rope.inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    assert torch.equal(cos, emb.cos())
+    assert torch.equal(sin[..., 4:], emb.sin()[..., 4:])
+    assert torch.equal(sin[..., :4], -emb.sin()[..., :4])

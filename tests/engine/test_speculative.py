@@ -153,7 +153,7 @@ def _oracle(history: dict[int, list[int]], gen: torch.Generator) -> Callable[...
     corrupted at a random place (or none), so every acceptance length occurs."""
 
     def propose(state: SpecState, rows: list[DecodeRow], block: torch.Tensor,
-                positions: torch.Tensor, slots: torch.Tensor) -> None:
+                positions: torch.Tensor, slots: torch.Tensor, **_: object) -> None:
         size = block.shape[1]
         for i, row in enumerate(rows):
             seq = history[row.slot]

@@ -1,0 +1,233 @@
+"""`dflash-bench step`: what one speculative step costs, phase by phase.
+
+For every batch size it prefills that many held-out prompts, then runs steps of plain
+decoding (target alone, no drafter: the unit) and of DFlash verifying w - 1 drafts for
+every requested block width w, interleaved (plain, w=4, w=8, w=16, plain, ...), so a
+noisy machine hits every column alike. Each step is split into the phases `spec_step`
+times itself (prepare, draft, verify, accept, context, commit); "other" is the rest of
+the call. Costs are reported in milliseconds (median step) and in plain-step units, with
+the tokens each step commits and the resulting speedup bound (tokens per step / cost in
+plain steps). Rows advance through real greedy decoding and restart from their prompt
+after `--run-tokens` tokens (same context range for every column).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtest.engine_bench import BUNDLED, _int_list, load_prompts
+
+PHASES = ("prepare", "draft", "verify", "accept", "context", "commit")
+
+
+@dataclass
+class Column:
+    """One (batch size, width) cell: width 1 is plain decoding without a drafter."""
+
+    batch_size: int
+    width: int
+    step_ms: list[float] = field(default_factory=list)  # wall time of each spec_step call
+    cpu_ms: list[float] = field(default_factory=list)  # thread CPU time of each call
+    phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    steps: int = 0
+    tokens: int = 0  # committed tokens, all rows
+
+    def summary(self, plain: Column) -> dict[str, Any]:
+        median = statistics.median(self.step_ms)
+        unit = statistics.median(plain.step_ms)
+        total_phase = sum(self.phase_s.values())
+        wall = sum(self.step_ms) / 1000.0
+        # each phase's share of the median step, from the phases' share of all the time
+        phases = {p: median * s / wall for p, s in self.phase_s.items()} if wall else {}
+        phases["other"] = median * max(0.0, 1.0 - total_phase / wall) if wall else 0.0
+        tokens_per_step = self.tokens / (self.steps * self.batch_size) if self.steps else 0.0
+        cost = median / unit if unit else 0.0
+        return {
+            "batch_size": self.batch_size,
+            "width": self.width,
+            "num_draft": self.width - 1,
+            "steps": self.steps,
+            "step_ms_median": median,
+            "step_ms_p10": _quantile(self.step_ms, 0.1),
+            "step_ms_p90": _quantile(self.step_ms, 0.9),
+            "cpu_ms_median": statistics.median(self.cpu_ms),
+            "phases_ms": phases,
+            "cost_plain_steps": cost,
+            "phases_plain_steps": {p: v / unit for p, v in phases.items()} if unit else {},
+            "tokens_per_row_step": tokens_per_step,
+            "speedup_bound": tokens_per_step / cost if cost else 0.0,
+        }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def parse_args(argv: Seq[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="dflash-bench step", description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=BUNDLED / "target", help="target folder")
+    p.add_argument("--drafter", type=Path, default=BUNDLED / "dflash", help="DFlash folder")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
+    p.add_argument("--block-sizes", type=_int_list, default=[4, 8, 16],
+                   help="verify widths w (w - 1 drafts), at most the drafter's block size")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per cell and round")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
+    p.add_argument("--run-tokens", type=int, default=96,
+                   help="rows restart from their prompt after generating this many tokens")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (truncated)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0 = sized to the CPUs this process may use)")
+    p.add_argument("--background-load", action="store_true",
+                   help="also measure with one core kept busy by another process")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--drafter-dtype", default=None,
+                   help="drafter compute dtype (default: --dtype); drafts only propose, so "
+                   "a different one keeps greedy outputs exact")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    return p.parse_args(list(argv))
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    for name, folder in (("target", args.model), ("drafter", args.drafter)):
+        if not (folder / "config.json").is_file():
+            print(f"dflash-bench step: no {name} checkpoint at {folder}", file=sys.stderr)
+            return 2
+    from engine.threads import BusyCore, configure_torch_threads
+
+    threads = configure_torch_threads(args.threads or None)
+    setups = [("quiet", False)] + ([("loaded", True)] if args.background_load else [])
+    report: dict[str, Any] = {"benchmark": "step", "threads": threads, "runs": {}}
+    bench = StepBench(args)
+    for name, loaded in setups:
+        if loaded:
+            with BusyCore(seconds=600.0):
+                report["runs"][name] = bench.run()
+        else:
+            report["runs"][name] = bench.run()
+    report.update(bench.describe())
+    print(format_table(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (f"{'batch':>5} {'w':>3} {'step ms':>8} {'p10-p90':>11} {'plain':>6} "
+            + " ".join(f"{p[:7]:>7}" for p in (*PHASES, "other"))
+            + f" {'tok/step':>8} {'bound':>6}")
+    lines = [f"step benchmark: {report['model']} + {report['drafter']} "
+             f"(threads {report['threads']}; phases in plain-step units; bound = "
+             f"tokens per step / cost)"]
+    for name, run in report["runs"].items():
+        lines += [f"[{name}]", head, "-" * len(head)]
+        for r in run["columns"]:
+            ph = r["phases_plain_steps"]
+            lines.append(
+                f"{r['batch_size']:>5} {r['width']:>3} {r['step_ms_median']:>8.2f} "
+                f"{r['step_ms_p10']:>5.1f}-{r['step_ms_p90']:<5.1f} "
+                f"{r['cost_plain_steps']:>6.2f} "
+                + " ".join(f"{ph.get(p, 0.0):>7.2f}" for p in (*PHASES, "other"))
+                + f" {r['tokens_per_row_step']:>8.2f} {r['speedup_bound']:>5.2f}x"
+            )
+    return "\n".join(lines)
+
+
+class StepBench:
+    """Loaded models and one state per (batch size, width): plain or DFlash."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from engine.loader import load_drafter, load_target
+        from engine.tokenizer import Tokenizer
+
+        self.args = args
+        self.dtype = getattr(torch, args.dtype)
+        self.target = load_target(args.model, "cpu", self.dtype)
+        drafter_dtype = getattr(torch, args.drafter_dtype or args.dtype)
+        self.drafter = load_drafter(args.drafter, self.target, "cpu", drafter_dtype)
+        tokenizer = Tokenizer.from_dir(args.model)
+        texts = load_prompts(None, max(args.batch_sizes))
+        self.prompts = [tokenizer.encode(t)[-args.prompt_tokens:] for t in texts]
+        widths = [w for w in args.block_sizes if 1 < w <= self.drafter.block_size]
+        self.widths = [1, *sorted(set(widths))]
+
+    def describe(self) -> dict[str, Any]:
+        return {"model": str(self.args.model), "drafter": str(self.args.drafter),
+                "dtype": self.args.dtype, "drafter_dtype": self.args.drafter_dtype or self.args.dtype,
+                "widths": self.widths,
+                "batch_sizes": list(self.args.batch_sizes),
+                "prompt_tokens": self.args.prompt_tokens}
+
+    def run(self) -> dict[str, Any]:
+        columns = []
+        for b in self.args.batch_sizes:
+            cells = {w: Column(b, w) for w in self.widths}
+            states = {w: self._state(b, w) for w in self.widths}
+            rows = {w: self._restart(states[w], b) for w in self.widths}
+            for w in self.widths:  # warm-up: first-call allocations and fused weights
+                rows[w] = self._advance(states[w], rows[w], w, None)
+            for _ in range(self.args.rounds):
+                for w in self.widths:
+                    rows[w] = self._measure(states[w], rows[w], w, cells[w])
+            columns += [cells[w].summary(cells[1]) for w in self.widths]
+        return {"columns": columns}
+
+    def _state(self, batch: int, width: int) -> Any:
+        from engine.speculative import SpecState
+
+        size = 1 if width == 1 else self.drafter.block_size
+        capacity = max(map(len, self.prompts)) + self.args.run_tokens + 2 * size
+        return SpecState.create(self.target, None if width == 1 else self.drafter, batch,
+                                capacity, size, "cpu", self.dtype)
+
+    def _restart(self, state: Any, batch: int) -> list[Any]:
+        from engine.speculative import DecodeRow, PrefillRow, RowSampling, prefill, release
+
+        greedy = RowSampling(temperature=0.0)
+        prompts = [self.prompts[i % len(self.prompts)] for i in range(batch)]
+        for slot in range(batch):
+            release(state, slot)
+        firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)],
+                         [greedy] * batch)
+        return [DecodeRow(i, firsts[i], len(p)) for i, p in enumerate(prompts)]
+
+    def _advance(self, state: Any, rows: list[Any], width: int, cell: Column | None,
+                 count: int = 3) -> list[Any]:
+        from engine.speculative import DecodeRow, RowSampling, StepTimings, spec_step
+
+        greedy = [RowSampling(temperature=0.0)] * len(rows)
+        k = None if width == 1 else width - 1
+        for _ in range(count):
+            if any(r.position - len(self.prompts[r.slot % len(self.prompts)])
+                   >= self.args.run_tokens for r in rows):
+                rows = self._restart(state, len(rows))
+            timings = StepTimings()
+            wall, cpu = time.perf_counter(), time.thread_time()
+            results = spec_step(state, rows, greedy, num_draft=k, timings=timings)
+            cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+            if cell is not None:
+                cell.step_ms.append(wall * 1000.0)
+                cell.cpu_ms.append(cpu * 1000.0)
+                for p in PHASES:
+                    cell.phase_s[p] += getattr(timings, p)
+                cell.steps += 1
+                cell.tokens += sum(len(r.token_ids) for r in results)
+            rows = [DecodeRow(r.slot, res.token_ids[-1], r.position + len(res.token_ids))
+                    for r, res in zip(rows, results, strict=True)]
+        return rows
+
+    def _measure(self, state: Any, rows: list[Any], width: int, cell: Column) -> list[Any]:
+        return self._advance(state, rows, width, cell, self.args.steps)
