@@ -8,6 +8,7 @@ keeps inter-op parallelism at one thread: the engine runs one forward at a time.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import subprocess
@@ -94,14 +95,16 @@ def configure_torch_threads(requested: int | None = None) -> int:
     cap = available_cpus()
     threads = cap if requested is None else max(1, min(requested, cap))
     torch.set_num_threads(threads)
-    try:
+    # only settable before the first inter-op work; later calls keep what is set
+    with contextlib.suppress(RuntimeError):
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # only settable before the first parallel work; keep what is set
-        pass
     return threads
 
 
-_SPIN = "import time,sys\nend=time.monotonic()+float(sys.argv[1])\nwhile time.monotonic()<end: pass\n"
+_SPIN = (
+    "import time,sys\nend=time.monotonic()+float(sys.argv[1])\n"
+    "while time.monotonic()<end: pass\n"
+)
 
 
 class BusyCore:
@@ -118,10 +121,8 @@ class BusyCore:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
         if cpus:
             target = cpus[-1] if self.cpu is None else self.cpu
-            try:
+            with contextlib.suppress(OSError):  # unpinned it still takes a core's worth
                 os.sched_setaffinity(self._proc.pid, {target})
-            except OSError:
-                pass  # unpinned it still takes a core's worth of time
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

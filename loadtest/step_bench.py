@@ -84,8 +84,9 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
     p.add_argument("--run-tokens", type=int, default=96,
                    help="rows restart from their prompt after generating this many tokens")
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (truncated)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch threads (0 = sized to the CPUs this process may use)")
+    p.add_argument("--prompts", type=Path, default=None, help="JSON list or JSONL of prompts")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (0 = the CPUs this process may use)")
     p.add_argument("--background-load", action="store_true",
                    help="also measure with one core kept busy by another process")
     p.add_argument("--dtype", default="float32")
@@ -159,14 +160,15 @@ class StepBench:
         drafter_dtype = getattr(torch, args.drafter_dtype or args.dtype)
         self.drafter = load_drafter(args.drafter, self.target, "cpu", drafter_dtype)
         tokenizer = Tokenizer.from_dir(args.model)
-        texts = load_prompts(None, max(args.batch_sizes))
+        texts = load_prompts(args.prompts, max(args.batch_sizes))
         self.prompts = [tokenizer.encode(t)[-args.prompt_tokens:] for t in texts]
         widths = [w for w in args.block_sizes if 1 < w <= self.drafter.block_size]
         self.widths = [1, *sorted(set(widths))]
 
     def describe(self) -> dict[str, Any]:
         return {"model": str(self.args.model), "drafter": str(self.args.drafter),
-                "dtype": self.args.dtype, "drafter_dtype": self.args.drafter_dtype or self.args.dtype,
+                "dtype": self.args.dtype,
+                "drafter_dtype": self.args.drafter_dtype or self.args.dtype,
                 "widths": self.widths,
                 "batch_sizes": list(self.args.batch_sizes),
                 "prompt_tokens": self.args.prompt_tokens}
