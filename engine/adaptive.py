@@ -21,6 +21,8 @@ same model: for each batch size, the k `choose` would pick at the given acceptan
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -91,12 +93,19 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def calibrate(measure: Measure, batch_sizes: Iterable[int], num_drafts: Iterable[int]
-              ) -> CostModel:
-    """Measure every grid point once (the caller's `measure` repeats and takes a median),
+def calibrate(measure: Measure, batch_sizes: Iterable[int], num_drafts: Iterable[int],
+              passes: int = 1) -> CostModel:
+    """Measure the grid `passes` times, a whole pass at a time (so a burst of load on a
+    shared machine spoils one value per cell, not one cell), take each cell's median,
     then make the grid monotone (see CostModel.monotone)."""
     bs, ks = tuple(sorted(set(batch_sizes))), tuple(sorted(set(num_drafts)))
-    return CostModel(bs, ks, tuple(tuple(measure(b, k) for k in ks) for b in bs)).monotone()
+    samples: dict[tuple[int, int], list[float]] = {(b, k): [] for b in bs for k in ks}
+    for _ in range(max(1, passes)):
+        for b in bs:
+            for k in ks:
+                samples[(b, k)].append(measure(b, k))
+    seconds = tuple(tuple(statistics.median(samples[(b, k)]) for k in ks) for b in bs)
+    return CostModel(bs, ks, seconds).monotone()
 
 
 def default_grid(max_num_seqs: int, max_k: int) -> tuple[list[int], list[int]]:
@@ -154,17 +163,46 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 
 @dataclass
 class SpecPolicy:
-    """Picks k per step; `mode="fixed"` always verifies max_k (the old behaviour)."""
+    """Picks k per step; `mode="fixed"` always verifies max_k (the old behaviour).
+
+    `observe_cost` (optional) feeds back measured step times: the calibrated cost of each
+    grid k is corrected by how its observed times compare with the model, relative to
+    all observations (a uniform slowdown of the machine changes no decision; a
+    calibration that was off at some k is repaired once that k has run)."""
 
     costs: CostModel
     max_k: int
     mode: Literal["adaptive", "fixed"] = "adaptive"
     explore_every: int = 16  # steps; 0 = never explore
+    feedback_weight: float = 0.1  # EWMA weight of one observed step time
     _steps: int = 0
+    _overall: float | None = None  # EWMA of log(observed / model), all steps
+    _per_k: dict[int, float] = field(default_factory=dict)  # same, per grid k
+
+    def cost(self, batch_size: int, k: int) -> float:
+        """Model seconds with the feedback correction (relative, per nearest grid k)."""
+        base = self.costs.cost(batch_size, k)
+        grid = self._nearest(k)
+        if self._overall is None or grid not in self._per_k:
+            return base
+        return base * math.exp(self._per_k[grid] - self._overall)
+
+    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        ratio = math.log(seconds / self.costs.cost(batch_size, k))
+        w = self.feedback_weight
+        self._overall = ratio if self._overall is None else (1 - w) * self._overall + w * ratio
+        grid = self._nearest(k)
+        old = self._per_k.get(grid)
+        self._per_k[grid] = ratio if old is None else (1 - w) * old + w * ratio
+
+    def _nearest(self, k: int) -> int:
+        return min(self.costs.num_drafts, key=lambda g: (abs(g - k), g))
 
     def best(self, batch_size: int, rates: Sequence[float]) -> int:
         """argmax_k tokens per second at this batch size (ties: the smaller k)."""
-        scores = [expected_tokens(rates, k) / self.costs.cost(batch_size, k)
+        scores = [expected_tokens(rates, k) / self.cost(batch_size, k)
                   for k in range(self.max_k + 1)]
         return max(range(len(scores)), key=lambda k: (scores[k], -k))
 

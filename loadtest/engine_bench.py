@@ -270,7 +270,9 @@ class AdaptiveHook:
                     return original(state, rows, sampling, num_draft, timings)
                 policy, stats, _ = entry
                 k = policy.choose(len(rows), stats)
+                start = time.perf_counter()
                 results = original(state, rows, sampling, k, timings)
+                policy.observe_cost(len(rows), k, time.perf_counter() - start)
                 stats.observe((r.num_drafted, r.num_accepted) for r in results)
                 return results
 

@@ -34,6 +34,7 @@ class Column:
 
     batch_size: int
     width: int
+    drafter: bool  # False: the target alone (the unit); True: through the DFlash state
     step_ms: list[float] = field(default_factory=list)  # wall time of each spec_step call
     cpu_ms: list[float] = field(default_factory=list)  # thread CPU time of each call
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -54,6 +55,7 @@ class Column:
             "batch_size": self.batch_size,
             "width": self.width,
             "num_draft": self.width - 1,
+            "drafter": self.drafter,
             "steps": self.steps,
             "step_ms_median": median,
             "step_ms_p10": _quantile(self.step_ms, 0.1),
@@ -130,13 +132,14 @@ def format_table(report: dict[str, Any]) -> str:
             + f" {'tok/step':>8} {'bound':>6}")
     lines = [f"step benchmark: {report['model']} + {report['drafter']} "
              f"(threads {report['threads']}; phases in plain-step units; bound = "
-             f"tokens per step / cost)"]
+             f"tokens per step / cost; w 1d = 0 drafts through the DFlash state)"]
     for name, run in report["runs"].items():
         lines += [f"[{name}]", head, "-" * len(head)]
         for r in run["columns"]:
             ph = r["phases_plain_steps"]
+            width = f"{r['width']}{'d' if r['drafter'] and r['width'] == 1 else ''}"
             lines.append(
-                f"{r['batch_size']:>5} {r['width']:>3} {r['step_ms_median']:>8.2f} "
+                f"{r['batch_size']:>5} {width:>3} {r['step_ms_median']:>8.2f} "
                 f"{r['step_ms_p10']:>5.1f}-{r['step_ms_p90']:<5.1f} "
                 f"{r['cost_plain_steps']:>6.2f} "
                 + " ".join(f"{ph.get(p, 0.0):>7.2f}" for p in (*PHASES, "other"))
@@ -164,6 +167,8 @@ class StepBench:
         self.prompts = [tokenizer.encode(t)[-args.prompt_tokens:] for t in texts]
         widths = [w for w in args.block_sizes if 1 < w <= self.drafter.block_size]
         self.widths = [1, *sorted(set(widths))]
+        # (width, through the DFlash state): plain, then k = 0 with the drafter, then w - 1
+        self.variants = [(1, False), (1, True), *((w, True) for w in self.widths[1:])]
 
     def describe(self) -> dict[str, Any]:
         return {"model": str(self.args.model), "drafter": str(self.args.drafter),
@@ -176,23 +181,23 @@ class StepBench:
     def run(self) -> dict[str, Any]:
         columns = []
         for b in self.args.batch_sizes:
-            cells = {w: Column(b, w) for w in self.widths}
-            states = {w: self._state(b, w) for w in self.widths}
-            rows = {w: self._restart(states[w], b) for w in self.widths}
-            for w in self.widths:  # warm-up: first-call allocations and fused weights
-                rows[w] = self._advance(states[w], rows[w], w, None)
+            cells = {v: Column(b, *v) for v in self.variants}
+            states = {v: self._state(b, v[1]) for v in self.variants}
+            rows = {v: self._restart(states[v], b) for v in self.variants}
+            for v in self.variants:  # warm-up: first-call allocations and fused weights
+                rows[v] = self._advance(states[v], rows[v], v[0], None)
             for _ in range(self.args.rounds):
-                for w in self.widths:
-                    rows[w] = self._measure(states[w], rows[w], w, cells[w])
-            columns += [cells[w].summary(cells[1]) for w in self.widths]
+                for v in self.variants:
+                    rows[v] = self._measure(states[v], rows[v], v[0], cells[v])
+            columns += [cells[v].summary(cells[(1, False)]) for v in self.variants]
         return {"columns": columns}
 
-    def _state(self, batch: int, width: int) -> Any:
+    def _state(self, batch: int, drafter: bool) -> Any:
         from engine.speculative import SpecState
 
-        size = 1 if width == 1 else self.drafter.block_size
+        size = self.drafter.block_size if drafter else 1
         capacity = max(map(len, self.prompts)) + self.args.run_tokens + 2 * size
-        return SpecState.create(self.target, None if width == 1 else self.drafter, batch,
+        return SpecState.create(self.target, self.drafter if drafter else None, batch,
                                 capacity, size, "cpu", self.dtype)
 
     def _restart(self, state: Any, batch: int) -> list[Any]:
@@ -211,7 +216,7 @@ class StepBench:
         from engine.speculative import DecodeRow, RowSampling, StepTimings, spec_step
 
         greedy = [RowSampling(temperature=0.0)] * len(rows)
-        k = None if width == 1 else width - 1
+        k = width - 1
         for _ in range(count):
             if any(r.position - len(self.prompts[r.slot % len(self.prompts)])
                    >= self.args.run_tokens for r in rows):

@@ -124,3 +124,21 @@ def test_vllm_table_shrinks_k_as_the_batch_grows() -> None:
     assert list(table) == [1, 4, 16]
     assert table[1] >= table[4] >= table[16]
     assert table[1] > 0
+
+
+def test_observed_step_times_repair_a_wrong_calibration() -> None:
+    """Calibrated: verifying is nearly free, so k = 15. Observed: k = 15 steps take 10x
+    the model; the policy backs off. A uniform slowdown alone changes nothing."""
+    stats = AcceptanceStats(max_k=15, prior_rate=0.95, prior_weight=1e9)
+    policy = SpecPolicy(_linear_costs(per_token=0.005), 15, explore_every=0)
+    assert policy.choose(4, stats) == 15
+    uniform = SpecPolicy(_linear_costs(per_token=0.005), 15, explore_every=0)
+    for k in (0, 15):
+        for _ in range(30):
+            uniform.observe_cost(4, k, 3.0 * uniform.costs.cost(4, k))
+    assert uniform.choose(4, stats) == 15
+    for _ in range(30):
+        policy.observe_cost(4, 15, 10.0 * policy.costs.cost(4, 15))
+        policy.observe_cost(4, 0, policy.costs.cost(4, 0))
+    assert policy.cost(4, 15) > 2.0 * policy.costs.cost(4, 15)
+    assert policy.choose(4, stats) < 15

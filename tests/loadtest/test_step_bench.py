@@ -27,13 +27,14 @@ def test_step_bench_writes_consistent_json(
     report = json.loads(out.read_text())
     assert report["widths"] == [1, 2, 4]  # 8 exceeds the drafter's block: dropped
     columns = report["runs"]["quiet"]["columns"]
-    assert [(c["batch_size"], c["width"]) for c in columns] == [
-        (b, w) for b in (1, 2) for w in (1, 2, 4)]
+    assert [(c["batch_size"], c["width"], c["drafter"]) for c in columns] == [
+        (b, w, d) for b in (1, 2) for w, d in ((1, False), (1, True), (2, True), (4, True))]
     for c in columns:
         assert c["steps"] == 6  # 3 steps x 2 rounds
         assert 1.0 <= c["tokens_per_row_step"] <= c["width"]
         assert sum(c["phases_ms"].values()) == pytest.approx(c["step_ms_median"], rel=1e-6)
-        plain = next(p for p in columns if p["batch_size"] == c["batch_size"] and p["width"] == 1)
+        plain = next(p for p in columns
+                     if p["batch_size"] == c["batch_size"] and not p["drafter"])
         assert c["cost_plain_steps"] == pytest.approx(
             c["step_ms_median"] / plain["step_ms_median"])
         assert c["speedup_bound"] == pytest.approx(c["tokens_per_row_step"] / c["cost_plain_steps"])
