@@ -16,11 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.kv_cache import CacheIndex, KVCache
-from engine.layers import DecoderLayer, FusedWeight, LayerShape, RMSNorm, Rotary
+from engine.layers import DecoderLayer, FusedWeight, LayerShape, RMSNorm, Rotary, linear
 from engine.model import rope_theta_of
 
 
@@ -121,7 +120,8 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         # A tuple keeps the target's modules out of this module's parameters/state_dict.
         self._borrowed = (embed_tokens, lm_head)
-        self._head = FusedWeight()  # lm_head in the drafter's dtype when the target's differs
+        self._head = FusedWeight()  # inference lm_head, in the drafter's dtype
+        self._fc = FusedWeight()
 
     @property
     def block_size(self) -> int:
@@ -146,14 +146,11 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft logits [.., vocab] from drafter hidden states [.., hidden]."""
-        head = self._borrowed[1]
-        if hidden.dtype == head.weight.dtype or torch.is_grad_enabled():
-            return head(hidden.to(head.weight.dtype))  # type: ignore[no-any-return]
-        return F.linear(hidden, self._head.get([head.weight], hidden.dtype))
+        return linear(self._borrowed[1], self._head, hidden)
 
     def context(self, features: Tensor) -> Tensor:
         """Concatenated target hidden states [b, c, n*hidden] -> context [b, c, hidden]."""
-        return self.hidden_norm(self.fc(features.to(self.dtype)))  # type: ignore[no-any-return]
+        return self.hidden_norm(linear(self.fc, self._fc, features.to(self.dtype)))  # type: ignore[no-any-return]
 
     def forward(
         self,

@@ -92,14 +92,31 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+def _onednn_linear_available() -> bool:
+    ops = getattr(torch.ops, "mkldnn", None)
+    available = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return bool(available and ops is not None
+                and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight"))
+
+
+ONEDNN_LINEAR = _onednn_linear_available()
+
+
 class FusedWeight:
-    """Concatenated weights of several Linear layers, rebuilt when any source changes
-    (in-place edits bump `_version`, `.to()` changes `data_ptr`). One wide matmul instead
-    of several narrow ones: fewer dispatches, better kernels. Same dot products per output."""
+    """Inference copy of one or more Linear weights, concatenated along the output dim,
+    rebuilt when any source changes (in-place edits bump `_version`, `.to()` changes
+    `data_ptr`). One wide matmul instead of several narrow ones.
+
+    `linear` runs float32 CPU matmuls through oneDNN with the weight prepacked once:
+    on the CPUs measured (AMD EPYC, AVX-512) it is 2-2.6x faster than the default BLAS
+    for 4-128 rows, and each row's result does not depend on how many rows are in the
+    batch (the default BLAS path gives different bits for 1 row and for 16), so a
+    verify over a block computes exactly what plain decoding computes token by token."""
 
     def __init__(self) -> None:
         self._key: tuple[object, ...] = ()
         self._weight: Tensor | None = None
+        self._packed: Tensor | None = None
 
     def get(self, parts: list[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """The parts concatenated along dim 0 (and cast to `dtype` when given)."""
@@ -108,8 +125,26 @@ class FusedWeight:
             with torch.inference_mode(False), torch.no_grad():
                 weight = torch.cat([p.detach() for p in parts], dim=0)
                 self._weight = weight.to(dtype or weight.dtype).contiguous()
-            self._key = key
+            self._key, self._packed = key, None
         return self._weight
+
+    def linear(self, x: Tensor, parts: list[Tensor]) -> Tensor:
+        """x @ concat(parts).T (inference only: no autograd through the copies)."""
+        weight = self.get(parts, x.dtype)
+        if not (ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu"):
+            return F.linear(x, weight)
+        if self._packed is None:
+            with torch.inference_mode(False), torch.no_grad():
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+        return out
+
+
+def linear(module: nn.Linear, cache: FusedWeight, x: Tensor) -> Tensor:
+    """module(x), through `cache` (see FusedWeight.linear) when no gradient is needed."""
+    if torch.is_grad_enabled() or module.bias is not None:
+        return module(x.to(module.weight.dtype))  # type: ignore[no-any-return]
+    return cache.linear(x, [module.weight])
 
 
 class Attention(nn.Module):
@@ -133,6 +168,7 @@ class Attention(nn.Module):
         self._qkv = FusedWeight()
         self._kv = FusedWeight()
         self._qk_norm = FusedWeight()
+        self._o = FusedWeight()
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         b, t, _ = x.shape
@@ -156,8 +192,8 @@ class Attention(nn.Module):
             return (self.query(x, cos, sin), *self.key_value(x, cos, sin))
         b, t, _ = x.shape
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        w = self._qkv.get([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        qkv = F.linear(x, w).view(b, t, h + 2 * kvh, d)
+        qkv = self._qkv.linear(x, [self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        qkv = qkv.view(b, t, h + 2 * kvh, d)
         qk = self._norm_qk(qkv[:, :, : h + kvh])  # [b, t, h + kvh, d]
         qk = apply_rotary(qk.transpose(1, 2), cos, sin)  # [b, h + kvh, t, d]
         return qk[:, :h], qk[:, h:], qkv[:, :, h + kvh :].transpose(1, 2)
@@ -168,7 +204,7 @@ class Attention(nn.Module):
             return self.key_value(x, cos, sin)
         b, t, _ = x.shape
         kvh, d = self.num_kv_heads, self.head_dim
-        kv = F.linear(x, self._kv.get([self.k_proj.weight, self.v_proj.weight]))
+        kv = self._kv.linear(x, [self.k_proj.weight, self.v_proj.weight])
         kv = kv.view(b, t, 2 * kvh, d)
         k = rms_norm(kv[:, :, :kvh], self.k_norm.weight, self.k_norm.eps)
         return apply_rotary(k.transpose(1, 2), cos, sin), kv[:, :, kvh:].transpose(1, 2)
@@ -189,7 +225,7 @@ class Attention(nn.Module):
         b, _, t, _ = out.shape
         # [b, h, t, d] -> [b, t, h * d]
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
-        return self.o_proj(out)  # type: ignore[no-any-return]
+        return linear(self.o_proj, self._o, out)
 
 
 class MLP(nn.Module):
@@ -201,14 +237,15 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self._gate_up = FusedWeight()
+        self._down = FusedWeight()
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # type: ignore[no-any-return]
         # inference: gate and up from one matmul
-        w = self._gate_up.get([self.gate_proj.weight, self.up_proj.weight])
-        gate, up = F.linear(x, w).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+        both = self._gate_up.linear(x, [self.gate_proj.weight, self.up_proj.weight])
+        gate, up = both.chunk(2, dim=-1)
+        return linear(self.down_proj, self._down, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
