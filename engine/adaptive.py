@@ -16,6 +16,10 @@ Three small parts:
 
 `speculative_tokens_per_batch_size` derives vLLM's static batch-size -> k table from the
 same model: for each batch size, the k `choose` would pick at the given acceptance rates.
+For the production (GPU) worker the costs must be the server's own: step latency per
+(batch size, k) measured against the vLLM server (CostModel.from_json), and the rates
+from its acceptance counters (vllm:spec_decode_num_accepted_tokens_per_pos over
+vllm:spec_decode_num_drafts, made conditional: a_j = accepted_j / accepted_{j-1}).
 """
 
 from __future__ import annotations
@@ -75,6 +79,18 @@ class CostModel:
     def to_json(self) -> dict[str, object]:
         return {"batch_sizes": list(self.batch_sizes), "num_drafts": list(self.num_drafts),
                 "seconds": [list(row) for row in self.seconds]}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, object]) -> CostModel:
+        """Inverse of to_json (e.g. step latencies measured on a vLLM server)."""
+        try:
+            bs = tuple(int(b) for b in raw["batch_sizes"])  # type: ignore[attr-defined]
+            ks = tuple(int(k) for k in raw["num_drafts"])  # type: ignore[attr-defined]
+            rows = raw["seconds"]
+            seconds = tuple(tuple(float(x) for x in row) for row in rows)  # type: ignore[attr-defined]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a cost model: {exc}") from exc
+        return cls(bs, ks, seconds)
 
 
 def _running_max(values: Iterable[float]) -> Iterable[float]:
@@ -214,6 +230,16 @@ class SpecPolicy:
         if self.explore_every and self._steps % self.explore_every == 0:
             k = min(self.max_k, k + max(2, k // 2))
         return k
+
+
+def conditional_rates(accepted_per_pos: Sequence[float], num_drafts: float) -> list[float]:
+    """Per-position conditional acceptance from vLLM-style counters: accepted_per_pos[j]
+    = steps that accepted draft j + 1 (and so every earlier one), num_drafts = steps."""
+    rates, before = [], float(num_drafts)
+    for accepted in accepted_per_pos:
+        rates.append(accepted / before if before > 0 else 0.0)
+        before = float(accepted)
+    return rates
 
 
 def speculative_tokens_per_batch_size(costs: CostModel, rates: Sequence[float],

@@ -9,6 +9,7 @@ from engine.adaptive import (
     CostModel,
     SpecPolicy,
     calibrate,
+    conditional_rates,
     default_grid,
     expected_tokens,
     speculative_tokens_per_batch_size,
@@ -142,3 +143,12 @@ def test_observed_step_times_repair_a_wrong_calibration() -> None:
         policy.observe_cost(4, 0, policy.costs.cost(4, 0))
     assert policy.cost(4, 15) > 2.0 * policy.costs.cost(4, 15)
     assert policy.choose(4, stats) < 15
+
+
+def test_cost_model_json_round_trip_and_counter_rates() -> None:
+    costs = _linear_costs()
+    assert CostModel.from_json(costs.to_json()) == costs
+    with pytest.raises(ValueError):
+        CostModel.from_json({"batch_sizes": [1]})
+    assert conditional_rates([80, 40, 0], 100) == pytest.approx([0.8, 0.5, 0.0])
+    assert conditional_rates([0, 0], 0) == [0.0, 0.0]
