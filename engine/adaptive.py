@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -58,8 +57,13 @@ class CostModel:
 
     def cost(self, batch_size: int, k: int) -> float:
         """Seconds of one step verifying k drafts for batch_size rows (interpolated)."""
-        per_b = [_interpolate(self.num_drafts, row, k) for row in self.seconds]
-        return max(1e-9, _interpolate(self.batch_sizes, per_b, batch_size))
+        return self.curve(batch_size, k)[k]
+
+    def curve(self, batch_size: int, max_k: int) -> list[float]:
+        """cost(batch_size, k) for k = 0..max_k, interpolating over the batch once."""
+        at_b = [_interpolate(self.batch_sizes, [row[j] for row in self.seconds], batch_size)
+                for j in range(len(self.num_drafts))]
+        return [max(1e-9, _interpolate(self.num_drafts, at_b, k)) for k in range(max_k + 1)]
 
     def relative(self, batch_size: int, k: int) -> float:
         """The cost in plain steps at the same batch size."""
@@ -112,15 +116,15 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
 def calibrate(measure: Measure, batch_sizes: Iterable[int], num_drafts: Iterable[int],
               passes: int = 1) -> CostModel:
     """Measure the grid `passes` times, a whole pass at a time (so a burst of load on a
-    shared machine spoils one value per cell, not one cell), take each cell's median,
-    then make the grid monotone (see CostModel.monotone)."""
+    shared machine spoils one value per cell, not one cell), take each cell's minimum
+    (other processes only ever add time), then make the grid monotone."""
     bs, ks = tuple(sorted(set(batch_sizes))), tuple(sorted(set(num_drafts)))
     samples: dict[tuple[int, int], list[float]] = {(b, k): [] for b in bs for k in ks}
     for _ in range(max(1, passes)):
         for b in bs:
             for k in ks:
                 samples[(b, k)].append(measure(b, k))
-    seconds = tuple(tuple(statistics.median(samples[(b, k)]) for k in ks) for b in bs)
+    seconds = tuple(tuple(min(samples[(b, k)]) for k in ks) for b in bs)
     return CostModel(bs, ks, seconds).monotone()
 
 
@@ -197,11 +201,15 @@ class SpecPolicy:
 
     def cost(self, batch_size: int, k: int) -> float:
         """Model seconds with the feedback correction (relative, per nearest grid k)."""
-        base = self.costs.cost(batch_size, k)
-        grid = self._nearest(k)
-        if self._overall is None or grid not in self._per_k:
+        return self.curve(batch_size)[k]
+
+    def curve(self, batch_size: int) -> list[float]:
+        """cost(batch_size, k) for k = 0..max_k, feedback included."""
+        base = self.costs.curve(batch_size, self.max_k)
+        if self._overall is None or not self._per_k:
             return base
-        return base * math.exp(self._per_k[grid] - self._overall)
+        factor = {g: math.exp(v - self._overall) for g, v in self._per_k.items()}
+        return [c * factor.get(self._nearest(k), 1.0) for k, c in enumerate(base)]
 
     def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
         if seconds <= 0:
@@ -218,8 +226,13 @@ class SpecPolicy:
 
     def best(self, batch_size: int, rates: Sequence[float]) -> int:
         """argmax_k tokens per second at this batch size (ties: the smaller k)."""
-        scores = [expected_tokens(rates, k) / self.cost(batch_size, k)
-                  for k in range(self.max_k + 1)]
+        costs = self.curve(batch_size)
+        tokens, survive, scores = 1.0, 1.0, []
+        for k in range(self.max_k + 1):
+            if k:
+                survive *= rates[k - 1]
+                tokens += survive
+            scores.append(tokens / costs[k])
         return max(range(len(scores)), key=lambda k: (scores[k], -k))
 
     def choose(self, batch_size: int, stats: AcceptanceStats) -> int:
