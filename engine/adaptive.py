@@ -61,8 +61,10 @@ class CostModel:
 
     def curve(self, batch_size: int, max_k: int) -> list[float]:
         """cost(batch_size, k) for k = 0..max_k, interpolating over the batch once."""
-        at_b = [_interpolate(self.batch_sizes, [row[j] for row in self.seconds], batch_size)
-                for j in range(len(self.num_drafts))]
+        at_b = [
+            _interpolate(self.batch_sizes, [row[j] for row in self.seconds], batch_size)
+            for j in range(len(self.num_drafts))
+        ]
         return [max(1e-9, _interpolate(self.num_drafts, at_b, k)) for k in range(max_k + 1)]
 
     def relative(self, batch_size: int, k: int) -> float:
@@ -81,8 +83,11 @@ class CostModel:
         return CostModel(self.batch_sizes, self.num_drafts, tuple(tuple(r) for r in rows))
 
     def to_json(self) -> dict[str, object]:
-        return {"batch_sizes": list(self.batch_sizes), "num_drafts": list(self.num_drafts),
-                "seconds": [list(row) for row in self.seconds]}
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "num_drafts": list(self.num_drafts),
+            "seconds": [list(row) for row in self.seconds],
+        }
 
     @classmethod
     def from_json(cls, raw: dict[str, object]) -> CostModel:
@@ -113,8 +118,9 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def calibrate(measure: Measure, batch_sizes: Iterable[int], num_drafts: Iterable[int],
-              passes: int = 1) -> CostModel:
+def calibrate(
+    measure: Measure, batch_sizes: Iterable[int], num_drafts: Iterable[int], passes: int = 1
+) -> CostModel:
     """Measure the grid `passes` times, a whole pass at a time (so a burst of load on a
     shared machine spoils one value per cell, not one cell), take each cell's minimum
     (other processes only ever add time), then make the grid monotone."""
@@ -255,9 +261,9 @@ def conditional_rates(accepted_per_pos: Sequence[float], num_drafts: float) -> l
     return rates
 
 
-def speculative_tokens_per_batch_size(costs: CostModel, rates: Sequence[float],
-                                      batch_sizes: Iterable[int], max_k: int
-                                      ) -> dict[int, int]:
+def speculative_tokens_per_batch_size(
+    costs: CostModel, rates: Sequence[float], batch_sizes: Iterable[int], max_k: int
+) -> dict[int, int]:
     """vLLM's static table (batch size -> num_speculative_tokens): at each batch size the
     k that maximises expected tokens per second under `costs` at acceptance `rates`
     (per position, conditional). Consecutive equal entries are kept: vLLM looks the

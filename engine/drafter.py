@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.kv_cache import CacheIndex, KVCache
-from engine.layers import DecoderLayer, FusedWeight, LayerShape, RMSNorm, Rotary, linear
+from engine.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, linear
 from engine.model import rope_theta_of
 
 
@@ -120,8 +120,6 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         # A tuple keeps the target's modules out of this module's parameters/state_dict.
         self._borrowed = (embed_tokens, lm_head)
-        self._head = FusedWeight()  # inference lm_head, in the drafter's dtype
-        self._fc = FusedWeight()
 
     @property
     def block_size(self) -> int:
@@ -146,11 +144,11 @@ class DFlashDrafter(nn.Module):
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft logits [.., vocab] from drafter hidden states [.., hidden]."""
-        return linear(self._borrowed[1], self._head, hidden)
+        return linear(self._borrowed[1], hidden)
 
     def context(self, features: Tensor) -> Tensor:
         """Concatenated target hidden states [b, c, n*hidden] -> context [b, c, hidden]."""
-        return self.hidden_norm(linear(self.fc, self._fc, features.to(self.dtype)))  # type: ignore[no-any-return]
+        return self.hidden_norm(linear(self.fc, features.to(self.dtype)))  # type: ignore[no-any-return]
 
     def forward(
         self,

@@ -114,36 +114,49 @@ class FusedWeight:
     verify over a block computes exactly what plain decoding computes token by token."""
 
     def __init__(self) -> None:
-        self._key: tuple[object, ...] = ()
-        self._weight: Tensor | None = None
-        self._packed: Tensor | None = None
+        # per compute dtype (a bfloat16 drafter borrowing a float32 lm_head): source
+        # version key, the concatenated weight, its oneDNN-packed form (made on first use)
+        self._copies: dict[torch.dtype | None, tuple[tuple[object, ...], Tensor,
+                                                    Tensor | None]] = {}
 
     def get(self, parts: list[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """The parts concatenated along dim 0 (and cast to `dtype` when given)."""
-        key = (dtype, *((p.data_ptr(), p._version, p.dtype, p.device) for p in parts))
-        if self._weight is None or key != self._key:
+        return self._entry(parts, dtype)[1]
+
+    def _entry(self, parts: list[Tensor], dtype: torch.dtype | None
+               ) -> tuple[tuple[object, ...], Tensor, Tensor | None]:
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parts)
+        entry = self._copies.get(dtype)
+        if entry is None or entry[0] != key:
             with torch.inference_mode(False), torch.no_grad():
                 weight = torch.cat([p.detach() for p in parts], dim=0)
-                self._weight = weight.to(dtype or weight.dtype).contiguous()
-            self._key, self._packed = key, None
-        return self._weight
+                weight = weight.to(dtype or weight.dtype).contiguous()
+            entry = self._copies[dtype] = (key, weight, None)
+        return entry
 
     def linear(self, x: Tensor, parts: list[Tensor]) -> Tensor:
         """x @ concat(parts).T (inference only: no autograd through the copies)."""
-        weight = self.get(parts, x.dtype)
+        key, weight, packed = self._entry(parts, x.dtype)
         if not (ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu"):
             return F.linear(x, weight)
-        if self._packed is None:
+        if packed is None:
             with torch.inference_mode(False), torch.no_grad():
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+            self._copies[x.dtype] = (key, weight, packed)
+        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
         return out
 
 
-def linear(module: nn.Linear, cache: FusedWeight, x: Tensor) -> Tensor:
-    """module(x), through `cache` (see FusedWeight.linear) when no gradient is needed."""
+def linear(module: nn.Linear, x: Tensor) -> Tensor:
+    """module(x); without autograd through the module's own FusedWeight (see there),
+    kept on the module, so a Linear shared by two models (the lm_head a drafter borrows
+    from its target) has one prepacked copy."""
     if torch.is_grad_enabled() or module.bias is not None:
         return module(x.to(module.weight.dtype))  # type: ignore[no-any-return]
+    cache = module.__dict__.get("_inference_weight")
+    if not isinstance(cache, FusedWeight):
+        cache = FusedWeight()
+        module.__dict__["_inference_weight"] = cache
     return cache.linear(x, [module.weight])
 
 
@@ -168,7 +181,6 @@ class Attention(nn.Module):
         self._qkv = FusedWeight()
         self._kv = FusedWeight()
         self._qk_norm = FusedWeight()
-        self._o = FusedWeight()
 
     def _heads(self, x: Tensor, n: int) -> Tensor:
         b, t, _ = x.shape
@@ -225,7 +237,7 @@ class Attention(nn.Module):
         b, _, t, _ = out.shape
         # [b, h, t, d] -> [b, t, h * d]
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
-        return linear(self.o_proj, self._o, out)
+        return linear(self.o_proj, out)
 
 
 class MLP(nn.Module):
@@ -237,7 +249,6 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self._gate_up = FusedWeight()
-        self._down = FusedWeight()
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.is_grad_enabled():
@@ -245,7 +256,7 @@ class MLP(nn.Module):
         # inference: gate and up from one matmul
         both = self._gate_up.linear(x, [self.gate_proj.weight, self.up_proj.weight])
         gate, up = both.chunk(2, dim=-1)
-        return linear(self.down_proj, self._down, F.silu(gate) * up)
+        return linear(self.down_proj, F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

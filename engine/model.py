@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.kv_cache import CacheIndex, KVCache
-from engine.layers import DecoderLayer, FusedWeight, LayerShape, RMSNorm, Rotary, linear
+from engine.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, linear
 
 
 def rope_theta_of(raw: dict[str, Any], default: float = 1_000_000.0) -> float:
@@ -99,7 +99,6 @@ class Qwen3Target(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.rope_theta)
-        self._head = FusedWeight()  # inference copy of lm_head (see FusedWeight)
 
     def new_cache(self, num_slots: int, capacity: int, device: torch.device | str,
                   dtype: torch.dtype) -> KVCache:
@@ -144,7 +143,7 @@ class Qwen3Target(nn.Module):
                 collected[wanted[i]] = x
         if logit_index is not None:  # [b, t, hidden] -> [b, k, hidden]
             x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = linear(self.lm_head, self._head, self.model.norm(x))
+        logits = linear(self.lm_head, self.model.norm(x))
         hidden = torch.cat([h for h in collected if h is not None], dim=-1) if layer_ids else None
         return TargetOutput(logits=logits, hidden=hidden)
 

@@ -102,8 +102,7 @@ def configure_torch_threads(requested: int | None = None) -> int:
 
 
 _SPIN = (
-    "import time,sys\nend=time.monotonic()+float(sys.argv[1])\n"
-    "while time.monotonic()<end: pass\n"
+    "import time,sys\nend=time.monotonic()+float(sys.argv[1])\nwhile time.monotonic()<end: pass\n"
 )
 
 
@@ -125,8 +124,12 @@ class BusyCore:
                 os.sched_setaffinity(self._proc.pid, {target})
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self._proc is not None:
             self._proc.terminate()
             try:

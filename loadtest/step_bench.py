@@ -82,22 +82,40 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
     p.add_argument("--model", type=Path, default=BUNDLED / "target", help="target folder")
     p.add_argument("--drafter", type=Path, default=BUNDLED / "dflash", help="DFlash folder")
     p.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
-    p.add_argument("--block-sizes", type=_int_list, default=[4, 8, 16],
-                   help="verify widths w (w - 1 drafts), at most the drafter's block size")
+    p.add_argument(
+        "--block-sizes",
+        type=_int_list,
+        default=[4, 8, 16],
+        help="verify widths w (w - 1 drafts), at most the drafter's block size",
+    )
     p.add_argument("--steps", type=int, default=60, help="timed steps per cell and round")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
-    p.add_argument("--run-tokens", type=int, default=96,
-                   help="rows restart from their prompt after generating this many tokens")
+    p.add_argument(
+        "--run-tokens",
+        type=int,
+        default=96,
+        help="rows restart from their prompt after generating this many tokens",
+    )
     p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (truncated)")
     p.add_argument("--prompts", type=Path, default=None, help="JSON list or JSONL of prompts")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (0 = the CPUs this process may use)")
-    p.add_argument("--background-load", action="store_true",
-                   help="also measure with one core kept busy by another process")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (0 = the CPUs this process may use)",
+    )
+    p.add_argument(
+        "--background-load",
+        action="store_true",
+        help="also measure with one core kept busy by another process",
+    )
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--drafter-dtype", default=None,
-                   help="drafter compute dtype (default: --dtype); drafts only propose, so "
-                   "a different one keeps greedy outputs exact")
+    p.add_argument(
+        "--drafter-dtype",
+        default=None,
+        help="drafter compute dtype (default: --dtype); drafts only propose, so "
+        "a different one keeps greedy outputs exact",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(list(argv))
 
@@ -130,12 +148,16 @@ def main(argv: Seq[str] | None = None) -> int:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = (f"{'batch':>5} {'w':>3} {'cpu ms':>7} {'wall p10-p90':>12} {'plain':>6} "
-            + " ".join(f"{p[:7]:>7}" for p in (*PHASES, "other"))
-            + f" {'tok/step':>8} {'bound':>6}")
-    lines = [f"step benchmark: {report['model']} + {report['drafter']} "
-             f"(threads {report['threads']}; phases in plain-step units; bound = "
-             f"tokens per step / cost; w 1d = 0 drafts through the DFlash state)"]
+    head = (
+        f"{'batch':>5} {'w':>3} {'cpu ms':>7} {'wall p10-p90':>12} {'plain':>6} "
+        + " ".join(f"{p[:7]:>7}" for p in (*PHASES, "other"))
+        + f" {'tok/step':>8} {'bound':>6}"
+    )
+    lines = [
+        f"step benchmark: {report['model']} + {report['drafter']} "
+        f"(threads {report['threads']}; phases in plain-step units; bound = "
+        f"tokens per step / cost; w 1d = 0 drafts through the DFlash state)"
+    ]
     for name, run in report["runs"].items():
         lines += [f"[{name}]", head, "-" * len(head)]
         for r in run["columns"]:
@@ -167,19 +189,22 @@ class StepBench:
         self.drafter = load_drafter(args.drafter, self.target, "cpu", drafter_dtype)
         tokenizer = Tokenizer.from_dir(args.model)
         texts = load_prompts(args.prompts, max(args.batch_sizes))
-        self.prompts = [tokenizer.encode(t)[-args.prompt_tokens:] for t in texts]
+        self.prompts = [tokenizer.encode(t)[-args.prompt_tokens :] for t in texts]
         widths = [w for w in args.block_sizes if 1 < w <= self.drafter.block_size]
         self.widths = [1, *sorted(set(widths))]
         # (width, through the DFlash state): plain, then k = 0 with the drafter, then w - 1
         self.variants = [(1, False), (1, True), *((w, True) for w in self.widths[1:])]
 
     def describe(self) -> dict[str, Any]:
-        return {"model": str(self.args.model), "drafter": str(self.args.drafter),
-                "dtype": self.args.dtype,
-                "drafter_dtype": self.args.drafter_dtype or self.args.dtype,
-                "widths": self.widths,
-                "batch_sizes": list(self.args.batch_sizes),
-                "prompt_tokens": self.args.prompt_tokens}
+        return {
+            "model": str(self.args.model),
+            "drafter": str(self.args.drafter),
+            "dtype": self.args.dtype,
+            "drafter_dtype": self.args.drafter_dtype or self.args.dtype,
+            "widths": self.widths,
+            "batch_sizes": list(self.args.batch_sizes),
+            "prompt_tokens": self.args.prompt_tokens,
+        }
 
     def run(self) -> dict[str, Any]:
         columns = []
@@ -200,8 +225,9 @@ class StepBench:
 
         size = self.drafter.block_size if drafter else 1
         capacity = max(map(len, self.prompts)) + self.args.run_tokens + 2 * size
-        return SpecState.create(self.target, self.drafter if drafter else None, batch,
-                                capacity, size, "cpu", self.dtype)
+        return SpecState.create(
+            self.target, self.drafter if drafter else None, batch, capacity, size, "cpu", self.dtype
+        )
 
     def _restart(self, state: Any, batch: int) -> list[Any]:
         from engine.speculative import DecodeRow, PrefillRow, RowSampling, prefill, release
@@ -210,19 +236,21 @@ class StepBench:
         prompts = [self.prompts[i % len(self.prompts)] for i in range(batch)]
         for slot in range(batch):
             release(state, slot)
-        firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)],
-                         [greedy] * batch)
+        firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)], [greedy] * batch)
         return [DecodeRow(i, firsts[i], len(p)) for i, p in enumerate(prompts)]
 
-    def _advance(self, state: Any, rows: list[Any], width: int, cell: Column | None,
-                 count: int = 3) -> list[Any]:
+    def _advance(
+        self, state: Any, rows: list[Any], width: int, cell: Column | None, count: int = 3
+    ) -> list[Any]:
         from engine.speculative import DecodeRow, RowSampling, StepTimings, spec_step
 
         greedy = [RowSampling(temperature=0.0)] * len(rows)
         k = width - 1
         for _ in range(count):
-            if any(r.position - len(self.prompts[r.slot % len(self.prompts)])
-                   >= self.args.run_tokens for r in rows):
+            if any(
+                r.position - len(self.prompts[r.slot % len(self.prompts)]) >= self.args.run_tokens
+                for r in rows
+            ):
                 rows = self._restart(state, len(rows))
             timings = StepTimings()
             wall, cpu = time.perf_counter(), time.thread_time()
@@ -235,8 +263,10 @@ class StepBench:
                     cell.phase_s[p] += getattr(timings, p)
                 cell.steps += 1
                 cell.tokens += sum(len(r.token_ids) for r in results)
-            rows = [DecodeRow(r.slot, res.token_ids[-1], r.position + len(res.token_ids))
-                    for r, res in zip(rows, results, strict=True)]
+            rows = [
+                DecodeRow(r.slot, res.token_ids[-1], r.position + len(res.token_ids))
+                for r, res in zip(rows, results, strict=True)
+            ]
         return rows
 
     def _measure(self, state: Any, rows: list[Any], width: int, cell: Column) -> list[Any]:

@@ -19,8 +19,9 @@ from engine.adaptive import (
 def _linear_costs(plain: float = 1.0, per_token: float = 0.1) -> CostModel:
     """A step costs plain + per_token * (tokens verified beyond one row's first)."""
     bs, ks = (1, 4, 16), (0, 3, 7, 15)
-    return CostModel(bs, ks, tuple(tuple(plain + per_token * (b * (k + 1) - 1) for k in ks)
-                                   for b in bs))
+    return CostModel(
+        bs, ks, tuple(tuple(plain + per_token * (b * (k + 1) - 1) for k in ks) for b in bs)
+    )
 
 
 def test_cost_interpolates_and_extrapolates_linearly() -> None:
@@ -120,8 +121,9 @@ def test_exploration_verifies_a_few_more_drafts_now_and_then() -> None:
 
 
 def test_vllm_table_shrinks_k_as_the_batch_grows() -> None:
-    table = speculative_tokens_per_batch_size(_linear_costs(per_token=0.05), [0.8] * 15,
-                                              [16, 1, 4], 15)
+    table = speculative_tokens_per_batch_size(
+        _linear_costs(per_token=0.05), [0.8] * 15, [16, 1, 4], 15
+    )
     assert list(table) == [1, 4, 16]
     assert table[1] >= table[4] >= table[16]
     assert table[1] > 0
