@@ -1,14 +1,20 @@
 """Start-up measurement of step costs for the adaptive policy (engine.adaptive.CostModel).
 
 Runs real `spec_step`s on scratch rows in slots 0..b-1, so it must run before any request
-is admitted (every slot free); the slots are released afterwards.
+is admitted (every slot free); the slots are released afterwards. Every grid cell is
+measured once per pass and the passes go round the whole grid step by step, so a burst
+of load from another process lands on one sample of many cells rather than on all the
+samples of one; each cell keeps its fastest sample (other processes only ever add time,
+and the policy needs the steps' relative costs). The rows do not advance between steps
+(same positions each time: what a step writes past a row's length is dead), so every
+cell sees the same context.
 """
 
 from __future__ import annotations
 
 import time
 
-from engine.adaptive import CostModel, calibrate, default_grid
+from engine.adaptive import CostModel, default_grid
 from engine.speculative import (
     DecodeRow,
     PrefillRow,
@@ -23,44 +29,40 @@ from engine.speculative import (
 GREEDY = RowSampling(temperature=0.0)
 
 
-def step_seconds(
+def measure_grid(
     state: SpecState,
-    batch_size: int,
-    num_draft: int,
+    batch_sizes: list[int],
+    num_drafts: list[int],
     *,
     context_tokens: int = 128,
-    steps: int = 4,
+    passes: int = 6,
     vocab: int = 256,
-) -> float:
-    """Fastest wall seconds of `steps` steps verifying `num_draft` drafts for
-    `batch_size` rows that start with `context_tokens` of context (one warm-up step).
-    The minimum, not the mean: other processes only ever add time, and the policy
-    needs the steps' relative costs."""
-    if batch_size > state.caches.target.num_slots:
+) -> dict[tuple[int, int], float]:
+    """Fastest wall seconds of a step per (batch size, k), over `passes` interleaved passes
+    (after one warm-up pass)."""
+    top_b = max(batch_sizes)
+    if top_b > state.caches.target.num_slots:
         slots = state.caches.target.num_slots
-        raise ValueError(f"batch size {batch_size} exceeds the {slots} slots")
-    room = state.caches.target.capacity - (steps + 2) * (num_draft + 1)
+        raise ValueError(f"batch size {top_b} exceeds the {slots} slots")
+    room = state.caches.target.capacity - max(num_drafts) - 1
     context = max(1, min(context_tokens, room))
-    prompts = [[(7 * i + j) % vocab + 1 for j in range(context)] for i in range(batch_size)]
-    firsts = prefill(
-        state, [PrefillRow(i, p) for i, p in enumerate(prompts)], [GREEDY] * batch_size
-    )
-    rows = [DecodeRow(i, firsts[i], context) for i in range(batch_size)]
-    times = []
+    prompts = [[(7 * i + j) % vocab + 1 for j in range(context)] for i in range(top_b)]
+    best: dict[tuple[int, int], float] = {}
     try:
-        for step in range(steps + 1):
-            start = time.perf_counter()
-            results = spec_step(state, rows, [GREEDY] * batch_size, num_draft=num_draft)
-            if step:  # the first is a warm-up
-                times.append(time.perf_counter() - start)
-            rows = [
-                DecodeRow(r.slot, res.token_ids[-1], r.position + len(res.token_ids))
-                for r, res in zip(rows, results, strict=True)
-            ]
+        firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)], [GREEDY] * top_b)
+        rows = [DecodeRow(i, firsts[i], context) for i in range(top_b)]
+        for n in range(passes + 1):
+            for b in batch_sizes:
+                for k in num_drafts:
+                    start = time.perf_counter()
+                    spec_step(state, rows[:b], [GREEDY] * b, num_draft=k)
+                    seconds = time.perf_counter() - start
+                    if n:  # pass 0 warms up
+                        best[(b, k)] = min(seconds, best.get((b, k), seconds))
     finally:
-        for i in range(batch_size):
+        for i in range(top_b):
             release(state, i)
-    return min(times)
+    return best
 
 
 def calibrate_state(
@@ -68,15 +70,14 @@ def calibrate_state(
     max_num_seqs: int | None = None,
     *,
     context_tokens: int = 128,
-    steps: int = 4,
-    passes: int = 3,
+    passes: int = 6,
 ) -> CostModel:
-    """The cost model of this state on the default grid, `passes` interleaved passes
-    (about 10 s for the bundled tiny-coder with 16 slots on one core)."""
+    """The cost model of this state on the default grid (about 10 s for the bundled
+    tiny-coder with 16 slots on a busy 2-core machine), made monotone."""
     seqs = state.caches.target.num_slots if max_num_seqs is None else max_num_seqs
     batch_sizes, num_drafts = default_grid(seqs, max_draft_tokens(state))
-
-    def measure(b: int, k: int) -> float:
-        return step_seconds(state, b, k, context_tokens=context_tokens, steps=steps)
-
-    return calibrate(measure, batch_sizes, num_drafts, passes)
+    best = measure_grid(
+        state, batch_sizes, num_drafts, context_tokens=context_tokens, passes=passes
+    )
+    seconds = tuple(tuple(best[(b, k)] for k in num_drafts) for b in batch_sizes)
+    return CostModel(tuple(batch_sizes), tuple(num_drafts), seconds).monotone()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.calibration import calibrate_state, step_seconds
+from engine.calibration import calibrate_state, measure_grid
 from engine.speculative import SpecState
 from tests.fixtures.tiny_models import random_drafter, random_target, tiny_target_config
 
@@ -15,15 +15,16 @@ def _state() -> SpecState:
     return SpecState.create(target, drafter, 2, 64, 4, "cpu", torch.float32)
 
 
-def test_step_seconds_leaves_the_slots_empty() -> None:
+def test_measure_grid_covers_every_cell_and_leaves_the_slots_empty() -> None:
     state = _state()
-    assert step_seconds(state, 2, 3, context_tokens=16, steps=2, vocab=60) > 0
+    best = measure_grid(state, [1, 2], [0, 3], context_tokens=16, passes=2, vocab=60)
+    assert set(best) == {(1, 0), (1, 3), (2, 0), (2, 3)} and min(best.values()) > 0
     assert state.caches.target.lengths == [0, 0] and state.caches.drafter is not None
     assert state.caches.drafter.lengths == [0, 0]
 
 
 def test_calibrated_grid_covers_batch_sizes_and_draft_counts() -> None:
-    costs = calibrate_state(_state(), context_tokens=8, steps=2)
+    costs = calibrate_state(_state(), context_tokens=8, passes=2)
     assert costs.batch_sizes == (1, 2) and costs.num_drafts == (0, 1, 2, 3)
     for row in costs.seconds:
         assert list(row) == sorted(row) and row[0] > 0
