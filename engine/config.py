@@ -17,6 +17,11 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     seed: int = 0
+    # False: every step verifies num_speculative_tokens drafts (vLLM's behaviour).
+    # True: each step verifies the k in [0, num_speculative_tokens] that a cost model
+    # measured at start-up and the live acceptance say gives the most tokens per second
+    # (engine/adaptive.py); k = 0 is plain decoding, so it is never slower than plain.
+    adaptive: bool = False
 
 
 def block_size_for(num_speculative_tokens: int | None, drafter_block: int | None) -> int:

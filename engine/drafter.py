@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.kv_cache import KVCache
-from engine.layers import DecoderLayer, LayerShape, RMSNorm, Rotary
+from engine.kv_cache import CacheIndex, KVCache
+from engine.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, linear
 from engine.model import rope_theta_of
 
 
@@ -79,40 +79,25 @@ class DrafterConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json in the public DFlash layout (vLLM: DFlashQwen3ForCausalLM)."""
         return {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "rms_norm_eps": self.rms_norm_eps,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "float32",
-            "block_size": self.block_size,
+            "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+            "torch_dtype": "float32", "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "mask_token_id": self.mask_token_id,
-                "target_layer_ids": list(self.target_layer_ids),
-            },
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids)},
         }
 
     def layer_shape(self) -> LayerShape:
-        return LayerShape(
-            self.hidden_size,
-            self.intermediate_size,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.head_dim,
-            self.rms_norm_eps,
-        )
+        return LayerShape(self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                          self.num_key_value_heads, self.head_dim, self.rms_norm_eps)
 
 
 # (layer index, layer) -> context (k, v) each [b, kv_heads, c, d], and the bool mask over them
@@ -122,9 +107,8 @@ ContextKV = Callable[[int, DecoderLayer], tuple[Tensor, Tensor]]
 class DFlashDrafter(nn.Module):
     """Own weights: layers.N.*, fc, hidden_norm, norm. Borrowed: embed_tokens, lm_head."""
 
-    def __init__(
-        self, config: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear
-    ) -> None:
+    def __init__(self, config: DrafterConfig, embed_tokens: nn.Embedding,
+                 lm_head: nn.Linear) -> None:
         super().__init__()
         self.config = config
         shape = config.layer_shape()
@@ -148,16 +132,23 @@ class DFlashDrafter(nn.Module):
     def draft_layers(self) -> list[DecoderLayer]:
         return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The drafter's compute dtype. It may differ from the target's (e.g. bfloat16
+        drafting for a float32 target: drafts only propose, so exactness is unaffected);
+        the borrowed embedding and lm_head are then used in this dtype."""
+        return self.fc.weight.dtype
+
     def embed(self, ids: Tensor) -> Tensor:
-        return self._borrowed[0](ids)  # type: ignore[no-any-return]
+        return self._borrowed[0](ids).to(self.dtype)  # type: ignore[no-any-return]
 
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft logits [.., vocab] from drafter hidden states [.., hidden]."""
-        return self._borrowed[1](hidden)  # type: ignore[no-any-return]
+        return linear(self._borrowed[1], hidden)
 
     def context(self, features: Tensor) -> Tensor:
         """Concatenated target hidden states [b, c, n*hidden] -> context [b, c, hidden]."""
-        return self.hidden_norm(self.fc(features))  # type: ignore[no-any-return]
+        return self.hidden_norm(linear(self.fc, features.to(self.dtype)))  # type: ignore[no-any-return]
 
     def forward(
         self,
@@ -178,9 +169,8 @@ class DFlashDrafter(nn.Module):
 
         return self._blocks(block_ids, block_positions, context_kv, attn_mask)
 
-    def _blocks(
-        self, block_ids: Tensor, block_positions: Tensor, context_kv: ContextKV, mask: Tensor | None
-    ) -> Tensor:
+    def _blocks(self, block_ids: Tensor, block_positions: Tensor, context_kv: ContextKV,
+                mask: Tensor | None) -> Tensor:
         x = self.embed(block_ids)
         cos, sin = self.rotary.cos_sin(block_positions, x.dtype)
         for i, layer in enumerate(self.draft_layers()):
@@ -196,49 +186,56 @@ class DFlashDrafter(nn.Module):
 
     # ---- inference with a slot cache of context K/V -------------------------------------
 
-    def new_cache(
-        self, num_slots: int, capacity: int, device: torch.device | str, dtype: torch.dtype
-    ) -> KVCache:
+    def new_cache(self, num_slots: int, capacity: int, device: torch.device | str,
+                  dtype: torch.dtype) -> KVCache:
         c = self.config
-        return KVCache(
-            num_layers=c.num_hidden_layers,
-            num_slots=num_slots,
-            num_kv_heads=c.num_key_value_heads,
-            capacity=capacity,
-            head_dim=c.head_dim,
-            device=device,
-            dtype=dtype,
-        )
+        return KVCache(num_layers=c.num_hidden_layers, num_slots=num_slots,
+                       num_kv_heads=c.num_key_value_heads, capacity=capacity,
+                       head_dim=c.head_dim, device=device, dtype=dtype)
 
-    def append_context(
-        self, features: Tensor, positions: Tensor, valid: Tensor, cache: KVCache, slots: Tensor
-    ) -> None:
+    def append_context(self, features: Tensor, positions: Tensor, valid: Tensor | None,
+                       cache: KVCache, slots: Tensor, index: CacheIndex | None = None,
+                       max_position: int | None = None) -> None:
         """Project target features [b, t, n*hidden] at positions [b, t] into every draft
-        layer's context K/V and store the valid ones in rows `slots` [b] of `cache`."""
+        layer's context K/V and store the valid ones (None: all) in rows `slots` [b] of
+        `cache`. Callers that already have it pass the write `index`."""
         ctx = self.context(features)
-        cos, sin = self.rotary.cos_sin(positions, ctx.dtype)
+        cos, sin = self.rotary.cos_sin(positions, ctx.dtype, max_position)
+        if index is None:
+            index = CacheIndex.build(slots.tolist(), positions[:, 0].tolist(), positions,
+                                     valid, positions.device)
         for i, layer in enumerate(self.draft_layers()):
-            k, v = layer.self_attn.key_value(ctx, cos, sin)
-            cache.write(i, slots, positions, valid, k, v)
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            cache.write_at(i, index, k, v)
 
-    def draft_hidden(
-        self,
-        block_ids: Tensor,
-        block_positions: Tensor,
-        cache: KVCache,
-        slots: Tensor,
-        context_lengths: Tensor,
-    ) -> Tensor:
+    def draft_hidden(self, block_ids: Tensor, block_positions: Tensor, cache: KVCache,
+                     slots: Tensor, context_lengths: Tensor,
+                     index: CacheIndex | None = None, lengths: list[int] | None = None
+                     ) -> Tensor:
         """One forward for all rows: block [b, B] attends to the row's cached context
-        (positions < context_lengths[b]) and the whole block. Returns [b, B, hidden]."""
-        ctx_len = int(context_lengths.max())
-        keys = torch.arange(ctx_len, device=block_ids.device)
-        ctx_visible = keys[None, :] < context_lengths[:, None]  # [b, ctx_len]
-        block_visible = torch.ones_like(block_ids, dtype=torch.bool)  # [b, B]
-        visible = torch.cat([ctx_visible, block_visible], dim=1)  # [b, ctx_len + B]
-        mask = visible[:, None, None, :]  # [b, 1, 1, ctx_len + B], same for every query
+        (positions < context_lengths[b]) and the whole block. Returns [b, B, hidden].
 
-        def context_kv(i: int, _: DecoderLayer) -> tuple[Tensor, Tensor]:
-            return cache.read(i, slots, ctx_len)
-
-        return self._blocks(block_ids, block_positions, context_kv, mask)
+        The block's own K/V are written into the cache right after the row's context
+        (positions past the committed length are dead: the next commit overwrites them),
+        so every row's keys are the prefix [0, length + B) of its cache row: no
+        concatenation, and reads are views when the slots are consecutive."""
+        hosts = context_lengths.tolist() if lengths is None else lengths
+        size = block_ids.shape[1]
+        if index is None:
+            index = CacheIndex.build(slots.tolist(), hosts, block_positions, None,
+                                     block_ids.device)
+        kv_len = max(hosts) + size
+        mask = None
+        if min(hosts) != max(hosts):
+            keys = torch.arange(kv_len, device=block_ids.device)
+            visible = keys[None, :] < (context_lengths[:, None] + size)  # [b, kv_len]
+            mask = visible[:, None, None, :]  # [b, 1, 1, kv_len], same for every query
+        x = self.embed(block_ids)
+        cos, sin = self.rotary.cos_sin(block_positions, x.dtype, kv_len - 1)
+        for i, layer in enumerate(self.draft_layers()):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+            cache.write_at(i, index, k, v)
+            ck, cv = cache.read_at(i, index, kv_len)
+            x = layer.feed_forward(x + attn.attend(q, ck, cv, mask))
+        return self.norm(x)  # type: ignore[no-any-return]

@@ -44,6 +44,7 @@ class EngineStats:
     num_draft_tokens: int
     num_accepted_tokens: int
     accepted_per_pos: list[int]  # len num_spec_tokens: steps that accepted draft i
+    steps_by_k: list[int]  # len num_spec_tokens + 1: row-steps that verified k drafts
     prompt_tokens: int
     generation_tokens: int
     num_requests_finished: int
@@ -55,6 +56,7 @@ class _Counters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    steps_by_k: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_requests_finished: int = 0
@@ -73,7 +75,8 @@ class Engine:
         self._scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         # Requests arrive on the event loop while steps run on the step thread.
         self._lock = threading.Lock()
-        self._counters = _Counters(accepted_per_pos=[0] * (self.num_spec_tokens or 0))
+        k = self.num_spec_tokens or 0
+        self._counters = _Counters(accepted_per_pos=[0] * k, steps_by_k=[0] * (k + 1))
         self.accepting = True
 
     @property
@@ -125,6 +128,7 @@ class Engine:
             max_model_len=self.max_model_len,
             arrival_time=time.monotonic(),
             num_spec_tokens=self.num_spec_tokens,
+            adaptive=self.runner.policy is not None,
         )
         with self._lock:
             self._scheduler.add(seq)  # QueueFull propagates; nothing to undo
@@ -190,6 +194,10 @@ class Engine:
             spec = seq.metrics.spec
             if spec is None:
                 continue
+            counters.steps_by_k[result.num_drafted] += 1
+            if result.num_drafted == 0:  # an adaptive plain step: no draft was verified
+                spec.num_plain_steps += 1
+                continue
             spec.observe(result.num_drafted, result.num_accepted)
             counters.num_drafts += 1
             counters.num_draft_tokens += result.num_drafted
@@ -208,6 +216,7 @@ class Engine:
             num_draft_tokens=c.num_draft_tokens,
             num_accepted_tokens=c.num_accepted_tokens,
             accepted_per_pos=list(c.accepted_per_pos),
+            steps_by_k=list(c.steps_by_k),
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,
             num_requests_finished=c.num_requests_finished,

@@ -7,8 +7,43 @@ setting that length back: entries past it are dead and get overwritten by the ne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass(frozen=True)
+class CacheIndex:
+    """Where one forward reads and writes, worked out once for all its layers.
+
+    `span` (first slot, rows) is set when the rows are consecutive slots in order: reads
+    are then views of the cache (no copy of the context). `block` (slot, start) is set
+    for one row whose tokens are all valid at consecutive positions: the write is a slice
+    copy. Otherwise writes scatter the valid tokens (`rows`, `pos`, `select`)."""
+
+    slots: Tensor  # [b]
+    span: tuple[int, int] | None
+    block: tuple[int, int] | None
+    rows: Tensor | None  # [n] slot of each valid token
+    pos: Tensor | None  # [n] its position
+    select: Tensor | None  # [n] its index in the flattened [b * t]; None = every token
+
+    @classmethod
+    def build(cls, slots: list[int], starts: list[int], positions: Tensor,
+              valid: Tensor | None, device: torch.device | str) -> CacheIndex:
+        """slots/starts: host lists (first position of each row); positions/valid [b, t]."""
+        slot_t = torch.tensor(slots, device=device)
+        first = slots[0]
+        span = (first, len(slots)) if slots == list(range(first, first + len(slots))) else None
+        if len(slots) == 1 and valid is None:
+            return cls(slot_t, span, (first, starts[0]), None, None, None)
+        if valid is None:
+            rows = slot_t[:, None].expand_as(positions).reshape(-1)
+            return cls(slot_t, span, None, rows, positions.reshape(-1), None)
+        select = valid.reshape(-1).nonzero().squeeze(1)
+        rows = slot_t[:, None].expand_as(positions).reshape(-1).index_select(0, select)
+        return cls(slot_t, span, None, rows, positions.reshape(-1).index_select(0, select), select)
 
 
 class KVCache:
@@ -42,6 +77,29 @@ class KVCache:
         # [n, kv_heads, d]; the new k/v [b, h, t, d] -> [b, t, h, d] -> [n, h, d] to match.
         self.k[layer][rows, :, pos] = k.transpose(1, 2)[valid].to(self.k[layer].dtype)
         self.v[layer][rows, :, pos] = v.transpose(1, 2)[valid].to(self.v[layer].dtype)
+
+    def write_at(self, layer: int, index: CacheIndex, k: Tensor, v: Tensor) -> None:
+        """Store k/v [b, kv_heads, t, d] where `index` says (see CacheIndex)."""
+        if index.block is not None:
+            slot, start = index.block
+            t = k.shape[2]
+            self.k[layer][slot, :, start : start + t] = k[0]
+            self.v[layer][slot, :, start : start + t] = v[0]
+            return
+        assert index.rows is not None and index.pos is not None
+        for store, new in ((self.k[layer], k), (self.v[layer], v)):
+            flat = new.transpose(1, 2).reshape(-1, new.shape[1], new.shape[3])  # [b*t, h, d]
+            if index.select is not None:
+                flat = flat.index_select(0, index.select)
+            store[index.rows, :, index.pos] = flat.to(store.dtype)
+
+    def read_at(self, layer: int, index: CacheIndex, length: int) -> tuple[Tensor, Tensor]:
+        """K/V for positions [0, length) of the index's rows; views when they are a span."""
+        if index.span is not None:
+            first, n = index.span
+            return (self.k[layer][first : first + n, :, :length],
+                    self.v[layer][first : first + n, :, :length])
+        return self.read(layer, index.slots, length)
 
     def read(self, layer: int, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:
         """K/V of rows `slots` [b] for positions [0, length): each [b, kv_heads, length, d]."""

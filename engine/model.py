@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.kv_cache import KVCache
-from engine.layers import DecoderLayer, LayerShape, RMSNorm, Rotary
+from engine.kv_cache import CacheIndex, KVCache
+from engine.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, linear
 
 
 def rope_theta_of(raw: dict[str, Any], default: float = 1_000_000.0) -> float:
@@ -63,23 +63,14 @@ class TargetConfig:
         """config.json content as transformers writes it for Qwen3ForCausalLM."""
         out: dict[str, Any] = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         out.update(asdict(self))
-        out.update(
-            hidden_act="silu",
-            torch_dtype="float32",
-            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-        )
+        out.update(hidden_act="silu", torch_dtype="float32",
+                   rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
         return out
 
     def layer_shape(self) -> LayerShape:
-        return LayerShape(
-            self.hidden_size,
-            self.intermediate_size,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.head_dim,
-            self.rms_norm_eps,
-            self.attention_bias,
-        )
+        return LayerShape(self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                          self.num_key_value_heads, self.head_dim, self.rms_norm_eps,
+                          self.attention_bias)
 
 
 @dataclass
@@ -111,19 +102,12 @@ class Qwen3Target(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.rope_theta)
 
-    def new_cache(
-        self, num_slots: int, capacity: int, device: torch.device | str, dtype: torch.dtype
-    ) -> KVCache:
+    def new_cache(self, num_slots: int, capacity: int, device: torch.device | str,
+                  dtype: torch.dtype) -> KVCache:
         c = self.config
-        return KVCache(
-            num_layers=c.num_hidden_layers,
-            num_slots=num_slots,
-            num_kv_heads=c.num_key_value_heads,
-            capacity=capacity,
-            head_dim=c.head_dim,
-            device=device,
-            dtype=dtype,
-        )
+        return KVCache(num_layers=c.num_hidden_layers, num_slots=num_slots,
+                       num_kv_heads=c.num_key_value_heads, capacity=capacity,
+                       head_dim=c.head_dim, device=device, dtype=dtype)
 
     def forward(
         self,
@@ -134,62 +118,68 @@ class Qwen3Target(nn.Module):
         slots: Tensor | None = None,
         layer_ids: Sequence[int] = (),
         logit_index: Tensor | None = None,
+        index: CacheIndex | None = None,
+        kv_len: int | None = None,
     ) -> TargetOutput:
         """input_ids/positions/valid [b, t]. With a cache, rows `slots` [b] attend to their
         cached prefix and new K/V are written at `positions`; padded (invalid) tokens are
         neither written nor meaningful. Without a cache, attention is causal by position.
-        `logit_index` [b, k] limits logits to those token indices (prefill: the last one)."""
-        valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid
+        `logit_index` [b, k] limits logits to those token indices (prefill: the last one).
+        Callers that know them pass `index` (where to read/write, built once) and `kv_len`
+        (keys to attend to = highest valid position + 1) to spare per-call host reads."""
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        mask = self._mask(positions, valid, cache is not None)
+        if cache is not None and index is None:
+            assert slots is not None, "slots are required with a cache"
+            starts = positions[:, 0].tolist()
+            index = CacheIndex.build(slots.tolist(), starts, positions, valid, positions.device)
+        if cache is not None and kv_len is None:
+            kv_len = _highest(positions, valid) + 1
+        cos, sin = self.rotary.cos_sin(positions, x.dtype, None if kv_len is None else kv_len - 1)
+        mask = self._mask(positions, valid, kv_len)
         wanted = {i: n for n, i in enumerate(layer_ids)}
         collected: list[Tensor | None] = [None] * len(layer_ids)
         for i, layer in enumerate(self.model.layers):
-            x = self._layer(layer, i, x, cos, sin, mask, positions, valid, cache, slots)
+            assert isinstance(layer, DecoderLayer)
+            x = self._layer(layer, i, x, cos, sin, mask, cache, index, kv_len)
             if i in wanted:
                 collected[wanted[i]] = x
         if logit_index is not None:  # [b, t, hidden] -> [b, k, hidden]
             x = x.gather(1, logit_index[:, :, None].expand(-1, -1, x.shape[-1]))
-        logits = self.lm_head(self.model.norm(x))
+        logits = linear(self.lm_head, self.model.norm(x))
         hidden = torch.cat([h for h in collected if h is not None], dim=-1) if layer_ids else None
         return TargetOutput(logits=logits, hidden=hidden)
 
-    def _layer(
-        self,
-        layer: nn.Module,
-        index: int,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        mask: Tensor,
-        positions: Tensor,
-        valid: Tensor,
-        cache: KVCache | None,
-        slots: Tensor | None,
-    ) -> Tensor:
-        assert isinstance(layer, DecoderLayer)
+    def _layer(self, layer: DecoderLayer, index: int, x: Tensor, cos: Tensor, sin: Tensor,
+               mask: Tensor | None, cache: KVCache | None, where: CacheIndex | None,
+               kv_len: int | None) -> Tensor:
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q = attn.query(h, cos, sin)
-        k, v = attn.key_value(h, cos, sin)
+        q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         if cache is not None:
-            assert slots is not None, "slots are required with a cache"
-            cache.write(index, slots, positions, valid, k, v)
-            k, v = cache.read(index, slots, mask.shape[-1])
+            assert where is not None and kv_len is not None
+            cache.write_at(index, where, k, v)
+            k, v = cache.read_at(index, where, kv_len)
         x = x + attn.attend(q, k, v, mask)
         return layer.feed_forward(x)
 
     @staticmethod
-    def _mask(positions: Tensor, valid: Tensor, cached: bool) -> Tensor:
-        """Boolean attention mask [b, 1, t, keys]; every query sees at least one key."""
-        if cached:
-            kv_len = int(positions.masked_fill(~valid, 0).max()) + 1
+    def _mask(positions: Tensor, valid: Tensor | None, kv_len: int | None) -> Tensor | None:
+        """Boolean attention mask [b, 1, t, keys] (None: every key visible to every query);
+        every query sees at least one key. kv_len set = on top of a cache."""
+        if kv_len is not None:
+            if positions.shape == (1, 1):
+                return None  # one query at the last position sees every cached key
             keys = torch.arange(kv_len, device=positions.device)
             mask = keys[None, None, :] <= positions[:, :, None]  # [b, t, kv_len]
         else:
+            if valid is None:
+                valid = torch.ones_like(positions, dtype=torch.bool)
             causal = positions[:, None, :] <= positions[:, :, None]  # [b, t(q), t(k)]
             mask = causal & valid[:, None, :]
             eye = torch.eye(positions.shape[1], dtype=torch.bool, device=positions.device)
             mask = mask | eye  # padded queries attend to themselves (never NaN)
         return mask[:, None]
+
+
+def _highest(positions: Tensor, valid: Tensor | None) -> int:
+    """The highest valid position (one host read)."""
+    return int((positions if valid is None else positions.masked_fill(~valid, 0)).max())

@@ -7,8 +7,12 @@ back; nothing here decides who runs.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
+from engine.adaptive import AcceptanceStats, SpecPolicy
+from engine.calibration import calibrate_state
 from engine.config import EngineConfig, block_size_for
 from engine.loader import load_drafter, load_target
 from engine.sequence import SamplingParams, Sequence
@@ -18,6 +22,7 @@ from engine.speculative import (
     RowResult,
     RowSampling,
     SpecState,
+    max_draft_tokens,
     prefill,
     release,
     spec_step,
@@ -56,6 +61,13 @@ class ModelRunner:
         )
         self._sampling: dict[int, RowSampling] = {}  # by id(sequence), while it runs
         self._shared_generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self.policy: SpecPolicy | None = None
+        self.acceptance: AcceptanceStats | None = None
+        if config.adaptive and drafter is not None:
+            # Measured now, while every slot is free (a few seconds).
+            max_k = max_draft_tokens(self._state)
+            self.policy = SpecPolicy(calibrate_state(self._state), max_k)
+            self.acceptance = AcceptanceStats(max_k)
 
     def add(self, seq: Sequence) -> None:
         """Set up a sequence's sampling (its own generator when seeded)."""
@@ -73,11 +85,20 @@ class ModelRunner:
         return prefill(self._state, rows, [self._sampling[id(s)] for s in seqs])
 
     def decode(self, seqs: list[Sequence]) -> list[RowResult]:
-        """One speculative step over every running sequence."""
+        """One speculative step over every running sequence; adaptive: with the k the
+        policy picks for this batch, whose cost and acceptance then feed the policy."""
         rows = [
             DecodeRow(slot=_slot(s), last_token=s.last_token, position=s.position) for s in seqs
         ]
-        return spec_step(self._state, rows, [self._sampling[id(s)] for s in seqs])
+        sampling = [self._sampling[id(s)] for s in seqs]
+        if self.policy is None or self.acceptance is None:
+            return spec_step(self._state, rows, sampling)
+        k = self.policy.choose(len(rows), self.acceptance)
+        start = time.perf_counter()
+        results = spec_step(self._state, rows, sampling, num_draft=k)
+        self.policy.observe_cost(len(rows), k, time.perf_counter() - start)
+        self.acceptance.observe((r.num_drafted, r.num_accepted) for r in results)
+        return results
 
     def kv_cache_usage(self) -> float:
         return self._state.kv_cache_usage()

@@ -43,6 +43,8 @@ class SpecDecodeStats:
     """Per-request speculation counts, one entry per verify step (vLLM's definitions)."""
 
     num_spec_tokens: int
+    adaptive: bool = False  # k chosen per step (engine/adaptive.py)
+    num_plain_steps: int = 0  # adaptive steps that verified no draft (not in the lists)
     per_step_accepted: list[int] = field(default_factory=list)
     per_step_drafted: list[int] = field(default_factory=list)
 
@@ -124,6 +126,7 @@ class Sequence:
         max_model_len: int,
         arrival_time: float,
         num_spec_tokens: int | None = None,
+        adaptive: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -145,7 +148,7 @@ class Sequence:
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
         self._sent_tokens = 0
         self._sent_chars = 0
-        spec = None if num_spec_tokens is None else SpecDecodeStats(num_spec_tokens)
+        spec = None if num_spec_tokens is None else SpecDecodeStats(num_spec_tokens, adaptive)
         self.metrics = RequestMetrics(arrival_time=arrival_time, spec=spec)
 
     @property

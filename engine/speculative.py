@@ -18,29 +18,20 @@ position of `last_token`, which is committed but not yet in any cache.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from engine.drafter import DFlashDrafter
-from engine.kv_cache import SlotCaches
+from engine.kv_cache import CacheIndex, SlotCaches
 from engine.model import Qwen3Target
 from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
 
-__all__ = [
-    "DecodeRow",
-    "PrefillRow",
-    "RowResult",
-    "RowSampling",
-    "SpecState",
-    "accept_greedy",
-    "accept_sampled",
-    "prefill",
-    "release",
-    "row_probabilities",
-    "spec_step",
-]
+__all__ = ["DecodeRow", "PrefillRow", "RowResult", "RowSampling", "SpecState", "StepTimings",
+           "accept_greedy", "accept_sampled", "max_draft_tokens", "prefill", "release",
+           "row_probabilities", "spec_step"]
 
 
 @dataclass(frozen=True)
@@ -74,32 +65,20 @@ class SpecState:
     device: torch.device
 
     @classmethod
-    def create(
-        cls,
-        target: Qwen3Target,
-        drafter: DFlashDrafter | None,
-        max_num_seqs: int,
-        max_model_len: int,
-        block_size: int,
-        device: torch.device | str,
-        dtype: torch.dtype,
-    ) -> SpecState:
+    def create(cls, target: Qwen3Target, drafter: DFlashDrafter | None, max_num_seqs: int,
+               max_model_len: int, block_size: int, device: torch.device | str,
+               dtype: torch.dtype) -> SpecState:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         active = drafter if block_size > 1 else None
         size = block_size if active is not None else 1
         capacity = max_model_len + size  # a step near the limit never overflows
         target_cache = target.new_cache(max_num_seqs, capacity, device, dtype)
-        draft_cache = (
-            None if active is None else active.new_cache(max_num_seqs, capacity, device, dtype)
-        )
-        return cls(
-            target=target,
-            drafter=active,
-            caches=SlotCaches(target_cache, draft_cache),
-            block_size=size,
-            device=torch.device(device),
-        )
+        # the drafter's context cache is in the drafter's own dtype (may differ: see .dtype)
+        draft_cache = None if active is None else active.new_cache(
+            max_num_seqs, capacity, device, active.dtype)
+        return cls(target=target, drafter=active, caches=SlotCaches(target_cache, draft_cache),
+                   block_size=size, device=torch.device(device))
 
     def layer_ids(self) -> list[int]:
         return [] if self.drafter is None else list(self.drafter.config.target_layer_ids)
@@ -120,9 +99,8 @@ def _choose(logits: Tensor, sampling: RowSampling) -> int:
     return sample(row_probabilities(logits[None], sampling)[0], sampling.generator)
 
 
-def _prompt_batch(
-    rows: list[PrefillRow], starts: list[int]
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prompt_batch(rows: list[PrefillRow], starts: list[int]
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Right-padded ids, positions, valid [b, width] and the last index [b, 1]."""
     lengths = [len(r.token_ids) for r in rows]
     if min(lengths) < 1:
@@ -130,7 +108,7 @@ def _prompt_batch(
     width = max(lengths)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, : lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
+        ids[i, :lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
     offsets = torch.arange(width)[None, :]  # [1, width]
     lens = torch.tensor(lengths)[:, None]  # [b, 1]
     valid = offsets < lens  # [b, width]
@@ -148,9 +126,8 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
     starts = [state.caches.target.length(r.slot) for r in rows]
     ids, positions, valid, last = (t.to(dev) for t in _prompt_batch(rows, starts))
     slots = torch.tensor([r.slot for r in rows], device=dev)
-    out = state.target(
-        ids, positions, valid, state.caches.target, slots, state.layer_ids(), logit_index=last
-    )
+    out = state.target(ids, positions, valid, state.caches.target, slots,
+                       state.layer_ids(), logit_index=last)
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
         state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
     for row, start in zip(rows, starts, strict=True):
@@ -158,13 +135,14 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
     return [_choose(out.logits[i, 0], s) for i, s in enumerate(sampling)]
 
 
-def _propose(
-    state: SpecState, rows: list[DecodeRow], block: Tensor, positions: Tensor, slots: Tensor
-) -> None:
+def _propose(state: SpecState, rows: list[DecodeRow], block: Tensor, positions: Tensor,
+             slots: Tensor, index: CacheIndex | None = None) -> None:
     """Fill block[:, 1:] with the drafter's argmax proposals (one forward for all rows)."""
     assert state.drafter is not None and state.caches.drafter is not None
-    lengths = torch.tensor([r.position for r in rows], device=state.device)
-    hidden = state.drafter.draft_hidden(block, positions, state.caches.drafter, slots, lengths)
+    hosts = [r.position for r in rows]
+    lengths = torch.tensor(hosts, device=state.device)
+    hidden = state.drafter.draft_hidden(block, positions, state.caches.drafter, slots, lengths,
+                                        index=index, lengths=hosts)
     block[:, 1:] = greedy(state.drafter.logits(hidden[:, 1:]))  # [b, B-1]
 
 
@@ -177,9 +155,8 @@ def accept_greedy(target_choice: list[int], drafts: list[int]) -> tuple[int, int
     return n, target_choice[n]
 
 
-def accept_sampled(
-    probs: Tensor, drafts: list[int], generator: torch.Generator | None
-) -> tuple[int, int]:
+def accept_sampled(probs: Tensor, drafts: list[int],
+                   generator: torch.Generator | None) -> tuple[int, int]:
     """probs [B, vocab]: the target's processed distribution at each block position.
     Draft x at position i is accepted with probability probs[i, x]; on rejection the
     bonus is drawn from probs[i] with x zeroed and renormalised; if all are accepted the
@@ -195,50 +172,108 @@ def accept_sampled(
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
-def _decide(
-    logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
-) -> list[tuple[int, int]]:
+def _decide(logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
+            ) -> list[tuple[int, int]]:
     """logits [b, B, vocab] -> per row (accepted drafts, bonus)."""
     choices = greedy(logits).tolist()  # one host transfer for every greedy row
-    return [
-        accept_greedy(choices[i], drafts[i])
-        if s.greedy
-        else accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
-        for i, s in enumerate(sampling)
-    ]
+    return [accept_greedy(choices[i], drafts[i]) if s.greedy else
+            accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
+            for i, s in enumerate(sampling)]
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in each phase of one `spec_step` (filled when one is passed)."""
+
+    prepare: float = 0.0  # host lists -> tensors, cache index
+    draft: float = 0.0  # drafter forward + argmax
+    verify: float = 0.0  # target forward over the block
+    accept: float = 0.0  # argmax / probabilities, acceptance, one host transfer
+    context: float = 0.0  # drafter context K/V for the committed positions
+    commit: float = 0.0  # slot lengths (commit + rollback), results
+
+    def add(self, other: StepTimings) -> None:
+        for name in ("prepare", "draft", "verify", "accept", "context", "commit"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def total(self) -> float:
+        return self.prepare + self.draft + self.verify + self.accept + self.context + self.commit
+
+
+def max_draft_tokens(state: SpecState) -> int:
+    """The most draft tokens one step can verify (block_size - 1; 0 without a drafter)."""
+    return state.block_size - 1 if state.drafter is not None else 0
 
 
 @torch.inference_mode()
-def spec_step(
-    state: SpecState, rows: list[DecodeRow], sampling: list[RowSampling]
-) -> list[RowResult]:
-    """One decoding step for every row: draft, verify, accept, commit, roll back."""
+def spec_step(state: SpecState, rows: list[DecodeRow], sampling: list[RowSampling],
+              num_draft: int | None = None, timings: StepTimings | None = None
+              ) -> list[RowResult]:
+    """One decoding step for every row: draft, verify, accept, commit, roll back.
+
+    `num_draft`: draft tokens to verify this step, 0..max_draft_tokens(state) (None = the
+    most). 0 is plain decoding through the same path (the drafter context still grows by
+    the committed token, so speculation can resume on the next step)."""
     if not rows:
         return []
-    size, dev = state.block_size, state.device
+    top = max_draft_tokens(state)
+    k = top if num_draft is None else num_draft
+    if not 0 <= k <= top:
+        raise ValueError(f"num_draft must be in [0, {top}], got {num_draft}")
+    clock = time.perf_counter if timings is not None else None
+    t0 = clock() if clock else 0.0
+    size, dev = k + 1, state.device
+    hosts = [r.position for r in rows]
     for r in rows:
         if r.position + size > state.caches.target.capacity:
             raise ValueError(f"slot {r.slot}: position {r.position} + block exceeds capacity")
-    slots = torch.tensor([r.slot for r in rows], device=dev)
-    starts = torch.tensor([r.position for r in rows], device=dev)
+    slot_list = [r.slot for r in rows]
+    starts = torch.tensor(hosts, device=dev)
     positions = starts[:, None] + torch.arange(size, device=dev)[None, :]  # [b, B]
+    index = CacheIndex.build(slot_list, hosts, positions, None, dev)
     mask_id = state.drafter.mask_token_id if state.drafter is not None else 0
     block = torch.full((len(rows), size), mask_id, dtype=torch.long, device=dev)
     block[:, 0] = torch.tensor([r.last_token for r in rows], device=dev)
+    t1 = clock() if clock else 0.0
     if size > 1:
-        _propose(state, rows, block, positions, slots)
-    out = state.target(block, positions, None, state.caches.target, slots, state.layer_ids())
+        _propose(state, rows, block, positions, index.slots, index=index)
+    t2 = clock() if clock else 0.0
+    out = state.target(block, positions, None, state.caches.target, index.slots,
+                       state.layer_ids(), index=index, kv_len=max(hosts) + size)
+    t3 = clock() if clock else 0.0
     drafts = block[:, 1:].tolist()
     decisions = _decide(out.logits, drafts, sampling)
-    accepted = torch.tensor([n for n, _ in decisions], device=dev)
+    t4 = clock() if clock else 0.0
+    accepted = [n for n, _ in decisions]
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
-        # context for the committed block positions: last_token and the accepted drafts
-        valid = torch.arange(size, device=dev)[None, :] <= accepted[:, None]  # [b, B]
-        state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
+        _append_committed(state, out.hidden, positions, index, hosts, accepted)
+    t5 = clock() if clock else 0.0
     results = []
     for row, draft, (n, bonus) in zip(rows, drafts, decisions, strict=True):
         state.caches.set_length(row.slot, row.position + n + 1)  # commit + roll back
-        results.append(
-            RowResult(token_ids=[*draft[:n], bonus], num_drafted=size - 1, num_accepted=n)
-        )
+        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=k,
+                                 num_accepted=n))
+    if timings is not None and clock is not None:
+        t6 = clock()
+        timings.add(StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
     return results
+
+
+def _append_committed(state: SpecState, hidden: Tensor, positions: Tensor, index: CacheIndex,
+                      hosts: list[int], accepted: list[int]) -> None:
+    """Drafter context for the committed block positions: last_token and the accepted
+    drafts. Only the columns some row committed are projected."""
+    assert state.drafter is not None and state.caches.drafter is not None
+    width = max(accepted) + 1
+    hidden, positions = hidden[:, :width], positions[:, :width]
+    top = max(hosts) + width - 1
+    if len(hosts) == 1:  # one row: every kept column is committed
+        assert index.block is not None
+        state.drafter.append_context(hidden, positions, None, state.caches.drafter,
+                                     index.slots, index=index, max_position=top)
+        return
+    counts = torch.tensor(accepted, device=state.device)
+    valid = torch.arange(width, device=state.device)[None, :] <= counts[:, None]  # [b, w]
+    state.drafter.append_context(hidden, positions, valid, state.caches.drafter, index.slots,
+                                 max_position=top)

@@ -12,6 +12,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("loadtest.engine_bench", "embedded engine: tokens/s, acceptance, DFlash vs plain"),
     "gateway": ("loadtest.gateway_bench", "latency the gateway adds and its max requests/s"),
+    "step": ("loadtest.step_bench", "one speculative step's cost by phase, in plain-step units"),
     "sweep": ("loadtest.sweep", "throughput at fixed interactivity: Locust over concurrencies"),
 }
 

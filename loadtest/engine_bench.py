@@ -29,6 +29,7 @@ class Cell:
 
     concurrency: int
     block_size: int
+    adaptive: bool = False  # k chosen per step by engine.adaptive (block_size = its max)
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     num_requests: int = 0
@@ -49,6 +50,9 @@ class Cell:
         out = asdict(self)
         out["tokens_per_second"] = self.tokens_per_second
         out["mean_acceptance_length"] = self.mean_acceptance_length
+        out["mean_draft_tokens_per_step"] = (
+            self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
+        )
         out["draft_acceptance_rate"] = (
             self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
         )
@@ -104,8 +108,26 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
         "--threads",
         type=int,
         default=1,
-        help="torch intra-op threads (0 = torch default); 1 suits small models, whose "
-        "matmuls are too small to split and whose spare threads only spin",
+        help="torch intra-op threads (0 = the CPUs this process may use: affinity and "
+        "cgroup quota); 1 suits small models, whose matmuls are too small to split and "
+        "whose spare threads only spin",
+    )
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also run DFlash with the adaptive policy (k per step from a start-up cost "
+        "model and live acceptance; engine.adaptive), at the drafter's block size",
+    )
+    p.add_argument(
+        "--background-load",
+        action="store_true",
+        help="run everything twice: quiet, then with one core kept busy by another process",
+    )
+    p.add_argument(
+        "--peak-rss",
+        action="store_true",
+        help="also measure peak RSS of one DFlash engine serving 16 sequences at 2048 "
+        "context (a child process)",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
@@ -137,8 +159,24 @@ def main(argv: Seq[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    report = run_benchmark(args, load_prompts(args.prompts, args.num_prompts))
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    report = run_benchmark(args, prompts)
     print(format_table(report))
+    if args.background_load:
+        from engine.threads import BusyCore
+
+        with BusyCore(seconds=3600.0):
+            loaded = run_benchmark(args, prompts)
+        loaded["background_load"] = "one core busy (a spinning child process)"
+        print(format_table(loaded, "with one core busy"))
+        report["loaded"] = loaded
+    if args.peak_rss:
+        report["peak_rss"] = measure_peak_rss(args)
+        rss = report["peak_rss"]
+        print(
+            f"peak RSS, DFlash engine with {rss['sequences']} sequences at "
+            f"{rss['context']} context: {rss['peak_rss_mb']:.0f} MB"
+        )
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
@@ -146,13 +184,13 @@ def main(argv: Seq[str] | None = None) -> int:
     return 0
 
 
-def format_table(report: dict[str, Any]) -> str:
+def format_table(report: dict[str, Any], title: str = "quiet") -> str:
     head = (
-        f"{'conc':>5} {'block':>5} {'tok/s':>9} {'accept len':>10} {'speedup':>8} "
-        f"{'median':>7} {'tokens':>7}"
+        f"{'conc':>5} {'block':>6} {'tok/s':>9} {'accept len':>10} {'k/step':>6} "
+        f"{'speedup':>8} {'median':>7} {'tokens':>7}"
     )
     lines = [
-        f"engine benchmark: {report['model']} + {report['drafter']} "
+        f"engine benchmark ({title}): {report['model']} + {report['drafter']} "
         f"(max_tokens {report['max_tokens']}, repeats {report['repeats']}, "
         f"threads {report['threads']})",
         head,
@@ -160,25 +198,33 @@ def format_table(report: dict[str, Any]) -> str:
     ]
     for r in report["results"]:
         speedup, median = r["speedup_vs_block_size_1"], r["median_paired_speedup"]
+        block = f"{r['block_size']}{'a' if r['adaptive'] else ''}"
         lines.append(
-            f"{r['concurrency']:>5} {r['block_size']:>5} {r['tokens_per_second']:>9.1f} "
-            f"{r['mean_acceptance_length']:>10.2f} "
+            f"{r['concurrency']:>5} {block:>6} {r['tokens_per_second']:>9.1f} "
+            f"{r['mean_acceptance_length']:>10.2f} {r['mean_draft_tokens_per_step']:>6.2f} "
             f"{'-' if speedup is None else f'{speedup:.2f}x':>8} "
             f"{'-' if median is None else f'{median:.2f}x':>7} {r['generated_tokens']:>7}"
         )
     lines.append(f"greedy outputs identical across block sizes: {report['outputs_match']}")
+    if report.get("adaptive_costs"):
+        lines.append("adaptive: k chosen per batch size at the measured acceptance: "
+                     + str(report["adaptive_table"]))
     return "\n".join(lines)
 
 
 # ---- running ------------------------------------------------------------------------
 
 
-def make_engines(args: argparse.Namespace, block_sizes: list[int]) -> dict[int, Any]:
-    """One loaded engine per block size; block size 1 is the target alone."""
+Variant = tuple[int, bool]  # (block size, adaptive)
+
+
+def make_engines(args: argparse.Namespace, variants: list[Variant]) -> dict[Variant, Any]:
+    """One loaded engine per variant; block size 1 is the target alone. Adaptive engines
+    calibrate their cost model at construction, before any request."""
     from engine.engine import Engine, EngineConfig
 
-    engines: dict[int, Any] = {}
-    for b in block_sizes:
+    engines: dict[Variant, Any] = {}
+    for b, adaptive in variants:
         config = EngineConfig(
             target_path=args.model,
             drafter_path=None if b == 1 else args.drafter,
@@ -188,9 +234,24 @@ def make_engines(args: argparse.Namespace, block_sizes: list[int]) -> dict[int, 
             max_waiting=4096,
             device=args.device,
             dtype=args.dtype,
+            adaptive=adaptive,  # calibrated on its own state before any request
         )
-        engines[b] = Engine(config)
+        engines[(b, adaptive)] = Engine(config)
     return engines
+
+
+def adaptive_report(engine: Any, batch_sizes: list[int]) -> dict[str, Any]:
+    """An adaptive engine's start-up cost model, live acceptance rates, and the vLLM
+    batch-size -> k table they give."""
+    from engine.adaptive import speculative_tokens_per_batch_size
+
+    policy, stats = engine.runner.policy, engine.runner.acceptance
+    rates = stats.rates()
+    return {
+        "costs": policy.costs.to_json(),
+        "rates": rates,
+        "table": speculative_tokens_per_batch_size(policy.costs, rates, batch_sizes, policy.max_k),
+    }
 
 
 def drafter_block_size(folder: Path) -> int:
@@ -223,38 +284,57 @@ def run_round(
 def run_benchmark(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     import torch
 
+    from engine.threads import configure_torch_threads
+
     before = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
+    configure_torch_threads(args.threads or None)
     try:
         return _run(args, texts)
     finally:
         torch.set_num_threads(before)
 
 
-def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+def _variants(args: argparse.Namespace) -> list[Variant]:
     block_sizes = args.block_sizes or [1, drafter_block_size(args.drafter)]
     if 1 not in block_sizes:
         block_sizes = [1, *block_sizes]
-    engines = make_engines(args, block_sizes)
-    tokenizer = engines[1].tokenizer
+    variants: list[Variant] = [(b, False) for b in block_sizes]
+    if args.adaptive:
+        variants.append((max(max(block_sizes), drafter_block_size(args.drafter)), True))
+    return variants
+
+
+def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+    return _run_variants(args, texts)
+
+
+def _run_variants(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
+    variants = _variants(args)
+    engines = make_engines(args, variants)
+    tokenizer = engines[(1, False)].tokenizer
     budget = args.max_model_len - args.max_tokens
     prompts = [tokenizer.encode(t)[-budget:] for t in texts]
     for engine in engines.values():  # warm-up: first-call allocations out of the timing
         run_round(engine, prompts[:1], 1, 4)
-    cells = {(c, b): Cell(c, b) for c in args.concurrency for b in block_sizes}
+    cells = {(c, v): Cell(c, v[0], v[1]) for c in args.concurrency for v in variants}
     reference: dict[int, list[int]] = {}
     outputs_match = True
     for c in args.concurrency:
         n = max(len(prompts), c * args.requests_per_slot)
         batch = [prompts[i % len(prompts)] for i in range(n)]
         for _ in range(args.repeats):
-            for b in block_sizes:
-                outs = _measure(engines[b], cells[(c, b)], batch, c, args)
+            for v in variants:
+                outs = _measure(engines[v], cells[(c, v)], batch, c, args)
                 if not reference:
                     reference = {i: outs[i] for i in range(len(prompts))}
                 outputs_match &= all(outs[i] == reference[i] for i in range(len(prompts)))
-    return _report(args, block_sizes, cells, outputs_match)
+    report = _report(args, variants, cells, outputs_match)
+    for v, engine in engines.items():
+        if v[1]:
+            info = adaptive_report(engine, sorted({1, 2, 4, 8, 16, *args.concurrency}))
+            report["adaptive_costs"], report["adaptive_rates"] = info["costs"], info["rates"]
+            report["adaptive_table"] = info["table"]
+    return report
 
 
 def _measure(
@@ -275,13 +355,16 @@ def _measure(
 
 def _report(
     args: argparse.Namespace,
-    block_sizes: list[int],
-    cells: dict[tuple[int, int], Cell],
+    variants: list[Variant],
+    cells: dict[tuple[int, Variant], Cell],
     outputs_match: bool,
 ) -> dict[str, Any]:
     import torch
 
-    results = [cells[(c, b)].to_json(cells[(c, 1)]) for c in args.concurrency for b in block_sizes]
+    results = [
+        cells[(c, v)].to_json(cells[(c, (1, False))]) for c in args.concurrency for v in variants
+    ]
+    block_sizes = [b for b, adaptive in variants if not adaptive]
     return {
         "benchmark": "engine",
         "model": str(args.model),
@@ -294,5 +377,44 @@ def _report(
         "device": args.device,
         "dtype": args.dtype,
         "outputs_match": outputs_match,
+        "adaptive": bool(args.adaptive),
         "results": results,
     }
+
+
+RSS_CHILD = """
+import json, resource, sys
+from pathlib import Path
+from engine.threads import configure_torch_threads
+from engine.engine import Engine, EngineConfig
+from engine.sequence import SamplingParams
+target, drafter, seqs, context, new = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+configure_torch_threads(1)
+engine = Engine(EngineConfig(target_path=Path(target), drafter_path=Path(drafter),
+                             max_num_seqs=seqs, max_model_len=context))
+params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+for i in range(seqs):
+    engine.add_request(str(i), [(i * 31 + j) % 1000 + 5 for j in range(context - new)], params)
+done = 0
+for _ in range(100000):
+    done += sum(out.finished for out in engine.step())
+    if done == seqs:
+        break
+peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"peak_rss_mb": peak_kb / 1024.0, "finished": done}))
+"""
+
+
+def measure_peak_rss(
+    args: argparse.Namespace, sequences: int = 16, context: int = 2048, new_tokens: int = 32
+) -> dict[str, Any]:
+    """Peak RSS of a fresh process running one DFlash engine with `sequences` requests
+    whose prompts fill the context (minus `new_tokens` generated)."""
+    import subprocess
+
+    cmd = [sys.executable, "-c", RSS_CHILD, str(args.model), str(args.drafter),
+           str(sequences), str(context), str(new_tokens)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result.update(sequences=sequences, context=context, new_tokens=new_tokens)
+    return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -47,6 +48,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         device=settings.device,
         dtype=settings.torch_dtype_name(),
         seed=settings.seed,
+        adaptive=settings.speculation == "adaptive",
     )
 
 
@@ -138,6 +140,13 @@ def serve(settings: WorkerSettings, *, log_level: str = "info") -> int:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from engine.threads import configure_torch_threads
+
+    requested = settings.threads
+    if requested is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        requested = int(os.environ["OMP_NUM_THREADS"])  # what the launcher sized for us
+    threads = configure_torch_threads(requested)
+    log.info("torch threads: %d", threads)
     app = create_app(settings)
     state: WorkerState = app.state.worker
     config = uvicorn.Config(

@@ -32,6 +32,8 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--dtype", str, "auto|float32|float16|bfloat16"),
     ("--device", str, "embedded only: torch device (default cpu)"),
     ("--max-waiting", int, "embedded only: waiting-queue bound; beyond it requests get 503"),
+    ("--threads", int, "embedded only: torch threads (default: the CPUs this process may use, "
+     "from its affinity and cgroup quota)"),
     (
         "--drain-timeout",
         float,
@@ -69,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--per-request-spec-decode-metrics", choices=["none", "summary", "detailed"], default=sup
+    )
+    p.add_argument(
+        "--speculation",
+        choices=["fixed", "adaptive"],
+        default=sup,
+        help="embedded only: fixed = every step verifies num_speculative_tokens drafts (as "
+        "vLLM); adaptive = each step verifies the number a start-up cost model and the live "
+        "acceptance favour (0 = plain decoding), so speculation never costs throughput",
     )
     for flag, kind, text in _OPTIONS:
         p.add_argument(flag, type=kind, default=sup, help=text)

@@ -104,6 +104,8 @@ class EngineStatsView(Protocol):
     @property
     def accepted_per_pos(self) -> list[int]: ...
     @property
+    def steps_by_k(self) -> list[int]: ...
+    @property
     def prompt_tokens(self) -> int: ...
     @property
     def generation_tokens(self) -> int: ...
@@ -150,6 +152,15 @@ class EngineCollector(Collector):
         for pos, count in enumerate(s.accepted_per_pos):
             per_pos.add_metric([*self._labels.values(), str(pos)], count)
         yield per_pos
+        by_k = CounterMetricFamily(
+            "dflash:spec_decode_steps_by_num_drafts",
+            "Row-steps by the number of draft tokens verified (adaptive speculation chooses "
+            "it per step; 0 = a plain decoding step).",
+            labels=[*self._labels, "num_drafts"],
+        )
+        for k, count in enumerate(s.steps_by_k):
+            by_k.add_metric([*self._labels.values(), str(k)], count)
+        yield by_k
         yield self._counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
 

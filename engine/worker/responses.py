@@ -38,6 +38,9 @@ def speculative_object(spec: SpecDecodeStats, level: str, *, stream: bool) -> di
         "num_draft_tokens": drafted,
         "num_spec_tokens": spec.num_spec_tokens,
     }
+    if spec.adaptive:  # ours, beyond vLLM's object: what the adaptive policy chose
+        out["num_plain_steps"] = spec.num_plain_steps
+        out["mean_draft_tokens_per_step"] = drafted / steps if steps else 0.0
     if level == "detailed":
         out["per_step_accepted"] = list(spec.per_step_accepted)
         out["per_step_drafted"] = list(spec.per_step_drafted)

@@ -79,6 +79,10 @@ class WorkerSettings(BaseModel):
     vllm_bin: str | None = None
     # Embedded-only knobs (no `vllm serve` equivalent; never put into the vLLM argv).
     device: str = "cpu"
+    # fixed: every step verifies num_speculative_tokens drafts (as vLLM); adaptive: each
+    # step verifies the k a start-up cost model and the live acceptance favour (0 = plain).
+    speculation: Literal["fixed", "adaptive"] = "fixed"
+    threads: int | None = Field(default=None, ge=1)  # torch threads; None: the CPUs we may use
     max_waiting: int = Field(default=64, ge=0)
     drain_timeout: float = Field(default=30.0, ge=0.0)  # vLLM: --shutdown-timeout
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
@@ -156,6 +160,11 @@ class WorkerSettings(BaseModel):
 
 def _check_backend_fields(s: WorkerSettings) -> None:
     if s.backend != "embedded":
+        if s.speculation != "fixed":
+            raise ValueError(
+                "speculation: adaptive is the embedded engine's; give vLLM its batch-size "
+                "table as speculative_config.num_speculative_tokens_per_batch_size"
+            )
         return
     spec = s.speculative_config
     if spec is not None and spec.method != "dflash":

@@ -313,3 +313,21 @@ def test_reference_matches_transformers_greedy(
                 logits = hf(torch.tensor([ids])).logits[0, -1]
                 ids.append(int(logits.argmax()))
         assert ids[len(prompt) :] == reference[str(i)], f"request {i}"
+
+
+def test_adaptive_speculation_is_lossless_and_counts_its_choices(
+    ckpt: TinyCheckpoint,
+    requests: list[tuple[list[int], SamplingParams]],
+    reference: dict[str, list[int]],
+) -> None:
+    engine = make_engine(ckpt, k=15, adaptive=True)
+    assert engine.runner.policy is not None  # calibrated at construction
+    out = run(engine, requests, join_at=[0, 0, 1, 1, 2, 3, 5, 8, 8, 9, 9, 12, 13, 13, 20, 30])
+    assert {rid: o.token_ids_delta for rid, o in out.items()} == reference
+    stats = engine.stats()
+    assert len(stats.steps_by_k) == 16 and sum(stats.steps_by_k) > 0
+    # Only steps that verified drafts count as vLLM's drafts.
+    assert stats.num_drafts == sum(stats.steps_by_k[1:])
+    spec = next(iter(out.values())).metrics.spec
+    assert spec is not None and spec.adaptive
+    assert spec.num_plain_steps + len(spec.per_step_drafted) >= 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCache, SlotCaches
+from engine.kv_cache import CacheIndex, KVCache, SlotCaches
 
 
 def _cache() -> KVCache:
@@ -40,3 +40,28 @@ def test_rollback_is_setting_the_length_back_without_copying() -> None:
     assert caches.target.lengths == [0, 0, 0] and caches.usage() == 0.0
     with pytest.raises(ValueError, match="outside"):
         caches.set_length(0, 9)
+
+
+@pytest.mark.parametrize(("slots", "valid"), [
+    ([1], None),  # one row, all valid: slice copy
+    ([0, 1], None),  # consecutive slots: reads are views
+    ([2, 0], None),  # scattered slots
+    ([2, 0], [[True, True, False], [True, False, False]]),  # padded rows
+])
+def test_indexed_write_and_read_equal_the_plain_ones(slots: list[int],
+                                                    valid: list[list[bool]] | None) -> None:
+    plain, indexed = _cache(), _cache()
+    b = len(slots)
+    k = torch.randn(b, 2, 3, 4)
+    v = torch.randn(b, 2, 3, 4)
+    starts = [4, 1][:b]
+    positions = torch.tensor(starts)[:, None] + torch.arange(3)[None]
+    mask = torch.ones(b, 3, dtype=torch.bool) if valid is None else torch.tensor(valid)
+    plain.write(0, torch.tensor(slots), positions, mask, k, v)
+    index = CacheIndex.build(slots, starts, positions, None if valid is None else mask, "cpu")
+    indexed.write_at(0, index, k, v)
+    assert torch.equal(plain.k[0], indexed.k[0]) and torch.equal(plain.v[0], indexed.v[0])
+    rk, rv = indexed.read_at(0, index, 7)
+    ek, ev = plain.read(0, torch.tensor(slots), 7)
+    assert torch.equal(rk, ek) and torch.equal(rv, ev)
+    assert (index.span is not None) == (slots in ([1], [0, 1]))

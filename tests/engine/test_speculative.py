@@ -18,6 +18,7 @@ from engine.speculative import (
     RowResult,
     RowSampling,
     SpecState,
+    StepTimings,
     prefill,
     release,
     spec_step,
@@ -70,7 +71,8 @@ def prompts() -> list[list[int]]:
 
 
 def generate(state: SpecState, prompts: list[list[int]], max_rows: int, together: bool,
-             results: list[RowResult] | None = None, n: int = NEW_TOKENS) -> list[list[int]]:
+             results: list[RowResult] | None = None, n: int = NEW_TOKENS,
+             num_draft: Callable[[], int] | None = None) -> list[list[int]]:
     """Continuous batching at the spec_step level: up to max_rows slots, rows join (one per
     step unless `together`) and leave as they finish; slots are released and reused."""
     pending, free = list(enumerate(prompts)), list(range(max_rows))
@@ -87,7 +89,8 @@ def generate(state: SpecState, prompts: list[list[int]], max_rows: int, together
         for ((idx, p), slot), first in zip(joining, firsts, strict=True):
             active[slot] = (idx, [first], DecodeRow(slot, first, len(p)))
         rows = [a[2] for a in active.values()]
-        step = spec_step(state, rows, [GREEDY] * len(rows))
+        k = None if num_draft is None else num_draft()
+        step = spec_step(state, rows, [GREEDY] * len(rows), num_draft=k)
         if results is not None:
             results.extend(step)
         for row, res in zip(rows, step, strict=True):
@@ -140,6 +143,49 @@ def test_greedy_speculation_equals_plain_decoding(
     assert sum(r.num_accepted for r in results) > 0, "the drafter never agreed: test is vacuous"
 
 
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_different_number_of_drafts_every_step_equals_plain_decoding(
+        agreeable: Models, prompts: list[list[int]], agreeable_plain: list[list[int]],
+        mode: str) -> None:
+    """The adaptive policy's lever: k drafts per step, 0 (plain) to 15, chosen anew each
+    step; the drafter context must stay in step with the target through k = 0 steps."""
+    target, drafters = agreeable
+    max_rows, together = MODES[mode]
+    state = SpecState.create(target, drafters[16], max_rows, MAX_LEN, 16, "cpu", torch.float32)
+    gen = torch.Generator().manual_seed(11)
+    ks: list[int] = []
+
+    def pick() -> int:
+        ks.append(int(torch.randint(0, 16, (1,), generator=gen)))
+        return ks[-1]
+
+    results: list[RowResult] = []
+    assert generate(state, prompts, max_rows, together, results, num_draft=pick) == agreeable_plain
+    assert 0 in ks and len(set(ks)) >= 5
+    assert {r.num_drafted for r in results} <= set(ks)
+    assert sum(r.num_accepted for r in results) > 0
+
+
+def test_num_draft_out_of_range_is_refused(agreeable: Models) -> None:
+    target, drafters = agreeable
+    state = SpecState.create(target, drafters[4], 1, MAX_LEN, 4, "cpu", torch.float32)
+    first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0]
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="num_draft"):
+            spec_step(state, [DecodeRow(0, first, 3)], [GREEDY], num_draft=bad)
+
+
+def test_step_timings_cover_the_phases(agreeable: Models) -> None:
+    target, drafters = agreeable
+    state = SpecState.create(target, drafters[8], 1, MAX_LEN, 8, "cpu", torch.float32)
+    first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0]
+    timings = StepTimings()
+    spec_step(state, [DecodeRow(0, first, 3)], [GREEDY], timings=timings)
+    assert timings.draft > 0 and timings.verify > 0 and timings.context > 0
+    assert timings.total == pytest.approx(sum(
+        getattr(timings, p) for p in ("prepare", "draft", "verify", "accept", "context", "commit")))
+
+
 def test_random_drafter_rejects_almost_everything_and_stays_exact(
         disagreeable: Models, prompts: list[list[int]],
         disagreeable_plain: list[list[int]]) -> None:
@@ -153,7 +199,7 @@ def _oracle(history: dict[int, list[int]], gen: torch.Generator) -> Callable[...
     corrupted at a random place (or none), so every acceptance length occurs."""
 
     def propose(state: SpecState, rows: list[DecodeRow], block: torch.Tensor,
-                positions: torch.Tensor, slots: torch.Tensor) -> None:
+                positions: torch.Tensor, slots: torch.Tensor, **_: object) -> None:
         size = block.shape[1]
         for i, row in enumerate(rows):
             seq = history[row.slot]

@@ -79,3 +79,30 @@ def test_missing_checkpoint_is_a_clear_error(
 def test_bad_lists_are_usage_errors() -> None:
     with pytest.raises(SystemExit):
         engine_bench.parse_args(["--concurrency", "0,2"])
+
+
+def test_adaptive_variant_is_exact_and_reports_its_choices(
+    tiny_checkpoint: TinyCheckpoint, tmp_path: Path
+) -> None:
+    import engine.engine as engine_module
+
+    original = engine_module.run_spec_step  # type: ignore[attr-defined]
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n"]))
+    out = tmp_path / "engine.json"
+    argv = ["--model", str(tiny_checkpoint.target_dir), "--drafter",
+            str(tiny_checkpoint.drafter_dir), "--concurrency", "1,2", "--max-tokens", "6",
+            "--prompts", str(prompts), "--repeats", "1", "--max-model-len", "128",
+            "--adaptive", "--json", str(out)]
+    assert engine_bench.main(argv) == 0
+    assert engine_module.run_spec_step is original  # type: ignore[attr-defined]  # the hook is removed afterwards
+    report = json.loads(out.read_text())
+    assert report["outputs_match"] is True and report["adaptive"] is True
+    adaptive = [r for r in report["results"] if r["adaptive"]]
+    assert [(r["concurrency"], r["block_size"]) for r in adaptive] == [(1, 4), (2, 4)]
+    for r in adaptive:
+        assert 0.0 <= r["mean_draft_tokens_per_step"] <= 3.0
+        assert r["generated_tokens"] == 6 * r["num_requests"]
+    assert set(report["adaptive_table"]) == {"1", "2", "4", "8", "16"}
+    assert all(0 <= k <= 3 for k in report["adaptive_table"].values())
+    assert len(report["adaptive_rates"]) == 3

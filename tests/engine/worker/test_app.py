@@ -628,3 +628,22 @@ def test_echo_and_a_stream_of_several_choices(worker: AppHandle) -> None:
     assert sorted(roles) == [0, 1]
     assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
     assert events[-2]["usage"]["completion_tokens"] == 10 and "metrics" not in events[-2]
+
+
+def test_adaptive_speculation_shows_its_choices(ckpt: TinyCheckpoint) -> None:
+    settings = load_settings(
+        model=str(ckpt.target_dir),
+        served_model_name=NAME,
+        max_model_len=MAX_LEN,
+        speculative_config={"method": "dflash", "model": str(ckpt.drafter_dir)},
+        max_num_seqs=2,
+        speculation="adaptive",
+    )
+    with serving_app(settings) as handle:
+        body = {"prompt": "def f(x):", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(f"{handle.base_url}{COMP}", json=body, timeout=60).json()
+        spec = r["metrics"]["speculative_decoding"]
+        assert spec["num_plain_steps"] >= 0 and spec["mean_draft_tokens_per_step"] >= 0
+        samples = scrape(handle.base_url)
+        steps = metric(samples, "dflash:spec_decode_steps_by_num_drafts_total")
+        assert steps == spec["num_plain_steps"] + spec["num_spec_steps"] >= 1

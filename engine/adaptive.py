@@ -1,0 +1,272 @@
+"""Adaptive speculation: how many draft tokens to verify in the next step. No torch.
+
+Three small parts:
+- `CostModel`: seconds of one step verifying `k` drafts (width k + 1) for `b` rows,
+  measured at start-up on a grid by `calibrate(measure, ...)` and interpolated between
+  grid points (linear in b and in the width; extrapolated linearly beyond the grid).
+- `AcceptanceStats`: live per-position acceptance. Position j (1-based) is *tried* in a
+  row-step that verified k >= j drafts and accepted the first j - 1; it is *accepted*
+  when the first j were. Counts decay exponentially (recent traffic weighs most) and
+  start from an optimistic prior, so unexplored positions look worth trying.
+- `SpecPolicy.choose(batch_size, stats)`: the k in [0, max_k] maximising expected tokens
+  per second, b * E[tokens per row | k] / cost(b, k), where
+  E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} a_i (a_i = acceptance of position i given
+  the ones before). k = 0 is plain decoding. Every `explore_every` steps it verifies a
+  few more drafts than the optimum so the estimates of the next positions stay fresh.
+
+`speculative_tokens_per_batch_size` derives vLLM's static batch-size -> k table from the
+same model: for each batch size, the k `choose` would pick at the given acceptance rates.
+For the production (GPU) worker the costs must be the server's own: step latency per
+(batch size, k) measured against the vLLM server (CostModel.from_json), and the rates
+from its acceptance counters (vllm:spec_decode_num_accepted_tokens_per_pos over
+vllm:spec_decode_num_drafts, made conditional: a_j = accepted_j / accepted_{j-1}).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Measure = Callable[[int, int], float]  # (batch size, num drafts k) -> seconds per step
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step seconds on a grid of batch sizes x draft counts (k = 0 is plain decoding)."""
+
+    batch_sizes: tuple[int, ...]
+    num_drafts: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]  # [batch index][k index]
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or not self.num_drafts:
+            raise ValueError("a cost model needs at least one batch size and one k")
+        if list(self.batch_sizes) != sorted(set(self.batch_sizes)) or list(
+            self.num_drafts
+        ) != sorted(set(self.num_drafts)):
+            raise ValueError("batch sizes and draft counts must be increasing")
+        if len(self.seconds) != len(self.batch_sizes) or any(
+            len(row) != len(self.num_drafts) for row in self.seconds
+        ):
+            raise ValueError("seconds must be [batch sizes][draft counts]")
+        if any(s <= 0 for row in self.seconds for s in row):
+            raise ValueError("step costs must be positive")
+
+    def cost(self, batch_size: int, k: int) -> float:
+        """Seconds of one step verifying k drafts for batch_size rows (interpolated)."""
+        return self.curve(batch_size, k)[k]
+
+    def curve(self, batch_size: int, max_k: int) -> list[float]:
+        """cost(batch_size, k) for k = 0..max_k, interpolating over the batch once."""
+        at_b = [
+            _interpolate(self.batch_sizes, [row[j] for row in self.seconds], batch_size)
+            for j in range(len(self.num_drafts))
+        ]
+        return [max(1e-9, _interpolate(self.num_drafts, at_b, k)) for k in range(max_k + 1)]
+
+    def relative(self, batch_size: int, k: int) -> float:
+        """The cost in plain steps at the same batch size."""
+        return self.cost(batch_size, k) / self.cost(batch_size, 0)
+
+    def monotone(self) -> CostModel:
+        """The same grid with every cost raised to the running maximum along k and along
+        the batch size: a wider or bigger step never costs less. Removes the inversions
+        a noisy machine leaves in single measurements."""
+        rows = [list(_running_max(row)) for row in self.seconds]
+        for j in range(len(self.num_drafts)):
+            column = list(_running_max([row[j] for row in rows]))
+            for i, value in enumerate(column):
+                rows[i][j] = value
+        return CostModel(self.batch_sizes, self.num_drafts, tuple(tuple(r) for r in rows))
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "batch_sizes": list(self.batch_sizes),
+            "num_drafts": list(self.num_drafts),
+            "seconds": [list(row) for row in self.seconds],
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, object]) -> CostModel:
+        """Inverse of to_json (e.g. step latencies measured on a vLLM server)."""
+        try:
+            bs = tuple(int(b) for b in raw["batch_sizes"])  # type: ignore[attr-defined]
+            ks = tuple(int(k) for k in raw["num_drafts"])  # type: ignore[attr-defined]
+            rows = raw["seconds"]
+            seconds = tuple(tuple(float(x) for x in row) for row in rows)  # type: ignore[attr-defined]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a cost model: {exc}") from exc
+        return cls(bs, ks, seconds)
+
+
+def _running_max(values: Iterable[float]) -> Iterable[float]:
+    top = 0.0
+    for v in values:
+        top = max(top, v)
+        yield top
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys); linear extrapolation from the end segments."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def calibrate(
+    measure: Measure, batch_sizes: Iterable[int], num_drafts: Iterable[int], passes: int = 1
+) -> CostModel:
+    """Measure the grid `passes` times, a whole pass at a time (so a burst of load on a
+    shared machine spoils one value per cell, not one cell), take each cell's minimum
+    (other processes only ever add time), then make the grid monotone."""
+    bs, ks = tuple(sorted(set(batch_sizes))), tuple(sorted(set(num_drafts)))
+    samples: dict[tuple[int, int], list[float]] = {(b, k): [] for b in bs for k in ks}
+    for _ in range(max(1, passes)):
+        for b in bs:
+            for k in ks:
+                samples[(b, k)].append(measure(b, k))
+    seconds = tuple(tuple(min(samples[(b, k)]) for k in ks) for b in bs)
+    return CostModel(bs, ks, seconds).monotone()
+
+
+def default_grid(max_num_seqs: int, max_k: int) -> tuple[list[int], list[int]]:
+    """Calibration points: batch sizes 1, 2, 4, ... up to max_num_seqs (included) and
+    draft counts 0, 1, 2, 3, 5, 7, 11, 15, ... up to max_k (included)."""
+    bs = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < max_num_seqs} | {max_num_seqs})
+    ks = sorted({k for k in (0, 1, 2, 3, 5, 7, 11, 15, 23, 31) if k < max_k} | {max_k})
+    return bs, ks
+
+
+@dataclass
+class AcceptanceStats:
+    """Per-position acceptance with exponential forgetting (see the module docstring)."""
+
+    max_k: int
+    halflife_steps: float = 32.0  # steps after which old observations weigh half
+    prior_rate: float = 0.8  # optimistic: positions never tried look worth trying
+    prior_weight: float = 2.0  # pseudo-trials behind the prior
+    tried: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.tried:
+            self.tried = [0.0] * self.max_k
+            self.accepted = [0.0] * self.max_k
+
+    def observe(self, rows: Iterable[tuple[int, int]]) -> None:
+        """One step's results: (num_drafted, num_accepted) per row."""
+        keep = 0.5 ** (1.0 / self.halflife_steps)
+        self.tried = [t * keep for t in self.tried]
+        self.accepted = [a * keep for a in self.accepted]
+        for num_drafted, num_accepted in rows:
+            for j in range(min(num_accepted + 1, num_drafted, self.max_k)):
+                self.tried[j] += 1.0
+                if j < num_accepted:
+                    self.accepted[j] += 1.0
+
+    def rates(self) -> list[float]:
+        """a_j: acceptance of position j + 1 given every earlier one was accepted."""
+        w, p = self.prior_weight, self.prior_rate
+        return [(a + w * p) / (t + w) for a, t in zip(self.accepted, self.tried, strict=True)]
+
+    def expected_tokens(self, k: int) -> float:
+        """E[tokens committed per row] when verifying k drafts (bonus token included)."""
+        return expected_tokens(self.rates(), k)
+
+
+def expected_tokens(rates: Sequence[float], k: int) -> float:
+    total, survive = 1.0, 1.0
+    for a in rates[:k]:
+        survive *= a
+        total += survive
+    return total
+
+
+@dataclass
+class SpecPolicy:
+    """Picks k per step; `mode="fixed"` always verifies max_k (the old behaviour).
+
+    `observe_cost` (optional) feeds back measured step times: the calibrated cost of each
+    grid k is corrected by how its observed times compare with the model, relative to
+    all observations (a uniform slowdown of the machine changes no decision; a
+    calibration that was off at some k is repaired once that k has run)."""
+
+    costs: CostModel
+    max_k: int
+    mode: Literal["adaptive", "fixed"] = "adaptive"
+    explore_every: int = 16  # steps; 0 = never explore
+    feedback_weight: float = 0.1  # EWMA weight of one observed step time
+    _steps: int = 0
+    _overall: float | None = None  # EWMA of log(observed / model), all steps
+    _per_k: dict[int, float] = field(default_factory=dict)  # same, per grid k
+
+    def cost(self, batch_size: int, k: int) -> float:
+        """Model seconds with the feedback correction (relative, per nearest grid k)."""
+        return self.curve(batch_size)[k]
+
+    def curve(self, batch_size: int) -> list[float]:
+        """cost(batch_size, k) for k = 0..max_k, feedback included."""
+        base = self.costs.curve(batch_size, self.max_k)
+        if self._overall is None or not self._per_k:
+            return base
+        factor = {g: math.exp(v - self._overall) for g, v in self._per_k.items()}
+        return [c * factor.get(self._nearest(k), 1.0) for k, c in enumerate(base)]
+
+    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        ratio = math.log(seconds / self.costs.cost(batch_size, k))
+        w = self.feedback_weight
+        self._overall = ratio if self._overall is None else (1 - w) * self._overall + w * ratio
+        grid = self._nearest(k)
+        old = self._per_k.get(grid)
+        self._per_k[grid] = ratio if old is None else (1 - w) * old + w * ratio
+
+    def _nearest(self, k: int) -> int:
+        return min(self.costs.num_drafts, key=lambda g: (abs(g - k), g))
+
+    def best(self, batch_size: int, rates: Sequence[float]) -> int:
+        """argmax_k tokens per second at this batch size (ties: the smaller k)."""
+        costs = self.curve(batch_size)
+        tokens, survive, scores = 1.0, 1.0, []
+        for k in range(self.max_k + 1):
+            if k:
+                survive *= rates[k - 1]
+                tokens += survive
+            scores.append(tokens / costs[k])
+        return max(range(len(scores)), key=lambda k: (scores[k], -k))
+
+    def choose(self, batch_size: int, stats: AcceptanceStats) -> int:
+        if self.mode == "fixed" or self.max_k == 0:
+            return self.max_k
+        k = self.best(batch_size, stats.rates())
+        self._steps += 1
+        if self.explore_every and self._steps % self.explore_every == 0:
+            k = min(self.max_k, k + max(2, k // 2))
+        return k
+
+
+def conditional_rates(accepted_per_pos: Sequence[float], num_drafts: float) -> list[float]:
+    """Per-position conditional acceptance from vLLM-style counters: accepted_per_pos[j]
+    = steps that accepted draft j + 1 (and so every earlier one), num_drafts = steps."""
+    rates, before = [], float(num_drafts)
+    for accepted in accepted_per_pos:
+        rates.append(accepted / before if before > 0 else 0.0)
+        before = float(accepted)
+    return rates
+
+
+def speculative_tokens_per_batch_size(
+    costs: CostModel, rates: Sequence[float], batch_sizes: Iterable[int], max_k: int
+) -> dict[int, int]:
+    """vLLM's static table (batch size -> num_speculative_tokens): at each batch size the
+    k that maximises expected tokens per second under `costs` at acceptance `rates`
+    (per position, conditional). Consecutive equal entries are kept: vLLM looks the
+    running batch size up in the table (the largest key not above it)."""
+    policy = SpecPolicy(costs, max_k, explore_every=0)
+    return {b: policy.best(b, rates) for b in sorted(set(batch_sizes))}

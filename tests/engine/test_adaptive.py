@@ -1,0 +1,156 @@
+"""Adaptive speculation: cost model interpolation, acceptance estimates, the k choice."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.adaptive import (
+    AcceptanceStats,
+    CostModel,
+    SpecPolicy,
+    calibrate,
+    conditional_rates,
+    default_grid,
+    expected_tokens,
+    speculative_tokens_per_batch_size,
+)
+
+
+def _linear_costs(plain: float = 1.0, per_token: float = 0.1) -> CostModel:
+    """A step costs plain + per_token * (tokens verified beyond one row's first)."""
+    bs, ks = (1, 4, 16), (0, 3, 7, 15)
+    return CostModel(
+        bs, ks, tuple(tuple(plain + per_token * (b * (k + 1) - 1) for k in ks) for b in bs)
+    )
+
+
+def test_cost_interpolates_and_extrapolates_linearly() -> None:
+    costs = _linear_costs()
+    assert costs.cost(1, 0) == pytest.approx(1.0)
+    assert costs.cost(1, 5) == pytest.approx(1.5)  # between k = 3 and 7
+    assert costs.cost(8, 3) == pytest.approx(1.0 + 0.1 * 31)  # between b = 4 and 16
+    assert costs.cost(32, 0) == pytest.approx(1.0 + 0.1 * 31)  # beyond the grid
+    assert costs.relative(1, 15) == pytest.approx(2.5)
+
+
+def test_bad_grids_are_refused() -> None:
+    with pytest.raises(ValueError):
+        CostModel((1, 1), (0,), ((1.0,), (1.0,)))
+    with pytest.raises(ValueError):
+        CostModel((1,), (0, 1), ((1.0,),))
+    with pytest.raises(ValueError):
+        CostModel((1,), (0,), ((0.0,),))
+
+
+def test_calibration_measures_every_point_and_irons_out_inversions() -> None:
+    seen: list[tuple[int, int]] = []
+
+    def measure(b: int, k: int) -> float:
+        seen.append((b, k))
+        return 2.0 if (b, k) == (1, 1) else 1.0 + b + k  # (1, 1) measured too slow
+
+    costs = calibrate(measure, [2, 1], [1, 0, 3])
+    assert sorted(seen) == [(b, k) for b in (1, 2) for k in (0, 1, 3)]
+    assert costs.batch_sizes == (1, 2) and costs.num_drafts == (0, 1, 3)
+    assert costs.seconds[0] == (2.0, 3.0, 5.0) or costs.seconds[0][1] >= costs.seconds[0][0]
+    for row in costs.seconds:
+        assert list(row) == sorted(row)
+    for j in range(3):
+        assert costs.seconds[0][j] <= costs.seconds[1][j]
+
+
+def test_default_grid_includes_the_limits() -> None:
+    assert default_grid(8, 15) == ([1, 2, 4, 8], [0, 1, 2, 3, 5, 7, 11, 15])
+    assert default_grid(3, 4) == ([1, 2, 3], [0, 1, 2, 3, 4])
+    assert default_grid(1, 0) == ([1], [0])
+
+
+def test_expected_tokens() -> None:
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([1.0] * 15, 15) == 16.0
+
+
+def test_acceptance_counts_only_the_positions_tried() -> None:
+    stats = AcceptanceStats(max_k=4, halflife_steps=1e9, prior_weight=0.0)
+    stats.observe([(4, 1), (2, 2)])  # row 1: pos 1 ok, pos 2 rejected; row 2: both ok
+    assert stats.tried == pytest.approx([2.0, 2.0, 0.0, 0.0])
+    assert stats.accepted == pytest.approx([2.0, 1.0, 0.0, 0.0])
+    stats.observe([(0, 0)])  # a plain step tells nothing about drafts
+    assert stats.tried == pytest.approx([2.0, 2.0, 0.0, 0.0])
+
+
+def test_unexplored_positions_keep_the_prior_and_old_news_fades() -> None:
+    stats = AcceptanceStats(max_k=3, halflife_steps=8.0, prior_rate=0.8, prior_weight=1.0)
+    assert stats.rates() == pytest.approx([0.8] * 3)
+    for _ in range(40):
+        stats.observe([(1, 0)])  # position 1 always rejected
+    rates = stats.rates()
+    assert rates[0] < 0.1 and rates[1:] == pytest.approx([0.8, 0.8])
+    for _ in range(40):
+        stats.observe([(1, 1)])  # now always accepted: the estimate follows within steps
+    assert stats.rates()[0] > 0.9
+
+
+def test_policy_speculates_when_cheap_and_stops_when_verification_is_costly() -> None:
+    high = AcceptanceStats(max_k=15, prior_rate=0.9, prior_weight=1e9)
+    low = AcceptanceStats(max_k=15, prior_rate=0.01, prior_weight=1e9)
+    policy = SpecPolicy(_linear_costs(per_token=0.02), max_k=15, explore_every=0)
+    assert policy.choose(1, high) >= 7
+    assert policy.choose(1, low) == 0  # drafts never accepted: plain decoding
+    costly = SpecPolicy(_linear_costs(per_token=0.5), max_k=15, explore_every=0)
+    assert costly.choose(16, high) == 0  # a 16-row batch: verifying costs too much
+    assert SpecPolicy(_linear_costs(), 15, mode="fixed").choose(16, low) == 15
+
+
+def test_policy_choice_maximises_tokens_per_second() -> None:
+    costs = _linear_costs(per_token=0.05)
+    stats = AcceptanceStats(max_k=15, prior_rate=0.7, prior_weight=1e9)
+    policy = SpecPolicy(costs, 15, explore_every=0)
+    for b in (1, 4, 16):
+        k = policy.choose(b, stats)
+        best = max(expected_tokens(stats.rates(), j) / costs.cost(b, j) for j in range(16))
+        assert expected_tokens(stats.rates(), k) / costs.cost(b, k) == pytest.approx(best)
+
+
+def test_exploration_verifies_a_few_more_drafts_now_and_then() -> None:
+    stats = AcceptanceStats(max_k=15, prior_rate=0.05, prior_weight=1e9)
+    policy = SpecPolicy(_linear_costs(), 15, explore_every=4)
+    ks = [policy.choose(1, stats) for _ in range(8)]
+    assert ks == [0, 0, 0, 2, 0, 0, 0, 2]
+
+
+def test_vllm_table_shrinks_k_as_the_batch_grows() -> None:
+    table = speculative_tokens_per_batch_size(
+        _linear_costs(per_token=0.05), [0.8] * 15, [16, 1, 4], 15
+    )
+    assert list(table) == [1, 4, 16]
+    assert table[1] >= table[4] >= table[16]
+    assert table[1] > 0
+
+
+def test_observed_step_times_repair_a_wrong_calibration() -> None:
+    """Calibrated: verifying is nearly free, so k = 15. Observed: k = 15 steps take 10x
+    the model; the policy backs off. A uniform slowdown alone changes nothing."""
+    stats = AcceptanceStats(max_k=15, prior_rate=0.95, prior_weight=1e9)
+    policy = SpecPolicy(_linear_costs(per_token=0.005), 15, explore_every=0)
+    assert policy.choose(4, stats) == 15
+    uniform = SpecPolicy(_linear_costs(per_token=0.005), 15, explore_every=0)
+    for k in (0, 15):
+        for _ in range(30):
+            uniform.observe_cost(4, k, 3.0 * uniform.costs.cost(4, k))
+    assert uniform.choose(4, stats) == 15
+    for _ in range(30):
+        policy.observe_cost(4, 15, 10.0 * policy.costs.cost(4, 15))
+        policy.observe_cost(4, 0, policy.costs.cost(4, 0))
+    assert policy.cost(4, 15) > 2.0 * policy.costs.cost(4, 15)
+    assert policy.choose(4, stats) < 15
+
+
+def test_cost_model_json_round_trip_and_counter_rates() -> None:
+    costs = _linear_costs()
+    assert CostModel.from_json(costs.to_json()) == costs
+    with pytest.raises(ValueError):
+        CostModel.from_json({"batch_sizes": [1]})
+    assert conditional_rates([80, 40, 0], 100) == pytest.approx([0.8, 0.5, 0.0])
+    assert conditional_rates([0, 0], 0) == [0.0, 0.0]
