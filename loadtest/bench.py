@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("loadtest.engine_bench", "embedded engine: tokens/s, acceptance, DFlash vs plain"),
     "gateway": ("loadtest.gateway_bench", "latency the gateway adds and its max requests/s"),
     "sweep": ("loadtest.sweep", "throughput at fixed interactivity: Locust over concurrencies"),
+    "backends": ("loadtest.backends_bench", "embedded worker vs real vLLM, plain and DFlash"),
 }
 
 
