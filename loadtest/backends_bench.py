@@ -5,7 +5,7 @@ drafter), started through `dflash-worker` exactly as a user starts them:
 
     python -m engine.worker.cli [--backend vllm] --dtype float32 [--no-speculation] ...
 
-They start one after the other and then all stay up: an idle worker costs memory, not CPU,
+They start one after the other and then all stay up: a quiet worker costs memory, not CPU,
 so the measurement rounds can alternate between them. Each round sends the same greedy
 `/v1/completions` requests (held-out code prompts, `ignore_eos`, so every request generates
 exactly `--max-tokens`) to one worker at a time in a closed loop at each concurrency, and the
@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("embedded", "vllm")
 MODES = ("plain", "dflash")
 MODEL_NAME = "tiny-coder"
-# vLLM's CPU build reserves this fraction of a NUMA node's memory at start unless its KV cache
-# is sized explicitly; 1 GiB is plenty for the tiny model and lets two vLLMs run side by side.
+# KV cache of each vLLM worker (GiB). Unsized, vLLM's CPU build wants --gpu-memory-utilization
+# (0.9) of a NUMA node's memory free at start and refuses to start on a shared machine.
 VLLM_KV_GIB = "1"
 
 
