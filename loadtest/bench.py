@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("loadtest.gateway_bench", "latency the gateway adds and its max requests/s"),
     "step": ("loadtest.step_bench", "one speculative step's cost by phase, in plain-step units"),
     "sweep": ("loadtest.sweep", "throughput at fixed interactivity: Locust over concurrencies"),
+    "backends": ("loadtest.backends_bench", "embedded worker vs real vLLM, plain and DFlash"),
 }
 
 
