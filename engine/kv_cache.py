@@ -30,8 +30,14 @@ class CacheIndex:
     select: Tensor | None  # [n] its index in the flattened [b * t]; None = every token
 
     @classmethod
-    def build(cls, slots: list[int], starts: list[int], positions: Tensor,
-              valid: Tensor | None, device: torch.device | str) -> CacheIndex:
+    def build(
+        cls,
+        slots: list[int],
+        starts: list[int],
+        positions: Tensor,
+        valid: Tensor | None,
+        device: torch.device | str,
+    ) -> CacheIndex:
         """slots/starts: host lists (first position of each row); positions/valid [b, t]."""
         slot_t = torch.tensor(slots, device=device)
         first = slots[0]
@@ -97,8 +103,10 @@ class KVCache:
         """K/V for positions [0, length) of the index's rows; views when they are a span."""
         if index.span is not None:
             first, n = index.span
-            return (self.k[layer][first : first + n, :, :length],
-                    self.v[layer][first : first + n, :, :length])
+            return (
+                self.k[layer][first : first + n, :, :length],
+                self.v[layer][first : first + n, :, :length],
+            )
         return self.read(layer, index.slots, length)
 
     def read(self, layer: int, slots: Tensor, length: int) -> tuple[Tensor, Tensor]:

@@ -76,8 +76,9 @@ class Rotary:
         self._tables[(device, dtype)] = table
         return table
 
-    def cos_sin(self, positions: Tensor, dtype: torch.dtype,
-                max_position: int | None = None) -> tuple[Tensor, Tensor]:
+    def cos_sin(
+        self, positions: Tensor, dtype: torch.dtype, max_position: int | None = None
+    ) -> tuple[Tensor, Tensor]:
         """positions [b, t] (int) -> cos, signed sin [b, 1, t, head_dim], ready to broadcast
         over heads. `max_position` (a host int) spares a device->host read of the maximum."""
         top = int(positions.max()) if max_position is None else max_position
@@ -95,8 +96,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def _onednn_linear_available() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
     available = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-    return bool(available and ops is not None
-                and hasattr(ops, "_linear_pointwise") and hasattr(ops, "_reorder_linear_weight"))
+    return bool(
+        available
+        and ops is not None
+        and hasattr(ops, "_linear_pointwise")
+        and hasattr(ops, "_reorder_linear_weight")
+    )
 
 
 ONEDNN_LINEAR = _onednn_linear_available()
@@ -116,15 +121,17 @@ class FusedWeight:
     def __init__(self) -> None:
         # per compute dtype (a bfloat16 drafter borrowing a float32 lm_head): source
         # version key, the concatenated weight, its oneDNN-packed form (made on first use)
-        self._copies: dict[torch.dtype | None, tuple[tuple[object, ...], Tensor,
-                                                    Tensor | None]] = {}
+        self._copies: dict[
+            torch.dtype | None, tuple[tuple[object, ...], Tensor, Tensor | None]
+        ] = {}
 
     def get(self, parts: list[Tensor], dtype: torch.dtype | None = None) -> Tensor:
         """The parts concatenated along dim 0 (and cast to `dtype` when given)."""
         return self._entry(parts, dtype)[1]
 
-    def _entry(self, parts: list[Tensor], dtype: torch.dtype | None
-               ) -> tuple[tuple[object, ...], Tensor, Tensor | None]:
+    def _entry(
+        self, parts: list[Tensor], dtype: torch.dtype | None
+    ) -> tuple[tuple[object, ...], Tensor, Tensor | None]:
         key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parts)
         entry = self._copies.get(dtype)
         if entry is None or entry[0] != key:
@@ -225,8 +232,9 @@ class Attention(nn.Module):
         """q_norm on the query heads and k_norm on the key heads in one op: the norm
         without weight, times the per-head weights stacked [h + kvh, d] (same products)."""
         h, kvh = self.num_heads, self.num_kv_heads
-        weight = self._qk_norm.get([self.q_norm.weight[None].expand(h, -1),
-                                    self.k_norm.weight[None].expand(kvh, -1)])
+        weight = self._qk_norm.get(
+            [self.q_norm.weight[None].expand(h, -1), self.k_norm.weight[None].expand(kvh, -1)]
+        )
         return rms_norm(qk, None, self.q_norm.eps) * weight
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:

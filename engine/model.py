@@ -63,14 +63,23 @@ class TargetConfig:
         """config.json content as transformers writes it for Qwen3ForCausalLM."""
         out: dict[str, Any] = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
         out.update(asdict(self))
-        out.update(hidden_act="silu", torch_dtype="float32",
-                   rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta})
+        out.update(
+            hidden_act="silu",
+            torch_dtype="float32",
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
+        )
         return out
 
     def layer_shape(self) -> LayerShape:
-        return LayerShape(self.hidden_size, self.intermediate_size, self.num_attention_heads,
-                          self.num_key_value_heads, self.head_dim, self.rms_norm_eps,
-                          self.attention_bias)
+        return LayerShape(
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+            self.rms_norm_eps,
+            self.attention_bias,
+        )
 
 
 @dataclass
@@ -102,12 +111,19 @@ class Qwen3Target(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(config.head_dim, config.rope_theta)
 
-    def new_cache(self, num_slots: int, capacity: int, device: torch.device | str,
-                  dtype: torch.dtype) -> KVCache:
+    def new_cache(
+        self, num_slots: int, capacity: int, device: torch.device | str, dtype: torch.dtype
+    ) -> KVCache:
         c = self.config
-        return KVCache(num_layers=c.num_hidden_layers, num_slots=num_slots,
-                       num_kv_heads=c.num_key_value_heads, capacity=capacity,
-                       head_dim=c.head_dim, device=device, dtype=dtype)
+        return KVCache(
+            num_layers=c.num_hidden_layers,
+            num_slots=num_slots,
+            num_kv_heads=c.num_key_value_heads,
+            capacity=capacity,
+            head_dim=c.head_dim,
+            device=device,
+            dtype=dtype,
+        )
 
     def forward(
         self,
@@ -149,9 +165,18 @@ class Qwen3Target(nn.Module):
         hidden = torch.cat([h for h in collected if h is not None], dim=-1) if layer_ids else None
         return TargetOutput(logits=logits, hidden=hidden)
 
-    def _layer(self, layer: DecoderLayer, index: int, x: Tensor, cos: Tensor, sin: Tensor,
-               mask: Tensor | None, cache: KVCache | None, where: CacheIndex | None,
-               kv_len: int | None) -> Tensor:
+    def _layer(
+        self,
+        layer: DecoderLayer,
+        index: int,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        mask: Tensor | None,
+        cache: KVCache | None,
+        where: CacheIndex | None,
+        kv_len: int | None,
+    ) -> Tensor:
         attn = layer.self_attn
         q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
         if cache is not None:

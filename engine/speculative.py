@@ -29,9 +29,21 @@ from engine.kv_cache import CacheIndex, SlotCaches
 from engine.model import Qwen3Target
 from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
 
-__all__ = ["DecodeRow", "PrefillRow", "RowResult", "RowSampling", "SpecState", "StepTimings",
-           "accept_greedy", "accept_sampled", "max_draft_tokens", "prefill", "release",
-           "row_probabilities", "spec_step"]
+__all__ = [
+    "DecodeRow",
+    "PrefillRow",
+    "RowResult",
+    "RowSampling",
+    "SpecState",
+    "StepTimings",
+    "accept_greedy",
+    "accept_sampled",
+    "max_draft_tokens",
+    "prefill",
+    "release",
+    "row_probabilities",
+    "spec_step",
+]
 
 
 @dataclass(frozen=True)
@@ -65,9 +77,16 @@ class SpecState:
     device: torch.device
 
     @classmethod
-    def create(cls, target: Qwen3Target, drafter: DFlashDrafter | None, max_num_seqs: int,
-               max_model_len: int, block_size: int, device: torch.device | str,
-               dtype: torch.dtype) -> SpecState:
+    def create(
+        cls,
+        target: Qwen3Target,
+        drafter: DFlashDrafter | None,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> SpecState:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         active = drafter if block_size > 1 else None
@@ -75,10 +94,18 @@ class SpecState:
         capacity = max_model_len + size  # a step near the limit never overflows
         target_cache = target.new_cache(max_num_seqs, capacity, device, dtype)
         # the drafter's context cache is in the drafter's own dtype (may differ: see .dtype)
-        draft_cache = None if active is None else active.new_cache(
-            max_num_seqs, capacity, device, active.dtype)
-        return cls(target=target, drafter=active, caches=SlotCaches(target_cache, draft_cache),
-                   block_size=size, device=torch.device(device))
+        draft_cache = (
+            None
+            if active is None
+            else active.new_cache(max_num_seqs, capacity, device, active.dtype)
+        )
+        return cls(
+            target=target,
+            drafter=active,
+            caches=SlotCaches(target_cache, draft_cache),
+            block_size=size,
+            device=torch.device(device),
+        )
 
     def layer_ids(self) -> list[int]:
         return [] if self.drafter is None else list(self.drafter.config.target_layer_ids)
@@ -99,8 +126,9 @@ def _choose(logits: Tensor, sampling: RowSampling) -> int:
     return sample(row_probabilities(logits[None], sampling)[0], sampling.generator)
 
 
-def _prompt_batch(rows: list[PrefillRow], starts: list[int]
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _prompt_batch(
+    rows: list[PrefillRow], starts: list[int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Right-padded ids, positions, valid [b, width] and the last index [b, 1]."""
     lengths = [len(r.token_ids) for r in rows]
     if min(lengths) < 1:
@@ -108,7 +136,7 @@ def _prompt_batch(rows: list[PrefillRow], starts: list[int]
     width = max(lengths)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
+        ids[i, : lengths[i]] = torch.tensor(row.token_ids, dtype=torch.long)
     offsets = torch.arange(width)[None, :]  # [1, width]
     lens = torch.tensor(lengths)[:, None]  # [b, 1]
     valid = offsets < lens  # [b, width]
@@ -126,8 +154,9 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
     starts = [state.caches.target.length(r.slot) for r in rows]
     ids, positions, valid, last = (t.to(dev) for t in _prompt_batch(rows, starts))
     slots = torch.tensor([r.slot for r in rows], device=dev)
-    out = state.target(ids, positions, valid, state.caches.target, slots,
-                       state.layer_ids(), logit_index=last)
+    out = state.target(
+        ids, positions, valid, state.caches.target, slots, state.layer_ids(), logit_index=last
+    )
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
         state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
     for row, start in zip(rows, starts, strict=True):
@@ -135,14 +164,21 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
     return [_choose(out.logits[i, 0], s) for i, s in enumerate(sampling)]
 
 
-def _propose(state: SpecState, rows: list[DecodeRow], block: Tensor, positions: Tensor,
-             slots: Tensor, index: CacheIndex | None = None) -> None:
+def _propose(
+    state: SpecState,
+    rows: list[DecodeRow],
+    block: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    index: CacheIndex | None = None,
+) -> None:
     """Fill block[:, 1:] with the drafter's argmax proposals (one forward for all rows)."""
     assert state.drafter is not None and state.caches.drafter is not None
     hosts = [r.position for r in rows]
     lengths = torch.tensor(hosts, device=state.device)
-    hidden = state.drafter.draft_hidden(block, positions, state.caches.drafter, slots, lengths,
-                                        index=index, lengths=hosts)
+    hidden = state.drafter.draft_hidden(
+        block, positions, state.caches.drafter, slots, lengths, index=index, lengths=hosts
+    )
     block[:, 1:] = greedy(state.drafter.logits(hidden[:, 1:]))  # [b, B-1]
 
 
@@ -155,8 +191,9 @@ def accept_greedy(target_choice: list[int], drafts: list[int]) -> tuple[int, int
     return n, target_choice[n]
 
 
-def accept_sampled(probs: Tensor, drafts: list[int],
-                   generator: torch.Generator | None) -> tuple[int, int]:
+def accept_sampled(
+    probs: Tensor, drafts: list[int], generator: torch.Generator | None
+) -> tuple[int, int]:
     """probs [B, vocab]: the target's processed distribution at each block position.
     Draft x at position i is accepted with probability probs[i, x]; on rejection the
     bonus is drawn from probs[i] with x zeroed and renormalised; if all are accepted the
@@ -172,13 +209,17 @@ def accept_sampled(probs: Tensor, drafts: list[int],
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
-def _decide(logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
-            ) -> list[tuple[int, int]]:
+def _decide(
+    logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
+) -> list[tuple[int, int]]:
     """logits [b, B, vocab] -> per row (accepted drafts, bonus)."""
     choices = greedy(logits).tolist()  # one host transfer for every greedy row
-    return [accept_greedy(choices[i], drafts[i]) if s.greedy else
-            accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
-            for i, s in enumerate(sampling)]
+    return [
+        accept_greedy(choices[i], drafts[i])
+        if s.greedy
+        else accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
+        for i, s in enumerate(sampling)
+    ]
 
 
 @dataclass
@@ -207,9 +248,13 @@ def max_draft_tokens(state: SpecState) -> int:
 
 
 @torch.inference_mode()
-def spec_step(state: SpecState, rows: list[DecodeRow], sampling: list[RowSampling],
-              num_draft: int | None = None, timings: StepTimings | None = None
-              ) -> list[RowResult]:
+def spec_step(
+    state: SpecState,
+    rows: list[DecodeRow],
+    sampling: list[RowSampling],
+    num_draft: int | None = None,
+    timings: StepTimings | None = None,
+) -> list[RowResult]:
     """One decoding step for every row: draft, verify, accept, commit, roll back.
 
     `num_draft`: draft tokens to verify this step, 0..max_draft_tokens(state) (None = the
@@ -239,8 +284,16 @@ def spec_step(state: SpecState, rows: list[DecodeRow], sampling: list[RowSamplin
     if size > 1:
         _propose(state, rows, block, positions, index.slots, index=index)
     t2 = clock() if clock else 0.0
-    out = state.target(block, positions, None, state.caches.target, index.slots,
-                       state.layer_ids(), index=index, kv_len=max(hosts) + size)
+    out = state.target(
+        block,
+        positions,
+        None,
+        state.caches.target,
+        index.slots,
+        state.layer_ids(),
+        index=index,
+        kv_len=max(hosts) + size,
+    )
     t3 = clock() if clock else 0.0
     drafts = block[:, 1:].tolist()
     decisions = _decide(out.logits, drafts, sampling)
@@ -252,16 +305,21 @@ def spec_step(state: SpecState, rows: list[DecodeRow], sampling: list[RowSamplin
     results = []
     for row, draft, (n, bonus) in zip(rows, drafts, decisions, strict=True):
         state.caches.set_length(row.slot, row.position + n + 1)  # commit + roll back
-        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=k,
-                                 num_accepted=n))
+        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=k, num_accepted=n))
     if timings is not None and clock is not None:
         t6 = clock()
         timings.add(StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
     return results
 
 
-def _append_committed(state: SpecState, hidden: Tensor, positions: Tensor, index: CacheIndex,
-                      hosts: list[int], accepted: list[int]) -> None:
+def _append_committed(
+    state: SpecState,
+    hidden: Tensor,
+    positions: Tensor,
+    index: CacheIndex,
+    hosts: list[int],
+    accepted: list[int],
+) -> None:
     """Drafter context for the committed block positions: last_token and the accepted
     drafts. Only the columns some row committed are projected."""
     assert state.drafter is not None and state.caches.drafter is not None
@@ -270,10 +328,18 @@ def _append_committed(state: SpecState, hidden: Tensor, positions: Tensor, index
     top = max(hosts) + width - 1
     if len(hosts) == 1:  # one row: every kept column is committed
         assert index.block is not None
-        state.drafter.append_context(hidden, positions, None, state.caches.drafter,
-                                     index.slots, index=index, max_position=top)
+        state.drafter.append_context(
+            hidden,
+            positions,
+            None,
+            state.caches.drafter,
+            index.slots,
+            index=index,
+            max_position=top,
+        )
         return
     counts = torch.tensor(accepted, device=state.device)
     valid = torch.arange(width, device=state.device)[None, :] <= counts[:, None]  # [b, w]
-    state.drafter.append_context(hidden, positions, valid, state.caches.drafter, index.slots,
-                                 max_position=top)
+    state.drafter.append_context(
+        hidden, positions, valid, state.caches.drafter, index.slots, max_position=top
+    )

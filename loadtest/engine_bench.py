@@ -207,8 +207,10 @@ def format_table(report: dict[str, Any], title: str = "quiet") -> str:
         )
     lines.append(f"greedy outputs identical across block sizes: {report['outputs_match']}")
     if report.get("adaptive_costs"):
-        lines.append("adaptive: k chosen per batch size at the measured acceptance: "
-                     + str(report["adaptive_table"]))
+        lines.append(
+            "adaptive: k chosen per batch size at the measured acceptance: "
+            + str(report["adaptive_table"])
+        )
     return "\n".join(lines)
 
 
@@ -412,8 +414,16 @@ def measure_peak_rss(
     whose prompts fill the context (minus `new_tokens` generated)."""
     import subprocess
 
-    cmd = [sys.executable, "-c", RSS_CHILD, str(args.model), str(args.drafter),
-           str(sequences), str(context), str(new_tokens)]
+    cmd = [
+        sys.executable,
+        "-c",
+        RSS_CHILD,
+        str(args.model),
+        str(args.drafter),
+        str(sequences),
+        str(context),
+        str(new_tokens),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     result.update(sequences=sequences, context=context, new_tokens=new_tokens)

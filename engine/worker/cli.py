@@ -32,8 +32,12 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--dtype", str, "auto|float32|float16|bfloat16"),
     ("--device", str, "embedded only: torch device (default cpu)"),
     ("--max-waiting", int, "embedded only: waiting-queue bound; beyond it requests get 503"),
-    ("--threads", int, "embedded only: torch threads (default: the CPUs this process may use, "
-     "from its affinity and cgroup quota)"),
+    (
+        "--threads",
+        int,
+        "embedded only: torch threads (default: the CPUs this process may use, "
+        "from its affinity and cgroup quota)",
+    ),
     (
         "--drain-timeout",
         float,

@@ -24,9 +24,17 @@ def test_default_target_layer_ids_follow_the_reference() -> None:
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(28, 1) == [14]
     assert default_target_layer_ids(6, 2) == [1, 3]
-    config = DrafterConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=3,
-                           num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                           vocab_size=10, num_target_layers=12, mask_token_id=9)
+    config = DrafterConfig(
+        hidden_size=8,
+        intermediate_size=8,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=10,
+        num_target_layers=12,
+        mask_token_id=9,
+    )
     assert config.target_layer_ids == [1, 5, 9]
 
 
@@ -77,8 +85,10 @@ def test_cached_drafting_equals_the_cache_free_forward() -> None:
         blk_pos = torch.stack([torch.arange(n, n + 4) for n in lengths])
         cached = drafter.draft_hidden(block, blk_pos, cache, slots, torch.tensor(lengths))
         for r, n in enumerate(lengths):
-            ref = drafter(block[r:r + 1], blk_pos[r:r + 1], feats[r:r + 1, :n], pos[r:r + 1, :n])
-            torch.testing.assert_close(cached[r:r + 1], ref, atol=1e-5, rtol=1e-5)
+            ref = drafter(
+                block[r : r + 1], blk_pos[r : r + 1], feats[r : r + 1, :n], pos[r : r + 1, :n]
+            )
+            torch.testing.assert_close(cached[r : r + 1], ref, atol=1e-5, rtol=1e-5)
 
 
 # The names vLLM 0.33's DFlashQwen3ForCausalLM.load_weights maps (q/k/v -> qkv_proj,
@@ -86,7 +96,8 @@ def test_cached_drafting_equals_the_cache_free_forward() -> None:
 VLLM_KEYS = re.compile(
     r"(layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj|q_norm|k_norm)"
     r"|mlp\.(gate_proj|up_proj|down_proj)|input_layernorm|post_attention_layernorm)"
-    r"|fc|hidden_norm|norm)\.weight")
+    r"|fc|hidden_norm|norm)\.weight"
+)
 
 
 def test_every_saved_key_is_one_vllm_loads(tmp_path: Path) -> None:

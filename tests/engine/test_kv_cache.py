@@ -42,14 +42,18 @@ def test_rollback_is_setting_the_length_back_without_copying() -> None:
         caches.set_length(0, 9)
 
 
-@pytest.mark.parametrize(("slots", "valid"), [
-    ([1], None),  # one row, all valid: slice copy
-    ([0, 1], None),  # consecutive slots: reads are views
-    ([2, 0], None),  # scattered slots
-    ([2, 0], [[True, True, False], [True, False, False]]),  # padded rows
-])
-def test_indexed_write_and_read_equal_the_plain_ones(slots: list[int],
-                                                    valid: list[list[bool]] | None) -> None:
+@pytest.mark.parametrize(
+    ("slots", "valid"),
+    [
+        ([1], None),  # one row, all valid: slice copy
+        ([0, 1], None),  # consecutive slots: reads are views
+        ([2, 0], None),  # scattered slots
+        ([2, 0], [[True, True, False], [True, False, False]]),  # padded rows
+    ],
+)
+def test_indexed_write_and_read_equal_the_plain_ones(
+    slots: list[int], valid: list[list[bool]] | None
+) -> None:
     plain, indexed = _cache(), _cache()
     b = len(slots)
     k = torch.randn(b, 2, 3, 4)

@@ -20,8 +20,7 @@ def test_rms_norm() -> None:
     with torch.no_grad():
         norm.weight.copy_(torch.tensor([1.0, 2.0, 1.0, 1.0]))
     x = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
-    torch.testing.assert_close(norm(x), torch.tensor([[1.0, -2.0, 1.0, -1.0]]), atol=1e-5,
-                               rtol=0)
+    torch.testing.assert_close(norm(x), torch.tensor([[1.0, -2.0, 1.0, -1.0]]), atol=1e-5, rtol=0)
 
 
 def test_rotary_is_a_relative_position_rotation() -> None:
@@ -41,8 +40,11 @@ def test_rotary_is_a_relative_position_rotation() -> None:
 
 
 def test_grouped_query_attention_shares_kv_heads() -> None:
-    attn = Attention(LayerShape(16, 32, num_attention_heads=4, num_key_value_heads=2,
-                                head_dim=4, rms_norm_eps=1e-6))
+    attn = Attention(
+        LayerShape(
+            16, 32, num_attention_heads=4, num_key_value_heads=2, head_dim=4, rms_norm_eps=1e-6
+        )
+    )
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 3, 4, generator=gen)
     k, v = torch.randn(1, 2, 5, 4, generator=gen), torch.randn(1, 2, 5, 4, generator=gen)
@@ -54,14 +56,17 @@ def test_grouped_query_attention_shares_kv_heads() -> None:
     with torch.no_grad():
         for h in range(4):
             w = torch.softmax(q[0, h] @ k[0, h // 2].T / 2.0, dim=-1)
-            ctx[0, :, h * 4:(h + 1) * 4] = w @ v[0, h // 2]
+            ctx[0, :, h * 4 : (h + 1) * 4] = w @ v[0, h // 2]
         torch.testing.assert_close(out, attn.o_proj(ctx))
     torch.testing.assert_close(ctx[0, :, 12:], head3)
 
 
 def _random_attention() -> Attention:
-    attn = Attention(LayerShape(32, 64, num_attention_heads=4, num_key_value_heads=2,
-                                head_dim=8, rms_norm_eps=1e-6))
+    attn = Attention(
+        LayerShape(
+            32, 64, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6
+        )
+    )
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in attn.parameters():
@@ -97,9 +102,11 @@ def test_inference_layer_gives_each_row_the_same_bits_whatever_the_batch() -> No
         whole = layer.self_attn.project(x, cos, sin)
         mlp = layer.feed_forward(x)
         for t in range(16):
-            one = layer.self_attn.project(x[:, t:t + 1], cos[:, :, t:t + 1], sin[:, :, t:t + 1])
-            assert all(torch.equal(a[:, :, t:t + 1], b) for a, b in zip(whole, one, strict=True))
-            assert torch.equal(mlp[:, t:t + 1], layer.feed_forward(x[:, t:t + 1]))
+            one = layer.self_attn.project(
+                x[:, t : t + 1], cos[:, :, t : t + 1], sin[:, :, t : t + 1]
+            )
+            assert all(torch.equal(a[:, :, t : t + 1], b) for a, b in zip(whole, one, strict=True))
+            assert torch.equal(mlp[:, t : t + 1], layer.feed_forward(x[:, t : t + 1]))
 
 
 def test_fused_weights_follow_in_place_edits() -> None:

@@ -15,8 +15,9 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-         ) -> tuple[Qwen3Target, torch.nn.Module]:
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Qwen3Target, torch.nn.Module]:
     tied = bool(request.param)
     path: Path = tmp_path_factory.mktemp("target")
     save_target(random_target(tiny_target_config(50, 3, tie_word_embeddings=tied), seed=3), path)
@@ -39,7 +40,8 @@ def test_prefill_logits_and_hidden_states_match(pair: tuple[Qwen3Target, torch.n
 
 
 def test_incremental_decoding_through_slot_cache_matches(
-        pair: tuple[Qwen3Target, torch.nn.Module]) -> None:
+    pair: tuple[Qwen3Target, torch.nn.Module],
+) -> None:
     """Rows at different lengths in different slots, padded prefill, then one token at a
     time (and a 3-token chunk) through the cache: every logit equals transformers' full pass."""
     ours, theirs = pair
@@ -61,10 +63,11 @@ def test_incremental_decoding_through_slot_cache_matches(
             torch.testing.assert_close(out.logits[r, :n], refs[r][:n], atol=1e-4, rtol=1e-4)
         start = list(prompt_lens)
         for step in (1, 1, 3, 1):
-            ids = torch.stack([s[p:p + step] for s, p in zip(seqs, start, strict=True)])
+            ids = torch.stack([s[p : p + step] for s, p in zip(seqs, start, strict=True)])
             pos = torch.stack([torch.arange(p, p + step) for p in start])
             out = ours(ids, pos, None, cache, slots)
             for r, p in enumerate(start):
-                torch.testing.assert_close(out.logits[r], refs[r][p:p + step], atol=1e-4,
-                                           rtol=1e-4)
+                torch.testing.assert_close(
+                    out.logits[r], refs[r][p : p + step], atol=1e-4, rtol=1e-4
+                )
             start = [p + step for p in start]

@@ -70,9 +70,15 @@ def prompts() -> list[list[int]]:
     return [torch.randint(0, VOCAB - 1, (n,), generator=gen).tolist() for n in lengths]
 
 
-def generate(state: SpecState, prompts: list[list[int]], max_rows: int, together: bool,
-             results: list[RowResult] | None = None, n: int = NEW_TOKENS,
-             num_draft: Callable[[], int] | None = None) -> list[list[int]]:
+def generate(
+    state: SpecState,
+    prompts: list[list[int]],
+    max_rows: int,
+    together: bool,
+    results: list[RowResult] | None = None,
+    n: int = NEW_TOKENS,
+    num_draft: Callable[[], int] | None = None,
+) -> list[list[int]]:
     """Continuous batching at the spec_step level: up to max_rows slots, rows join (one per
     step unless `together`) and leave as they finish; slots are released and reused."""
     pending, free = list(enumerate(prompts)), list(range(max_rows))
@@ -107,8 +113,7 @@ def generate(state: SpecState, prompts: list[list[int]], max_rows: int, together
     return [done[i] for i in range(len(prompts))]
 
 
-def _plain(target: Qwen3Target, prompts: list[list[int]], n: int = NEW_TOKENS
-           ) -> list[list[int]]:
+def _plain(target: Qwen3Target, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
     state = SpecState.create(target, None, len(prompts), MAX_LEN, 1, "cpu", torch.float32)
     return generate(state, prompts, len(prompts), True, n=n)
 
@@ -129,13 +134,18 @@ MODES = {"unbatched": (1, False), "batched": (6, True), "staggered": (3, False)}
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_greedy_speculation_equals_plain_decoding(
-        agreeable: Models, prompts: list[list[int]], agreeable_plain: list[list[int]],
-        block_size: int, mode: str) -> None:
+    agreeable: Models,
+    prompts: list[list[int]],
+    agreeable_plain: list[list[int]],
+    block_size: int,
+    mode: str,
+) -> None:
     target, drafters = agreeable
     expected = agreeable_plain
     max_rows, together = MODES[mode]
-    state = SpecState.create(target, drafters[block_size], max_rows, MAX_LEN, block_size,
-                             "cpu", torch.float32)
+    state = SpecState.create(
+        target, drafters[block_size], max_rows, MAX_LEN, block_size, "cpu", torch.float32
+    )
     results: list[RowResult] = []
     assert generate(state, prompts, max_rows, together, results) == expected
     assert all(r.num_drafted == block_size - 1 for r in results)
@@ -145,8 +155,8 @@ def test_greedy_speculation_equals_plain_decoding(
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_a_different_number_of_drafts_every_step_equals_plain_decoding(
-        agreeable: Models, prompts: list[list[int]], agreeable_plain: list[list[int]],
-        mode: str) -> None:
+    agreeable: Models, prompts: list[list[int]], agreeable_plain: list[list[int]], mode: str
+) -> None:
     """The adaptive policy's lever: k drafts per step, 0 (plain) to 15, chosen anew each
     step; the drafter context must stay in step with the target through k = 0 steps."""
     target, drafters = agreeable
@@ -182,13 +192,17 @@ def test_step_timings_cover_the_phases(agreeable: Models) -> None:
     timings = StepTimings()
     spec_step(state, [DecodeRow(0, first, 3)], [GREEDY], timings=timings)
     assert timings.draft > 0 and timings.verify > 0 and timings.context > 0
-    assert timings.total == pytest.approx(sum(
-        getattr(timings, p) for p in ("prepare", "draft", "verify", "accept", "context", "commit")))
+    assert timings.total == pytest.approx(
+        sum(
+            getattr(timings, p)
+            for p in ("prepare", "draft", "verify", "accept", "context", "commit")
+        )
+    )
 
 
 def test_random_drafter_rejects_almost_everything_and_stays_exact(
-        disagreeable: Models, prompts: list[list[int]],
-        disagreeable_plain: list[list[int]]) -> None:
+    disagreeable: Models, prompts: list[list[int]], disagreeable_plain: list[list[int]]
+) -> None:
     target, drafters = disagreeable
     state = SpecState.create(target, drafters[4], 4, MAX_LEN, 4, "cpu", torch.float32)
     assert generate(state, prompts, 4, True) == disagreeable_plain
@@ -198,13 +212,20 @@ def _oracle(history: dict[int, list[int]], gen: torch.Generator) -> Callable[...
     """A drafter stand-in proposing the true greedy continuation, with one random token
     corrupted at a random place (or none), so every acceptance length occurs."""
 
-    def propose(state: SpecState, rows: list[DecodeRow], block: torch.Tensor,
-                positions: torch.Tensor, slots: torch.Tensor, **_: object) -> None:
+    def propose(
+        state: SpecState,
+        rows: list[DecodeRow],
+        block: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        **_: object,
+    ) -> None:
         size = block.shape[1]
         for i, row in enumerate(rows):
             seq = history[row.slot]
-            truth = [seq[p] if p < len(seq) else 0 for p in range(row.position + 1,
-                                                                   row.position + size)]
+            truth = [
+                seq[p] if p < len(seq) else 0 for p in range(row.position + 1, row.position + size)
+            ]
             bad = int(torch.randint(0, size, (1,), generator=gen))
             if bad < size - 1:
                 truth[bad] = (truth[bad] + 1) % VOCAB
@@ -215,16 +236,21 @@ def _oracle(history: dict[int, list[int]], gen: torch.Generator) -> Callable[...
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_long_acceptances_commit_and_roll_back_exactly(
-        monkeypatch: pytest.MonkeyPatch, disagreeable: Models, prompts: list[list[int]],
-        disagreeable_plain: list[list[int]], block_size: int) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+    disagreeable: Models,
+    prompts: list[list[int]],
+    disagreeable_plain: list[list[int]],
+    block_size: int,
+) -> None:
     target, drafters = disagreeable
     expected = disagreeable_plain
     longer = _plain(target, prompts, NEW_TOKENS + block_size)  # truth beyond the last block
     plain_runs = [p + e for p, e in zip(prompts, longer, strict=True)]
     history = dict(enumerate(plain_runs))  # slot i serves prompt i (all join together)
     monkeypatch.setattr(speculative, "_propose", _oracle(history, torch.Generator().manual_seed(0)))
-    state = SpecState.create(target, drafters[block_size], 6, MAX_LEN, block_size, "cpu",
-                             torch.float32)
+    state = SpecState.create(
+        target, drafters[block_size], 6, MAX_LEN, block_size, "cpu", torch.float32
+    )
     results: list[RowResult] = []
     assert generate(state, prompts, 6, True, results) == expected
     lengths = {r.num_accepted for r in results}
@@ -266,8 +292,9 @@ PASS_P, FAIL_P = 1e-3, 1e-6
 AcceptFn = Callable[[torch.Tensor, list[int], torch.Generator | None], tuple[int, int]]
 
 
-def chi_square_p(counts: dict[tuple[int, ...], int], expected_probs: dict[tuple[int, ...], float]
-                 ) -> float:
+def chi_square_p(
+    counts: dict[tuple[int, ...], int], expected_probs: dict[tuple[int, ...], float]
+) -> float:
     """Upper-tail p-value (Wilson-Hilferty approximation of the chi-square law)."""
     n = sum(counts.values())
     stat, df, pooled_obs, pooled_exp = 0.0, -1, 0.0, 0.0
@@ -284,21 +311,24 @@ def chi_square_p(counts: dict[tuple[int, ...], int], expected_probs: dict[tuple[
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def always_accept(probs: torch.Tensor, drafts: list[int],
-                  gen: torch.Generator | None) -> tuple[int, int]:
+def always_accept(
+    probs: torch.Tensor, drafts: list[int], gen: torch.Generator | None
+) -> tuple[int, int]:
     return len(drafts), sample(probs[len(drafts)], gen)
 
 
-def resample_without_removal(probs: torch.Tensor, drafts: list[int],
-                             gen: torch.Generator | None) -> tuple[int, int]:
+def resample_without_removal(
+    probs: torch.Tensor, drafts: list[int], gen: torch.Generator | None
+) -> tuple[int, int]:
     for i, x in enumerate(drafts):
         if uniform(gen) >= float(probs[i, x]):
             return i, sample(probs[i], gen)  # wrong: x may be drawn again
     return len(drafts), sample(probs[len(drafts)], gen)
 
 
-def _first_tokens(accept: AcceptFn, probs: torch.Tensor, drafts: list[int], samples: int
-                  ) -> dict[tuple[int, ...], int]:
+def _first_tokens(
+    accept: AcceptFn, probs: torch.Tensor, drafts: list[int], samples: int
+) -> dict[tuple[int, ...], int]:
     """Emitted tokens of one step, truncated to 3, counted over many seeded draws."""
     gen = torch.Generator().manual_seed(1234)
     counts: dict[tuple[int, ...], int] = {}
@@ -332,7 +362,8 @@ def direct_case() -> tuple[torch.Tensor, list[int]]:
 
 
 def test_acceptance_rule_reproduces_the_target_distribution(
-        direct_case: tuple[torch.Tensor, list[int]]) -> None:
+    direct_case: tuple[torch.Tensor, list[int]],
+) -> None:
     probs, drafts = direct_case
     expected = _direct_expected(probs, drafts)
     assert sum(expected.values()) == pytest.approx(1.0)
@@ -342,7 +373,8 @@ def test_acceptance_rule_reproduces_the_target_distribution(
 
 @pytest.mark.parametrize("wrong", [always_accept, resample_without_removal])
 def test_the_check_rejects_wrong_acceptance_rules(
-        direct_case: tuple[torch.Tensor, list[int]], wrong: AcceptFn) -> None:
+    direct_case: tuple[torch.Tensor, list[int]], wrong: AcceptFn
+) -> None:
     probs, drafts = direct_case
     counts = _first_tokens(wrong, probs, drafts, 8000)
     assert chi_square_p(counts, _direct_expected(probs, drafts)) < FAIL_P
@@ -369,20 +401,29 @@ def _exact_three(target: Qwen3Target) -> dict[tuple[int, ...], float]:
     pos = torch.arange(ids.shape[1])[None].expand_as(ids)
     with torch.no_grad():
         logits = target(ids, pos).logits[:, -3:]  # [64, 3, vocab]: predicts t1, t2, t3
-    probs = speculative.row_probabilities(logits.reshape(-1, E2E_VOCAB),
-                                          RowSampling(**E2E_SAMPLING)).view(len(pairs), 3, -1)
-    return {(a, b, c): float(probs[i, 0, a] * probs[i, 1, b] * probs[i, 2, c])
-            for i, (a, b) in enumerate(pairs) for c in range(E2E_VOCAB)}
+    probs = speculative.row_probabilities(
+        logits.reshape(-1, E2E_VOCAB), RowSampling(**E2E_SAMPLING)
+    ).view(len(pairs), 3, -1)
+    return {
+        (a, b, c): float(probs[i, 0, a] * probs[i, 1, b] * probs[i, 2, c])
+        for i, (a, b) in enumerate(pairs)
+        for c in range(E2E_VOCAB)
+    }
 
 
-def _sample_three(target: Qwen3Target, drafter: DFlashDrafter | None, batches: int,
-                  rows: int = 400) -> dict[tuple[int, ...], int]:
+def _sample_three(
+    target: Qwen3Target, drafter: DFlashDrafter | None, batches: int, rows: int = 400
+) -> dict[tuple[int, ...], int]:
     state = SpecState.create(target, drafter, rows, 16, 4, "cpu", torch.float32)
     counts: dict[tuple[int, ...], int] = {}
     for batch in range(batches):
-        sampling = [RowSampling(**E2E_SAMPLING,  # type: ignore[arg-type]
-                                generator=torch.Generator().manual_seed(batch * rows + r))
-                    for r in range(rows)]
+        sampling = [
+            RowSampling(
+                **E2E_SAMPLING,  # type: ignore[arg-type]
+                generator=torch.Generator().manual_seed(batch * rows + r),
+            )
+            for r in range(rows)
+        ]
         firsts = prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(rows)], sampling)
         out = {r: [t] for r, t in enumerate(firsts)}
         live = [DecodeRow(r, t, len(E2E_PROMPT)) for r, t in enumerate(firsts)]
@@ -392,8 +433,9 @@ def _sample_three(target: Qwen3Target, drafter: DFlashDrafter | None, batches: i
             for row, res in zip(live, step, strict=True):
                 out[row.slot] += res.token_ids
                 if len(out[row.slot]) < 3:
-                    nxt.append(DecodeRow(row.slot, res.token_ids[-1],
-                                         row.position + len(res.token_ids)))
+                    nxt.append(
+                        DecodeRow(row.slot, res.token_ids[-1], row.position + len(res.token_ids))
+                    )
             live = nxt
         for r in range(rows):
             release(state, r)
@@ -404,16 +446,15 @@ def _sample_three(target: Qwen3Target, drafter: DFlashDrafter | None, batches: i
 
 @pytest.mark.parametrize("speculate", [True, False], ids=["block4", "plain"])
 def test_sampling_matches_the_target_distribution_end_to_end(
-        monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter],
-        speculate: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter], speculate: bool
+) -> None:
     """4000 samples of the first three generated tokens (512 cells) with and without
     speculation, each against the exact law of the target alone."""
     target, drafter = small_vocab
     accepted: list[int] = []
     real = speculative.accept_sampled
 
-    def spy(probs: torch.Tensor, drafts: list[int], gen: torch.Generator | None
-            ) -> tuple[int, int]:
+    def spy(probs: torch.Tensor, drafts: list[int], gen: torch.Generator | None) -> tuple[int, int]:
         n, bonus = real(probs, drafts, gen)
         accepted.append(n)
         return n, bonus
@@ -427,7 +468,8 @@ def test_sampling_matches_the_target_distribution_end_to_end(
 
 
 def test_end_to_end_check_fails_for_a_wrong_rule(
-        monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter]) -> None:
+    monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter]
+) -> None:
     target, drafter = small_vocab
     monkeypatch.setattr(speculative, "accept_sampled", resample_without_removal)
     counts = _sample_three(target, drafter, batches=10)
@@ -437,8 +479,9 @@ def test_end_to_end_check_fails_for_a_wrong_rule(
 def test_prefill_in_chunks_equals_prefill_at_once(agreeable: Models) -> None:
     target, drafters = agreeable
     prompt = list(range(5, 17))
-    states = [SpecState.create(target, drafters[4], 1, MAX_LEN, 4, "cpu", torch.float32)
-              for _ in range(2)]
+    states = [
+        SpecState.create(target, drafters[4], 1, MAX_LEN, 4, "cpu", torch.float32) for _ in range(2)
+    ]
     whole = prefill(states[0], [PrefillRow(0, prompt)], [GREEDY])
     prefill(states[1], [PrefillRow(0, prompt[:5])], [GREEDY])
     chunked = prefill(states[1], [PrefillRow(0, prompt[5:])], [GREEDY])
@@ -450,13 +493,15 @@ def test_prefill_in_chunks_equals_prefill_at_once(agreeable: Models) -> None:
 
 
 def test_seeded_rows_reproduce_whatever_is_batched_with_them(
-        small_vocab: tuple[Qwen3Target, DFlashDrafter]) -> None:
+    small_vocab: tuple[Qwen3Target, DFlashDrafter],
+) -> None:
     target, drafter = small_vocab
 
     def run(batch: int) -> list[int]:
         state = SpecState.create(target, drafter, batch, 16, 4, "cpu", torch.float32)
-        sampling = [RowSampling(1.0, generator=torch.Generator().manual_seed(99 + r))
-                    for r in range(batch)]
+        sampling = [
+            RowSampling(1.0, generator=torch.Generator().manual_seed(99 + r)) for r in range(batch)
+        ]
         first = prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(batch)], sampling)
         rows = [DecodeRow(r, t, len(E2E_PROMPT)) for r, t in enumerate(first)]
         return [first[0], *spec_step(state, rows, sampling)[0].token_ids]

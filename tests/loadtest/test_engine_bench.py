@@ -87,10 +87,25 @@ def test_adaptive_variant_is_exact_and_reports_its_choices(
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n"]))
     out = tmp_path / "engine.json"
-    argv = ["--model", str(tiny_checkpoint.target_dir), "--drafter",
-            str(tiny_checkpoint.drafter_dir), "--concurrency", "1,2", "--max-tokens", "6",
-            "--prompts", str(prompts), "--repeats", "1", "--max-model-len", "128",
-            "--adaptive", "--json", str(out)]
+    argv = [
+        "--model",
+        str(tiny_checkpoint.target_dir),
+        "--drafter",
+        str(tiny_checkpoint.drafter_dir),
+        "--concurrency",
+        "1,2",
+        "--max-tokens",
+        "6",
+        "--prompts",
+        str(prompts),
+        "--repeats",
+        "1",
+        "--max-model-len",
+        "128",
+        "--adaptive",
+        "--json",
+        str(out),
+    ]
     assert engine_bench.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["outputs_match"] is True and report["adaptive"] is True
