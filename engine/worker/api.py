@@ -256,9 +256,17 @@ async def _start(
     any byte, and a refusal withdraws the choices already admitted."""
     params = _sampling_params(req)
     n = req.n or 1
+    prompts = _prompts(engine, req)
+    capacity = state.settings.max_num_seqs + state.settings.max_waiting
+    if n * len(prompts) > capacity:  # could never be queued whole: not a retry-later 503
+        raise InvalidRequest(
+            f"n: {n} choices for {len(prompts)} prompt(s) are {n * len(prompts)} sequences; "
+            f"this worker holds at most {capacity} at once",
+            param="n" if n > 1 else "prompt",
+        )
     choices: list[Choice] = []
     try:
-        for i, (ids, text) in enumerate(_prompts(engine, req)):
+        for i, (ids, text) in enumerate(prompts):
             for j in range(n):
                 # n samples of one prompt must differ; a seed keeps them reproducible.
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)

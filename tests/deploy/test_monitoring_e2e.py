@@ -67,14 +67,18 @@ class Stack:
 def send(client: openai.OpenAI, stream: bool) -> None:
     extra = {"ignore_eos": True}
     if stream:
-        chunks = client.chat.completions.create(
-            model=MODEL,
-            messages=PROMPT,
-            max_tokens=12,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra,
+        # Read to the end: a stream left half-read is closed by the garbage collector later,
+        # inside another request's connection-pool lock (httpcore then deadlocks).
+        chunks = list(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=PROMPT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body=extra,
+            )
         )
         assert any(c.usage for c in chunks)
     else:

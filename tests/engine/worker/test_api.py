@@ -42,6 +42,13 @@ def test_sampling_params_defaults_and_fields() -> None:
     )
 
 
+class _State:
+    """The two things `_start` reads from the worker state."""
+
+    metrics = None
+    settings = type("Settings", (), {"max_num_seqs": 2, "max_waiting": 2})()
+
+
 class _Refusing:
     """Stands in for the engine at the one call `_start` makes: it raises as told."""
 
@@ -69,7 +76,7 @@ async def test_refusals_name_the_clients_field(
     kind = ChatCompletionRequest if "messages" in body else CompletionRequest
     req = kind.model_validate(body)
     engine = _Refusing(RequestRejected("too long", engine_param, "context_length_exceeded"))
-    state: Any = type("S", (), {"metrics": None})()
+    state: Any = _State()
     monkeypatch.setattr(api, "_prompts", lambda e, r: [([1, 2], "")])  # no tokenizer needed
     with pytest.raises(InvalidRequest) as err:
         await api._start(engine, state, req, "id")  # type: ignore[arg-type]
@@ -80,7 +87,19 @@ async def test_refusals_name_the_clients_field(
 async def test_a_full_engine_is_503(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(api, "_prompts", lambda e, r: [([1], "")])
     req = CompletionRequest.model_validate({"prompt": "x"})
-    state: Any = type("S", (), {"metrics": None})()
+    state: Any = _State()
     with pytest.raises(Unavailable) as err:
         await api._start(_Refusing(QueueFull("full")), state, req, "id")  # type: ignore[arg-type]
     assert err.value.code == "queue_full" and err.value.headers["Retry-After"]
+
+
+@pytest.mark.anyio
+async def test_more_choices_than_the_worker_can_hold_is_400(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request that could never be queued whole is the client's error, not a 503."""
+    monkeypatch.setattr(api, "_prompts", lambda e, r: [([1], "")])
+    req = CompletionRequest.model_validate({"prompt": "x", "n": 5})
+    with pytest.raises(InvalidRequest) as err:
+        await api._start(_Refusing(QueueFull("full")), _State(), req, "id")  # type: ignore[arg-type]
+    assert err.value.param == "n" and "at most 4" in err.value.message
