@@ -13,13 +13,15 @@ from fastapi.responses import JSONResponse
 
 from service.auth import ApiKeyAuth
 from service.errors import ModelNotFound, NoHealthyWorker, Unavailable
-from service.http import read_json
+from service.http import package_version, read_json
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy, ProxyCall
 from service.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     prompt_text,
     validate_request,
 )
@@ -108,6 +110,7 @@ def _body_schema(name: str) -> dict[str, Any]:
 
 
 router = APIRouter()
+
 PROXY_ENDPOINTS: tuple[tuple[str, type[Any]], ...] = (
     ("/v1/chat/completions", ChatCompletionRequest),
     ("/v1/completions", CompletionRequest),
@@ -130,6 +133,38 @@ async def chat_completions(request: Request) -> Response:
 )
 async def completions(request: Request) -> Response:
     return await proxy_endpoint(request, CompletionRequest, "/v1/completions")
+
+
+@router.post(
+    "/tokenize",
+    openapi_extra=_body_schema("TokenizeRequest"),
+    summary="vLLM's /tokenize, routed to a worker serving the model",
+)
+async def tokenize(request: Request) -> Response:
+    return await proxy_endpoint(request, TokenizeRequest, "/tokenize")
+
+
+@router.post(
+    "/detokenize",
+    openapi_extra=_body_schema("DetokenizeRequest"),
+    summary="vLLM's /detokenize, routed to a worker serving the model",
+)
+async def detokenize(request: Request) -> Response:
+    return await proxy_endpoint(request, DetokenizeRequest, "/detokenize")
+
+
+@router.get("/v1/models/{model_id:path}", summary="One model served by the healthy workers")
+async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
+    runtime = gateway(request).runtime
+    for card in runtime.pool.models() if runtime is not None else []:
+        if card.get("id") == model_id:
+            return dict(card)
+    raise ModelNotFound(f"The model `{model_id}` does not exist.", param="model")
+
+
+@router.get("/version", summary="The gateway's version")
+async def version() -> dict[str, str]:
+    return {"version": package_version()}
 
 
 @router.get("/v1/models", summary="Models served by the healthy workers")

@@ -36,7 +36,12 @@ from service.http import client_request_id
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy
-from service.schemas import ChatCompletionRequest, CompletionRequest
+from service.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from service.settings import GatewaySettings
 from service.upstream import Pool
 
@@ -112,7 +117,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest):
+        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
             ref = "#/components/schemas/{model}"
             definition = model.model_json_schema(ref_template=ref)
             components.update(definition.pop("$defs", {}))

@@ -13,6 +13,8 @@ import re
 import signal
 import socket
 from collections.abc import Callable, Iterator, Sequence
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
 from typing import Any
 
 import uvicorn
@@ -30,6 +32,14 @@ def valid_request_id(given: str | None) -> str | None:
     """A client's X-Request-Id when it is safe to log and echo (short, plain characters),
     else None: the caller then makes its own."""
     return given if given is not None and _REQUEST_ID.fullmatch(given) else None
+
+
+def package_version() -> str:
+    """This project's version, as installed (gateway and worker report it on /version)."""
+    try:
+        return dist_version("dflash-serving")
+    except PackageNotFoundError:  # a source tree that was not installed
+        return "unknown"
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

@@ -7,7 +7,7 @@ Strict types: what passes here reaches the worker exactly as the client sent it.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -90,7 +90,42 @@ class CompletionRequest(SamplingFields):
     echo: bool | None = None
 
 
-def validate_request(model: type[SamplingFields], payload: object) -> SamplingFields:
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt or chat messages."""
+
+    model_config = _OPEN
+    # Not fields: what the proxy reads of every request it forwards.
+    stream: ClassVar[bool] = False
+    stream_options: ClassVar[None] = None
+    n: ClassVar[int] = 1
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize: token ids back to text."""
+
+    model_config = _OPEN
+    stream: ClassVar[bool] = False
+    stream_options: ClassVar[None] = None
+    n: ClassVar[int] = 1
+    model: Annotated[str, Field(min_length=1, max_length=256)]
+    tokens: list[TokenId]
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate_request(model: type[M], payload: object) -> M:
     """Validate a parsed JSON body; a failure is a 400 naming the first bad field."""
     if not isinstance(payload, dict):
         raise InvalidRequest("The request body must be a JSON object.")

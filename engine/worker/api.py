@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as dist_version
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import APIRouter, Request
@@ -47,20 +45,13 @@ from service.errors import (
     Unavailable,
     from_validation_errors,
 )
-from service.http import client_request_id, read_json
+from service.http import client_request_id, package_version, read_json
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.worker.app import WorkerState
 
 router = APIRouter()
-
-
-def package_version() -> str:
-    try:
-        return dist_version("dflash-serving")
-    except PackageNotFoundError:  # running from a source tree that was not installed
-        return "unknown"
 
 
 def worker(request: Request) -> WorkerState:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field
 
 from service import schemas as gateway
 from service.errors import InvalidRequest
@@ -94,28 +94,16 @@ class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a completion prompt or chat messages (as the chat template renders
-    them, with the assistant turn opened)."""
+class TokenizeRequest(gateway.TokenizeRequest):
+    """The gateway's model; a worker serves one model, so `model` may be left out."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[gateway.ChatMessage] | None = None
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
-        return self
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # type: ignore[assignment]
 
     def template_messages(self) -> list[dict[str, str]]:
         return [_flatten(i, m) for i, m in enumerate(self.messages or [])]
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(gateway.DetokenizeRequest):
     model_config = ConfigDict(extra="forbid", strict=True)
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # type: ignore[assignment]

@@ -134,3 +134,26 @@ def test_exposition_passes_promtool(gateway: Gateway) -> None:
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_models_retrieve_version_tokenize_detokenize_are_routed(gateway: Gateway) -> None:
+    sdk = client(gateway)
+    assert sdk.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        sdk.models.retrieve("nope")
+    assert httpx.get(gateway.base_url + "/version").json()["version"] != "unknown"
+    tok = httpx.post(
+        gateway.base_url + "/tokenize", json={"model": MODEL, "prompt": "def f(x):"}, timeout=30
+    ).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    back = httpx.post(
+        gateway.base_url + "/detokenize", json={"model": MODEL, "tokens": tok["tokens"]}, timeout=30
+    ).json()
+    assert back["prompt"] == "def f(x):"
+    for path, body, status in [
+        ("/tokenize", {"prompt": "x"}, 400),  # the gateway needs model
+        ("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+        ("/detokenize", {"model": MODEL, "tokens": [-1]}, 400),
+    ]:
+        r = httpx.post(gateway.base_url + path, json=body, timeout=30)
+        assert r.status_code == status and r.json()["error"]["message"], (path, r.text)
