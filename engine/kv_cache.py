@@ -8,9 +8,13 @@ setting that length back: entries past it are dead and get overwritten by the ne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from engine.layers import LayerShape
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,27 @@ class KVCache:
         self.capacity = capacity
         self.num_slots = num_slots
         self.lengths = [0] * num_slots
+
+    @classmethod
+    def for_layers(
+        cls,
+        num_layers: int,
+        shape: LayerShape,
+        num_slots: int,
+        capacity: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> KVCache:
+        """A cache for `num_layers` decoder layers of this shape (target and drafter alike)."""
+        return cls(
+            num_layers=num_layers,
+            num_slots=num_slots,
+            num_kv_heads=shape.num_key_value_heads,
+            capacity=capacity,
+            head_dim=shape.head_dim,
+            device=device,
+            dtype=dtype,
+        )
 
     def write(
         self, layer: int, slots: Tensor, positions: Tensor, valid: Tensor, k: Tensor, v: Tensor

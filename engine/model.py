@@ -115,14 +115,8 @@ class Qwen3Target(nn.Module):
         self, num_slots: int, capacity: int, device: torch.device | str, dtype: torch.dtype
     ) -> KVCache:
         c = self.config
-        return KVCache(
-            num_layers=c.num_hidden_layers,
-            num_slots=num_slots,
-            num_kv_heads=c.num_key_value_heads,
-            capacity=capacity,
-            head_dim=c.head_dim,
-            device=device,
-            dtype=dtype,
+        return KVCache.for_layers(
+            c.num_hidden_layers, c.layer_shape(), num_slots, capacity, device, dtype
         )
 
     def forward(

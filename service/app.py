@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -24,7 +25,7 @@ from service.api import (
     proxy_endpoint,
     router,
 )
-from service.auth import ApiKeyAuth
+from service.auth import ApiKeyAuth, KeyFileWatcher
 from service.errors import (
     ApiError,
     AuthenticationFailed,
@@ -179,9 +180,15 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         proxy = Proxy(settings, pool, upstream, metrics)
         state.runtime = Runtime(client, upstream, pool, proxy)
         log.info("gateway ready: %d of %d workers healthy", len(pool.routable()), len(pool.workers))
+        reloader = None
+        if settings.api_key_file is not None:
+            watcher = KeyFileWatcher(settings.api_key_file, settings.load_api_keys, auth)
+            reloader = asyncio.create_task(watcher.run(settings.key_reload_interval_s))
         try:
             yield
         finally:
+            if reloader is not None:
+                reloader.cancel()
             state.runtime = None
             await pool.stop()
             await client.aclose()

@@ -26,6 +26,7 @@ class GatewaySettings(BaseSettings):
     # Auth: keys from env (comma-separated) and/or a file (one per line, `#` comments).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
     api_key_file: Path | None = None
+    key_reload_interval_s: float = Field(default=5.0, gt=0)  # how often the key file is checked
     metrics_auth: bool = False
     # The `worker` label of the metrics: "id" (w-<hash of the URL>: the same on every
     # replica, no internal address on an open /metrics) or "url" (the base URL).

@@ -18,7 +18,10 @@ def carries_tokens(choices: object) -> bool:
             return True
         delta = choice.get("delta")
         if isinstance(delta, dict) and (
-            delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+            delta.get("content")
+            or delta.get("reasoning")  # vLLM >= 0.32 streams reasoning under this name
+            or delta.get("reasoning_content")
+            or delta.get("tool_calls")
         ):
             return True
     return False

@@ -10,9 +10,10 @@ import httpx
 import openai
 import pytest
 
-from service.auth import ApiKeyAuth
+from service.auth import ApiKeyAuth, KeyFileWatcher
+from service.settings import GatewaySettings
 from tests.fixtures.worker import WorkerHandle, running_worker
-from tests.service.conftest import MODEL, running_gateway, worker_args
+from tests.service.conftest import MODEL, running_gateway, wait_until, worker_args
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -74,3 +75,36 @@ def test_gateway_authenticates_to_workers_with_api_keys(tiny_checkpoint: Any) ->
             assert [m["id"] for m in httpx.get(gw.v1 + "/models").json()["data"]] == [MODEL]
         with running_gateway(workers=[guarded.base_url]) as gw:  # no key: the worker says 401
             assert httpx.post(gw.v1 + "/chat/completions", json=CHAT, timeout=30).status_code == 401
+
+
+def test_a_rotated_key_file_takes_effect_without_a_restart(tmp_path: Path) -> None:
+    """Unit: the watcher swaps keys when the file changes; a broken or empty file keeps
+    the keys in force (auth never silently turns off)."""
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-old\n")
+    auth = ApiKeyAuth(["sk-old"], protect_metrics=False)
+    settings = GatewaySettings(api_key_file=key_file)
+    watcher = KeyFileWatcher(key_file, settings.load_api_keys, auth)
+    assert not watcher.check()  # unchanged
+    key_file.write_text("# rotated\nsk-new\nsk-newer\n")
+    assert watcher.check()
+    assert auth.allows("Bearer sk-new") and not auth.allows("Bearer sk-old")
+    key_file.write_text("")
+    assert not watcher.check() and auth.allows("Bearer sk-new")  # empty: keys stay
+    key_file.unlink()
+    assert not watcher.check() and auth.allows("Bearer sk-newer")  # gone: keys stay
+
+
+def test_the_gateway_reloads_its_key_file(worker: WorkerHandle, tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("sk-one\n")
+    with running_gateway(
+        workers=[worker.base_url], api_key_file=key_file, key_reload_interval_s=0.1
+    ) as gw:
+        models = gw.v1 + "/models"
+        assert httpx.get(models, headers={"Authorization": "Bearer sk-one"}).status_code == 200
+        key_file.write_text("sk-two\n")
+        wait_until(
+            lambda: httpx.get(models, headers={"Authorization": "Bearer sk-two"}).status_code == 200
+        )
+        assert httpx.get(models, headers={"Authorization": "Bearer sk-one"}).status_code == 401

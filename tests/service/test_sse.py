@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from service.sse import SseTap
 
 ROLE = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -50,3 +52,13 @@ def test_error_events_and_garbage() -> None:
     out = tap.feed(b": comment\n\ndata: {not json\n\n" + error)
     assert out.endswith(error) and tap.errored and not tap.done
     assert tap.final is None
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_reasoning_counts_as_the_first_token(field: str) -> None:
+    """vLLM 0.32 streams reasoning as delta.reasoning (older: reasoning_content)."""
+    tap = SseTap(strip_usage_chunk=False)
+    tap.feed(ROLE)
+    chunk = {"choices": [{"index": 0, "delta": {field: "Let me think"}}]}
+    tap.feed(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+    assert tap.first_token_at is not None
