@@ -270,3 +270,19 @@ def speculative_tokens_per_batch_size(
     running batch size up in the table (the largest key not above it)."""
     policy = SpecPolicy(costs, max_k, explore_every=0)
     return {b: policy.best(b, rates) for b in sorted(set(batch_sizes))}
+
+
+def vllm_schedule(
+    costs: CostModel, rates: Sequence[float], max_num_seqs: int, max_k: int
+) -> list[tuple[int, int, int]]:
+    """vLLM's `num_speculative_tokens_per_batch_size`: inclusive batch-size ranges
+    (start, end, k) covering 1..max_num_seqs, each batch size given the k that
+    `speculative_tokens_per_batch_size` picks (equal neighbours merged into one range)."""
+    table = speculative_tokens_per_batch_size(costs, rates, range(1, max_num_seqs + 1), max_k)
+    ranges: list[tuple[int, int, int]] = []
+    for batch, k in table.items():
+        if ranges and ranges[-1][2] == k:
+            ranges[-1] = (ranges[-1][0], batch, k)
+        else:
+            ranges.append((batch, batch, k))
+    return ranges

@@ -45,6 +45,12 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ),
     ("--max-body-bytes", int, "embedded only: largest request body accepted (413 beyond)"),
     (
+        "--spec-cost-model",
+        str,
+        "vllm only: a cost-model JSON (dflash-bench engine --adaptive --json) from which "
+        "vLLM's num_speculative_tokens_per_batch_size schedule is derived",
+    ),
+    (
         "--vllm-bin",
         str,
         "vllm only: the `vllm` executable (env DFLASH_VLLM_BIN; default: PATH, "

