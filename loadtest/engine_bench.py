@@ -307,10 +307,6 @@ def _variants(args: argparse.Namespace) -> list[Variant]:
 
 
 def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
-    return _run_variants(args, texts)
-
-
-def _run_variants(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     variants = _variants(args)
     engines = make_engines(args, variants)
     tokenizer = engines[(1, False)].tokenizer

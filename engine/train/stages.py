@@ -21,9 +21,9 @@ def _with_steps(loop: LoopConfig, steps: int | None) -> LoopConfig:
 
 
 def _target(corpus: CorpusConfig, args: argparse.Namespace) -> None:
-    from engine.train.target import TargetConfig, train_target
+    from engine.train.target import TargetRecipe, train_target
 
-    cfg = TargetConfig.smoke() if args.smoke else TargetConfig()
+    cfg = TargetRecipe.smoke() if args.smoke else TargetRecipe()
     cfg = dataclasses.replace(cfg, loop=_with_steps(cfg.loop, args.steps))
     train_target(corpus, args.out_dir / "target", args.runs_dir / "target", cfg)
 

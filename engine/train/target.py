@@ -25,7 +25,10 @@ from engine.train.tokenizer_recipe import ENDOFTEXT, IM_END, PAD, load_tokenizer
 
 
 @dataclass(frozen=True)
-class TargetConfig:
+class TargetRecipe:
+    """The recipe's target: its architecture and how long to train it (engine.model's
+    TargetConfig is the architecture as a loaded checkpoint states it)."""
+
     hidden_size: int = 256
     num_hidden_layers: int = 6
     num_attention_heads: int = 4
@@ -40,7 +43,7 @@ class TargetConfig:
     loop: LoopConfig = field(default_factory=lambda: LoopConfig(steps=480, lr=3e-3, warmup=40))
 
     @classmethod
-    def smoke(cls, steps: int = 3) -> TargetConfig:
+    def smoke(cls, steps: int = 3) -> TargetRecipe:
         return cls(
             hidden_size=64,
             num_hidden_layers=2,
@@ -54,7 +57,7 @@ class TargetConfig:
         )
 
 
-def qwen3_config(cfg: TargetConfig, tok: Tokenizer) -> Qwen3Config:
+def qwen3_config(cfg: TargetRecipe, tok: Tokenizer) -> Qwen3Config:
     return Qwen3Config(
         vocab_size=tok.get_vocab_size(),
         hidden_size=cfg.hidden_size,
@@ -106,7 +109,7 @@ def save_target(model: Qwen3ForCausalLM, out_dir: Path, tok: Tokenizer) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def train_target(corpus: CorpusConfig, target_dir: Path, run_dir: Path, cfg: TargetConfig) -> None:
+def train_target(corpus: CorpusConfig, target_dir: Path, run_dir: Path, cfg: TargetRecipe) -> None:
     """Train on the corpus and write config + bf16 safetensors next to the tokenizer."""
     tok = load_tokenizer(target_dir)
     stream = cached_stream(tok, read_documents(training_files(corpus)), run_dir / "stream.pt")

@@ -174,10 +174,6 @@ def _parse_model(kind: type[M], payload: dict[str, Any]) -> M:
         raise from_validation_errors(list(exc.errors())) from None
 
 
-def _parse(kind: type[AnyRequest], payload: dict[str, Any]) -> AnyRequest:
-    return _parse_model(kind, payload)
-
-
 def _check_model(req: AnyRequest | TokenizeRequest | DetokenizeRequest, served: str) -> None:
     if req.model is not None and req.model != served:
         raise ModelNotFound(
@@ -282,7 +278,7 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{request.state.request_id}"
     engine = _admit(state, request)
     _, payload = await read_json(request, state.settings.max_body_bytes)
-    req = _parse(kind, payload)
+    req = _parse_model(kind, payload)
     _check_model(req, state.settings.model_name)
     check_fields(payload, "chat" if is_chat else "completion")
     choices = await _start(engine, state, req, request_id)
