@@ -50,7 +50,7 @@ def measure_grid(
     best: dict[tuple[int, int], float] = {}
     try:
         firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)], [GREEDY] * top_b)
-        rows = [DecodeRow(i, firsts[i], context) for i in range(top_b)]
+        rows = [DecodeRow(i, firsts[i].token_ids[0], context) for i in range(top_b)]
         for n in range(passes + 1):
             for b in batch_sizes:
                 for k in num_drafts:

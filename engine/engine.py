@@ -10,10 +10,12 @@ and per-request streams) is async_engine.py.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, QueueFull, RequestRejected
@@ -21,6 +23,9 @@ from engine.runner import ModelRunner
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import RequestOutput, SamplingParams, Sequence
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from engine.speculative import RowResult
 
 __all__ = [
     "Engine",
@@ -62,6 +67,12 @@ class _Counters:
     num_requests_finished: int = 0
 
 
+# The most top log-probabilities a request may ask for per token (vLLM's max_logprobs).
+MAX_LOGPROBS = 20
+# The most bad words a request may name (vLLM's VLLM_MAX_NUM_BAD_WORDS).
+MAX_BAD_WORDS = 128
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -93,6 +104,7 @@ class Engine:
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
             raise RequestRejected(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
         _validate_params(params)
+        _validate_token_ids(params, self.vocab_size)
         limit = self.max_model_len
         if params.max_tokens is not None and params.max_tokens > limit:
             raise RequestRejected(
@@ -129,6 +141,7 @@ class Engine:
             arrival_time=time.monotonic(),
             num_spec_tokens=self.num_spec_tokens,
             adaptive=self.runner.policy is not None,
+            bad_words_token_ids=self.tokenizer.bad_words(params.bad_words),
         )
         with self._lock:
             self._scheduler.add(seq)  # QueueFull propagates; nothing to undo
@@ -178,19 +191,19 @@ class Engine:
             self.runner.remove(seq)
             self._counters.num_requests_finished += 1
 
-    def _commit_prefill(self, seqs: list[Sequence], first_tokens: list[int]) -> None:
+    def _commit_prefill(self, seqs: list[Sequence], firsts: list[RowResult]) -> None:
         now = time.monotonic()
         counters = self._counters
-        for seq, token in zip(seqs, first_tokens, strict=True):
+        for seq, first in zip(seqs, firsts, strict=True):
             counters.prompt_tokens += seq.num_prompt_tokens
-            counters.generation_tokens += seq.append((token,), now)
+            counters.generation_tokens += seq.append(first.token_ids, now, first.logprobs)
 
     def _commit_decode(self, seqs: list[Sequence]) -> None:
         results = self.runner.decode(seqs)
         now = time.monotonic()
         counters = self._counters
         for seq, result in zip(seqs, results, strict=True):
-            counters.generation_tokens += seq.append(result.token_ids, now)
+            counters.generation_tokens += seq.append(result.token_ids, now, result.logprobs)
             spec = seq.metrics.spec
             if spec is None:
                 continue
@@ -240,3 +253,63 @@ def _validate_params(params: SamplingParams) -> None:
         raise RequestRejected(f"top_k must be >= 0 (0 = off), got {params.top_k}", "top_k")
     if any(not s for s in params.stop):
         raise RequestRejected("stop strings must not be empty", "stop")
+    if not 0 <= params.min_p <= 1:
+        raise RequestRejected(f"min_p must be in [0, 1], got {params.min_p}.", "min_p")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -2 <= value <= 2:
+            raise RequestRejected(f"{name} must be in [-2, 2], got {value}.", name)
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise RequestRejected(
+            f"repetition_penalty must be a finite number greater than zero, got "
+            f"{params.repetition_penalty}.",
+            "repetition_penalty",
+        )
+    if params.min_tokens < 0:
+        raise RequestRejected(
+            f"min_tokens must be greater than or equal to 0, got {params.min_tokens}.",
+            "min_tokens",
+        )
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise RequestRejected(
+            f"min_tokens must be less than or equal to max_tokens={params.max_tokens}, "
+            f"got {params.min_tokens}.",
+            "min_tokens",
+        )
+    if any(not w.strip() for w in params.bad_words):
+        raise RequestRejected("bad_words entries must tokenize to at least one token.", "bad_words")
+    if len(params.bad_words) > MAX_BAD_WORDS:
+        raise RequestRejected(
+            f"Too many bad words: {len(params.bad_words)}. The max number is {MAX_BAD_WORDS}.",
+            "bad_words",
+        )
+    if params.logprobs is not None and params.logprobs < 0:
+        raise RequestRejected(f"logprobs must be non-negative, got {params.logprobs}.", "logprobs")
+    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
+        raise RequestRejected(
+            f"Requested sample logprobs of {params.logprobs}, which is greater than max "
+            f"allowed: {MAX_LOGPROBS}",
+            "logprobs",
+        )
+
+
+def _validate_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids a request names must exist (vLLM's messages)."""
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    ):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestRejected(
+                f"token_id(s) {bad} in {name} contain out-of-vocab token ids. "
+                f"Vocabulary size: {vocab_size}",
+                name,
+            )
+    allowed = params.allowed_token_ids
+    if allowed is not None and not allowed:
+        raise RequestRejected("allowed_token_ids is not None and empty!", "allowed_token_ids")
+    if allowed is not None and not all(0 <= t < vocab_size for t in allowed):
+        raise RequestRejected(
+            "allowed_token_ids contains out-of-vocab token id!", "allowed_token_ids"
+        )

@@ -15,6 +15,7 @@ from engine.adaptive import AcceptanceStats, SpecPolicy
 from engine.calibration import calibrate_state
 from engine.config import EngineConfig, block_size_for
 from engine.loader import load_drafter, load_target
+from engine.logits_processors import LogitsProcessing
 from engine.sequence import SamplingParams, Sequence
 from engine.speculative import (
     DecodeRow,
@@ -71,7 +72,7 @@ class ModelRunner:
 
     def add(self, seq: Sequence) -> None:
         """Set up a sequence's sampling (its own generator when seeded)."""
-        self._sampling[id(seq)] = self._row_sampling(seq.params)
+        self._sampling[id(seq)] = self._row_sampling(seq)
 
     def remove(self, seq: Sequence) -> None:
         self._sampling.pop(id(seq), None)
@@ -79,7 +80,7 @@ class ModelRunner:
     def free_slot(self, slot: int) -> None:
         release(self._state, slot)
 
-    def prefill(self, seqs: list[Sequence]) -> list[int]:
+    def prefill(self, seqs: list[Sequence]) -> list[RowResult]:
         """Prompts into the caches; the first token of each sequence."""
         rows = [PrefillRow(slot=_slot(s), token_ids=s.prompt_token_ids) for s in seqs]
         return prefill(self._state, rows, [self._sampling[id(s)] for s in seqs])
@@ -88,7 +89,8 @@ class ModelRunner:
         """One speculative step over every running sequence; adaptive: with the k the
         policy picks for this batch, whose cost and acceptance then feed the policy."""
         rows = [
-            DecodeRow(slot=_slot(s), last_token=s.last_token, position=s.position) for s in seqs
+            DecodeRow(_slot(s), s.last_token, s.position, s.prompt_token_ids, s.output_token_ids)
+            for s in seqs
         ]
         sampling = [self._sampling[id(s)] for s in seqs]
         if self.policy is None or self.acceptance is None:
@@ -103,9 +105,11 @@ class ModelRunner:
     def kv_cache_usage(self) -> float:
         return self._state.kv_cache_usage()
 
-    def _row_sampling(self, params: SamplingParams) -> RowSampling:
+    def _row_sampling(self, seq: Sequence) -> RowSampling:
+        params = seq.params
+        processors = _processors(seq)
         if params.temperature == 0:
-            return RowSampling(temperature=0.0)
+            return RowSampling(0.0, processors=processors, logprobs=params.logprobs)
         if params.seed is None:
             generator = self._shared_generator
         else:
@@ -115,7 +119,26 @@ class ModelRunner:
             top_p=params.top_p,
             top_k=params.top_k,
             generator=generator,
+            min_p=params.min_p,
+            processors=processors,
+            logprobs=params.logprobs,
         )
+
+
+def _processors(seq: Sequence) -> LogitsProcessing | None:
+    """The sequence's logits processors; None when it asks for none (the fast path)."""
+    params: SamplingParams = seq.params
+    proc = LogitsProcessing(
+        repetition_penalty=params.repetition_penalty,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        logit_bias=params.logit_bias,
+        min_tokens=params.min_tokens,
+        stop_token_ids=tuple(sorted(seq.min_tokens_stop_ids)),
+        bad_words=seq.bad_words_token_ids,
+        allowed_token_ids=params.allowed_token_ids,
+    )
+    return proc if proc.active else None
 
 
 def _slot(seq: Sequence) -> int:

@@ -1,4 +1,4 @@
-"""Token choice: temperature / top-k / top-p to probabilities, greedy, seeded sampling.
+"""Token choice: temperature / min-p / top-k / top-p to probabilities, greedy, seeded sampling.
 
 Randomness always comes from the row's own `torch.Generator` (per-request seed) when it
 has one, so a seeded request is reproducible whatever else is batched with it.
@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from engine.logits_processors import LogitsProcessing
 
 # Below this temperature sampling is greedy (as in vLLM): dividing logits by a smaller one
 # overflows float32 to inf and the softmax to NaN.
@@ -24,19 +26,29 @@ class RowSampling:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     generator: torch.Generator | None = None
+    min_p: float = 0.0  # 0 = off
+    processors: LogitsProcessing | None = None  # None: the logits are used as they are
+    logprobs: int | None = None  # top log-probabilities per emitted token (None: none)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
 
-def probabilities(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """logits [n, vocab] -> float32 probabilities [n, vocab] after temperature, then top-k
-    (ties at the k-th value are kept), then top-p (smallest prefix of the sorted
-    distribution whose mass reaches top_p), renormalised."""
+def probabilities(
+    logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> Tensor:
+    """logits [n, vocab] -> float32 probabilities [n, vocab] after temperature, then min-p
+    (tokens less likely than min_p times the most likely one go), then top-k (ties at the
+    k-th value are kept), then top-p (smallest prefix of the sorted distribution whose mass
+    reaches top_p), renormalised."""
     if temperature < GREEDY_TEMPERATURE:
         raise ValueError(f"probabilities need temperature >= {GREEDY_TEMPERATURE} (else greedy)")
     scores = logits.float() / temperature
+    if min_p > 0:
+        probs = torch.softmax(scores, dim=-1)
+        floor = min_p * probs.max(dim=-1, keepdim=True).values
+        scores = scores.masked_fill(probs < floor, float("-inf"))
     if 0 < top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [n, 1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -55,7 +67,9 @@ def probabilities(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
 
 
 def row_probabilities(logits: Tensor, sampling: RowSampling) -> Tensor:
-    return probabilities(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return probabilities(
+        logits, sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p
+    )
 
 
 def greedy(logits: Tensor) -> Tensor:

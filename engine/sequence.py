@@ -19,23 +19,49 @@ FinishReason = Literal["stop", "length", "abort"]
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """What a request asks for; temperature 0 is greedy, top_k 0 is off, max_tokens None
-    runs to the context limit."""
+    """What a request asks for, with vLLM's meanings; temperature 0 is greedy, top_k 0 is
+    off, max_tokens None runs to the context limit."""
 
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False  # keep the stop string that ended the text
+    # Logits processors (engine/logits_processors.py).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0  # no stop token and no stop string before this many output tokens
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None  # top log-probabilities per output token (None: none)
 
     def __post_init__(self) -> None:
-        # Callers often hand in lists (JSON); keep the object hashable and immutable.
+        # Callers often hand in lists and dicts (JSON); keep the object hashable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else bias
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in pairs))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of one output token, and the likeliest tokens there."""
+
+    token_id: int
+    logprob: float
+    rank: int  # how many tokens are at least as likely (itself included)
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), the most likely first
 
 
 @dataclass
@@ -98,6 +124,7 @@ class RequestOutput:
     num_output_tokens: int
     metrics: RequestMetrics
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs_delta: list[TokenLogprob] | None = None  # one per token_ids_delta entry, if asked
 
 
 class Detokenizer(Protocol):
@@ -127,6 +154,7 @@ class Sequence:
         arrival_time: float,
         num_spec_tokens: int | None = None,
         adaptive: bool = False,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -140,9 +168,14 @@ class Sequence:
         self.abort_requested = False
         self.text = ""
         self._detokenizer = detokenizer
-        self._stop_ids = frozenset(params.stop_token_ids) | (
+        # Token ids that end the output.
+        self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids
         )
+        # What min_tokens holds back: EOS even with ignore_eos, as vLLM.
+        self.min_tokens_stop_ids = frozenset(params.stop_token_ids) | eos_token_ids
+        self.bad_words_token_ids = bad_words_token_ids  # params.bad_words, tokenized
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
         room = max_model_len - len(prompt_token_ids)
         self._max_len = room if params.max_tokens is None else min(params.max_tokens, room)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -173,12 +206,17 @@ class Sequence:
         self.finish_reason = reason
         self.metrics.finished_time = now
 
-    def append(self, token_ids: Seq[int], now: float) -> int:
-        """Commit a step's tokens, stopping at the first stop condition; returns how many
-        were kept (the rest, speculated past the stop, are dropped)."""
+    def append(
+        self, token_ids: Seq[int], now: float, logprobs: Seq[TokenLogprob] | None = None
+    ) -> int:
+        """Commit a step's tokens (and their logprobs, when asked for), stopping at the
+        first stop condition; returns how many were kept (the rest, speculated past the
+        stop, are dropped)."""
         if self.finished or not token_ids:
             return 0
         kept = self._append_tokens(token_ids)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs[:kept])
         metrics = self.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -201,7 +239,7 @@ class Sequence:
     def _append_without_stop_strings(self, token_ids: Seq[int]) -> int:
         room = self._max_len - len(self.output_token_ids)
         window = list(token_ids[:room])
-        cut = next((i for i, t in enumerate(window) if t in self._stop_ids), None)
+        cut = next((i for i, t in enumerate(window) if t in self.stop_ids), None)
         if cut is not None:
             window = window[: cut + 1]
             self.output_token_ids.extend(window)
@@ -217,12 +255,15 @@ class Sequence:
     def _append_one(self, token: int) -> bool:
         """Append one token; True when the sequence finished on it."""
         self.output_token_ids.append(token)
-        if token in self._stop_ids:
+        if token in self.stop_ids:
             self._set_finished("stop", self._stop_token_reason(token))
             return True
         old_len = len(self.text)
         self.text += self._detokenizer.push((token,))
-        if self._truncate_at_stop_string(old_len):
+        # As vLLM: stop strings count only once the output is longer than min_tokens.
+        if len(self.output_token_ids) > self.params.min_tokens and self._truncate_at_stop_string(
+            old_len
+        ):
             self._set_finished("stop")
             return True
         if len(self.output_token_ids) >= self._max_len:
@@ -258,6 +299,7 @@ class Sequence:
         end = len(self.text) if self.finished else max(0, len(self.text) - self._holdback)
         end = max(end, self._sent_chars)
         tokens = self.output_token_ids[self._sent_tokens :]
+        logprobs = None if self.logprobs is None else self.logprobs[self._sent_tokens :]
         text = self.text[self._sent_chars : end]
         if not tokens and not text and not self.finished:
             return None
@@ -273,4 +315,5 @@ class Sequence:
             num_output_tokens=len(self.output_token_ids),
             metrics=self.metrics,
             stop_reason=self.stop_reason,
+            logprobs_delta=logprobs,
         )

@@ -4,10 +4,14 @@ A step over rows (one running request each, in its own cache slot):
 1. ONE drafter forward over every row's block [last, MASK, ...] gives block_size - 1
    deterministic (argmax) draft tokens per row.
 2. ONE target forward verifies every block on top of the rows' target caches.
-3. Per row: greedy rows accept the longest prefix matching the target's argmax; sampled
-   rows accept draft x with probability p(x) and otherwise sample from p with x removed
-   (renormalised). Either way one bonus token from the target follows. Since the drafts
-   are deterministic this keeps the output distribution exactly the target's.
+3. Per row: the row's logits processors (penalties, logit bias, bad words, ...) run
+   position by position, each position seeing the history it extends
+   (logits_processors.py); greedy rows accept the longest prefix matching the processed
+   argmax; sampled rows accept draft x with probability p(x) and otherwise sample from p
+   with x removed (renormalised). Either way one bonus token from the target follows.
+   Since the drafts are deterministic this keeps the output distribution exactly the
+   target's. Rows that asked for log-probabilities get the target's at each committed
+   token (logprobs.py).
 4. Commit: the target hidden states of the committed block positions become drafter
    context (K/V in its cache); rollback: both caches' slot lengths are set back.
 block_size 1 (or no drafter) runs the same code as plain decoding.
@@ -19,6 +23,7 @@ position of `last_token`, which is committed but not yet in any cache.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +31,8 @@ from torch import Tensor
 
 from engine.drafter import DFlashDrafter
 from engine.kv_cache import CacheIndex, SlotCaches
+from engine.logits_processors import process_block
+from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model import Qwen3Target
 from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
 
@@ -36,6 +43,7 @@ __all__ = [
     "RowSampling",
     "SpecState",
     "StepTimings",
+    "TokenLogprob",
     "accept_greedy",
     "accept_sampled",
     "max_draft_tokens",
@@ -57,6 +65,9 @@ class DecodeRow:
     slot: int
     last_token: int  # last committed token; NOT yet in the target cache
     position: int  # its position == number of tokens in the slot's target cache
+    # The history, read only by logits processors (references, not copies).
+    prompt: Sequence[int] = ()
+    output: Sequence[int] = ()  # every committed output token, last_token included
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,7 @@ class RowResult:
     token_ids: list[int]  # committed this step: accepted drafts + 1 bonus (1..block_size)
     num_drafted: int  # drafts proposed for this row (block_size - 1; 0 when plain)
     num_accepted: int  # len(token_ids) - 1
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
 
 
 @dataclass
@@ -119,11 +131,22 @@ def release(state: SpecState, slot: int) -> None:
     state.caches.release(slot)
 
 
-def _choose(logits: Tensor, sampling: RowSampling) -> int:
-    """One token from a logit vector [vocab]."""
+def _first_token(logits: Tensor, prompt: list[int], sampling: RowSampling) -> RowResult:
+    """The token after a prompt, from the target's logit vector [vocab] there."""
+    scores = logits[None]
+    if sampling.processors is not None:
+        scores = process_block(scores, sampling.processors, prompt, (), ())
     if sampling.greedy:
-        return int(greedy(logits).item())
-    return sample(row_probabilities(logits[None], sampling)[0], sampling.generator)
+        token = int(greedy(scores[0]).item())
+    else:
+        token = sample(row_probabilities(scores, sampling)[0], sampling.generator)
+    return RowResult([token], 0, 0, _logprobs(logits[None], [token], sampling))
+
+
+def _logprobs(
+    raw: Tensor, token_ids: list[int], sampling: RowSampling
+) -> list[TokenLogprob] | None:
+    return None if sampling.logprobs is None else token_logprobs(raw, token_ids, sampling.logprobs)
 
 
 def _prompt_batch(
@@ -145,9 +168,11 @@ def _prompt_batch(
 
 
 @torch.inference_mode()
-def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling]) -> list[int]:
+def prefill(
+    state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling]
+) -> list[RowResult]:
     """Run the target over each prompt (appended after whatever the slot already holds),
-    fill target + drafter context caches, and return the first sampled token per row."""
+    fill target + drafter context caches, and return the first token per row."""
     if not rows:
         return []
     dev = state.device
@@ -161,7 +186,10 @@ def prefill(state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling
         state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
     for row, start in zip(rows, starts, strict=True):
         state.caches.set_length(row.slot, start + len(row.token_ids))
-    return [_choose(out.logits[i, 0], s) for i, s in enumerate(sampling)]
+    return [
+        _first_token(out.logits[i, 0], row.token_ids, s)
+        for i, (row, s) in enumerate(zip(rows, sampling, strict=True))
+    ]
 
 
 def _propose(
@@ -209,10 +237,28 @@ def accept_sampled(
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
+def _processed(
+    logits: Tensor, rows: list[DecodeRow], drafts: list[list[int]], sampling: list[RowSampling]
+) -> Tensor:
+    """logits [b, B, vocab] with each row's logits processors applied (a copy if any)."""
+    todo = [i for i, s in enumerate(sampling) if s.processors is not None]
+    if not todo:
+        return logits
+    out = logits.float().clone()
+    for i in todo:
+        proc = sampling[i].processors
+        assert proc is not None
+        width = len(drafts[i]) + 1
+        out[i, :width] = process_block(
+            logits[i, :width], proc, rows[i].prompt, rows[i].output, drafts[i]
+        )
+    return out
+
+
 def _decide(
     logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
 ) -> list[tuple[int, int]]:
-    """logits [b, B, vocab] -> per row (accepted drafts, bonus)."""
+    """Processed logits [b, B, vocab] -> per row (accepted drafts, bonus)."""
     choices = greedy(logits).tolist()  # one host transfer for every greedy row
     return [
         accept_greedy(choices[i], drafts[i])
@@ -296,16 +342,18 @@ def spec_step(
     )
     t3 = clock() if clock else 0.0
     drafts = block[:, 1:].tolist()
-    decisions = _decide(out.logits, drafts, sampling)
+    decisions = _decide(_processed(out.logits, rows, drafts, sampling), drafts, sampling)
     t4 = clock() if clock else 0.0
     accepted = [n for n, _ in decisions]
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
         _append_committed(state, out.hidden, positions, index, hosts, accepted)
     t5 = clock() if clock else 0.0
     results = []
-    for row, draft, (n, bonus) in zip(rows, drafts, decisions, strict=True):
+    for i, (row, draft, (n, bonus)) in enumerate(zip(rows, drafts, decisions, strict=True)):
         state.caches.set_length(row.slot, row.position + n + 1)  # commit + roll back
-        results.append(RowResult(token_ids=[*draft[:n], bonus], num_drafted=k, num_accepted=n))
+        tokens = [*draft[:n], bonus]
+        logprobs = _logprobs(out.logits[i], tokens, sampling[i])
+        results.append(RowResult(tokens, num_drafted=k, num_accepted=n, logprobs=logprobs))
     if timings is not None and clock is not None:
         t6 = clock()
         timings.add(StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))

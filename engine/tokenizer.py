@@ -193,6 +193,30 @@ class Tokenizer:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
 
+    def bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Token sequences for vLLM's `bad_words`: each word as written (leading spaces
+        stripped) and, where it tokenizes to as many tokens but starts differently, with
+        one leading space, as it reads mid-sentence."""
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            bare = tuple(self.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise ValueError(f"bad word {word!r} has no tokens")
+            out.append(bare)
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                out.append(spaced)
+        return tuple(out)
+
+    def logprob_token(self, token_id: int) -> tuple[str, bytes]:
+        """A token as logprobs name it: the text of the token alone, special tokens
+        spelled out (as vLLM), and its own bytes (OpenAI's `bytes`: joining a character's
+        tokens' bytes rebuilds it, where each token's text alone may be U+FFFD)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        table = self._byte_table
+        raw = table[token_id] if table is not None and 0 <= token_id < len(table) else b""
+        return text, raw or text.encode("utf-8")
+
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary spells it (vLLM's `token_strs`)."""
         return [self._tok.id_to_token(i) or "" for i in ids]

@@ -237,7 +237,7 @@ class StepBench:
         for slot in range(batch):
             release(state, slot)
         firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)], [greedy] * batch)
-        return [DecodeRow(i, firsts[i], len(p)) for i, p in enumerate(prompts)]
+        return [DecodeRow(i, firsts[i].token_ids[0], len(p)) for i, p in enumerate(prompts)]
 
     def _advance(
         self, state: Any, rows: list[Any], width: int, cell: Column | None, count: int = 3

@@ -224,6 +224,15 @@ def _sampling_params(req: AnyRequest) -> SamplingParams:
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=req.logit_bias_pairs(),
+        min_tokens=req.min_tokens,
+        bad_words=tuple(req.bad_words or ()),
+        allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+        logprobs=req.num_logprobs(),
     )
 
 
@@ -282,7 +291,12 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     _check_model(req, state.settings.model_name)
     check_fields(payload, "chat" if is_chat else "completion")
     choices = await _start(engine, state, req, request_id)
-    fmt = Formatter("chat" if is_chat else "completion", request_id, state.settings.model_name)
+    fmt = Formatter(
+        "chat" if is_chat else "completion",
+        request_id,
+        state.settings.model_name,
+        name_token=engine.tokenizer.logprob_token,
+    )
     headers = {"X-Request-Id": request.state.request_id}
     level = state.settings.per_request_spec_decode_metrics
     if req.stream:
@@ -297,11 +311,11 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
         for choice in choices:
             await choice.run.close()
     bodies = [
-        fmt.choice(c.index, c.echo + text, finish_reason(last), last.stop_reason)
-        for c, (text, last) in zip(choices, finals, strict=True)
+        fmt.choice(c.index, c.echo + w.text, finish_reason(w.last), w.last.stop_reason, w.logprobs)
+        for c, w in zip(choices, finals, strict=True)
     ]
-    use = choices_usage(choices, [last for _, last in finals])
+    use = choices_usage(choices, [w.last for w in finals])
     # Per-request metrics describe one sequence: only for a single choice, as vLLM.
-    single = finals[0][1].metrics if len(choices) == 1 else None
+    single = finals[0].last.metrics if len(choices) == 1 else None
     body_metrics = None if single is None else metrics_object(single, level, stream=False)
     return JSONResponse(fmt.response(bodies, use, body_metrics), headers=headers)

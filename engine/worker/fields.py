@@ -3,9 +3,10 @@ it: honoured exactly, or refused with a 400 naming the field and saying why. Not
 accepted and silently ignored.
 
 A refused field is accepted only with a value that asks for nothing (its "off" value, e.g.
-`logprobs: false`, `n: 1`), so clients that send defaults keep working. The gateway passes
-every field through untouched: a vLLM worker gets them all. A field that is in neither
-vLLM's requests nor OpenAI's is unknown: a 400 as well (vLLM ignores those; we do not).
+`prompt_logprobs: 0`, `use_beam_search: false`), so clients that send defaults keep
+working. The gateway passes every field through untouched: a vLLM worker gets them all. A
+field that is in neither vLLM's requests nor OpenAI's is unknown: a 400 as well (vLLM
+ignores those; we do not).
 `tests/engine/worker/test_fields.py` checks this table against real vLLM's request models.
 """
 
@@ -44,6 +45,17 @@ HONOURED = frozenset(
         "stream_options",
         "user",  # `user`: an end-user id for the caller's own records
         "n",
+        # Logits processors and logprobs, applied position by position in verification, so
+        # speculation leaves them exact (engine/logits_processors.py, engine/logprobs.py).
+        "logprobs",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_p",
+        "min_tokens",
+        "bad_words",
+        "allowed_token_ids",
         # No prefix cache is shared between requests here, so every salt is honoured.
         "cache_salt",
     }
@@ -56,19 +68,9 @@ _OUTPUTS = "the embedded engine does not return it; " + VLLM_BACKEND
 
 REFUSED: dict[str, Refused] = {
     # Sampling and logits processing.
-    "logprobs": Refused((False, 0), True, _SAMPLING),
-    "top_logprobs": Refused((0,), 2, _SAMPLING),
     "prompt_logprobs": Refused((0,), 1, _SAMPLING),
     "logprob_token_ids": Refused(([],), [1], _SAMPLING),
-    "frequency_penalty": Refused((0,), 0.5, _SAMPLING),
-    "presence_penalty": Refused((0,), 0.5, _SAMPLING),
-    "repetition_penalty": Refused((1,), 1.2, _SAMPLING),
     "length_penalty": Refused((1,), 0.5, "only beam search uses it; beam search is not offered"),
-    "logit_bias": Refused(({},), {"5": 10}, _SAMPLING),
-    "min_p": Refused((0,), 0.1, _SAMPLING),
-    "min_tokens": Refused((0,), 4, _SAMPLING),
-    "bad_words": Refused(([],), ["def"], _SAMPLING),
-    "allowed_token_ids": Refused((), [5, 6], _SAMPLING),
     "use_beam_search": Refused((False,), True, "beam search is not offered"),
     "echo": Refused((False,), True, "chat echo is not offered; completions echo the prompt"),
     "suffix": Refused(("",), "x", "the bundled models have no fill-in-the-middle template"),
@@ -126,7 +128,7 @@ REFUSED: dict[str, Refused] = {
 
 # Fields of one endpoint only: elsewhere they are unknown.
 ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
-    "chat": frozenset({"messages", "max_completion_tokens"}),
+    "chat": frozenset({"messages", "max_completion_tokens", "top_logprobs"}),
     "completion": frozenset({"prompt", "echo"}),
 }
 # Where an endpoint's own default differs (vLLM's completions add special tokens).
@@ -145,7 +147,6 @@ CHAT_ONLY = frozenset(
         "parallel_tool_calls",
         "reasoning_effort",
         "include_reasoning",
-        "top_logprobs",
         "functions",
         "function_call",
         "modalities",
@@ -198,13 +199,21 @@ def check_fields(payload: dict[str, Any], endpoint: str) -> None:
                 raise InvalidRequest(f"{name}: {rule.why}", param=name)
 
 
+# What a vLLM worker does with a field beyond taking it, where that differs (vLLM 0.32's
+# sampling_params.py refuses these two under any speculative decoding).
+VLLM_NOTES = {
+    "min_p": "passed through; vLLM answers 400 with speculative decoding",
+    "logit_bias": "passed through; vLLM answers 400 with speculative decoding",
+}
+
+
 def compatibility_table() -> str:
     """The README's table (tests/test_readme.py keeps the two equal)."""
     rows = ["| field | embedded worker | vLLM backend |", "| --- | --- | --- |"]
     for name in sorted(HONOURED | ENDPOINT_FIELDS["chat"] | ENDPOINT_FIELDS["completion"]):
         where = next((e for e, f in ENDPOINT_FIELDS.items() if name in f), None)
         note = "honoured" if where is None else f"honoured ({where})"
-        rows.append(f"| `{name}` | {note} | passed through |")
+        rows.append(f"| `{name}` | {note} | {VLLM_NOTES.get(name, 'passed through')} |")
     for name, rule in sorted(REFUSED.items()):
         off = ", ".join(f"`{json.dumps(v)}`" for v in rule.off)
         accepted = f" (accepted: {off})" if off else ""

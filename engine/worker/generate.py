@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 
-from engine.sequence import RequestOutput, SamplingParams
+from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from engine.worker.metrics import WorkerMetrics
 from engine.worker.responses import Formatter, metrics_object, usage
 from engine.worker.schemas import AnyRequest
@@ -134,15 +134,29 @@ def choices_usage(choices: list[Choice], lasts: list[RequestOutput | None]) -> d
     return usage(prompt, completion)
 
 
-async def _text(run: Run) -> tuple[str, RequestOutput]:
-    parts = [out.text_delta async for out in run.outputs()]
+@dataclass(frozen=True)
+class Whole:
+    """A choice's whole answer: its text, logprobs (when asked for) and final output."""
+
+    text: str
+    logprobs: list[TokenLogprob] | None
+    last: RequestOutput
+
+
+async def _whole(run: Run) -> Whole:
+    parts: list[str] = []
+    logprobs: list[TokenLogprob] | None = None
+    async for out in run.outputs():
+        parts.append(out.text_delta)
+        if out.logprobs_delta is not None:
+            logprobs = (logprobs or []) + out.logprobs_delta
     assert run.last is not None
-    return "".join(parts), run.last
+    return Whole("".join(parts), logprobs, run.last)
 
 
-async def collect(request: Request, choices: list[Choice]) -> list[tuple[str, RequestOutput]]:
-    """Every choice's whole text and final output; ClientGone when the client leaves first."""
-    work = asyncio.gather(*(_text(c.run) for c in choices))
+async def collect(request: Request, choices: list[Choice]) -> list[Whole]:
+    """Every choice's whole answer; ClientGone when the client leaves first."""
+    work = asyncio.gather(*(_whole(c.run) for c in choices))
     return await guard_disconnect(request, work)
 
 
@@ -198,11 +212,11 @@ async def stream_events(
                 prefix = choice.echo
                 if fmt.endpoint == "chat":
                     yield sse_event(fmt.role_chunk(choice.index))
-            if not (prefix or out.text_delta or out.finished):
+            if not (prefix or out.text_delta or out.finished or out.logprobs_delta):
                 continue
             reason = finish_reason(out) if out.finished else None
             chunk: dict[str, Any] = fmt.chunk(
-                prefix + out.text_delta, reason, out.stop_reason, choice.index
+                prefix + out.text_delta, reason, out.stop_reason, choice.index, out.logprobs_delta
             )
             if continuous:
                 chunk["usage"] = choices_usage(choices, [lasts.get(c.index) for c in choices])

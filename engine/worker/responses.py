@@ -4,11 +4,17 @@ one place where the engine's request state becomes wire format."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.sequence import RequestMetrics, SpecDecodeStats
+from engine.sequence import RequestMetrics, SpecDecodeStats, TokenLogprob
 from engine.worker.schemas import Endpoint
+
+# A token id -> (its text, its bytes): engine.tokenizer.Tokenizer.logprob_token.
+TokenNamer = Callable[[int], tuple[str, bytes]]
+# What OpenAI and vLLM send for a log-probability of -inf (JSON has no infinity).
+LOGPROB_FLOOR = -9999.0
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -72,6 +78,10 @@ def metrics_object(metrics: RequestMetrics, level: str, *, stream: bool) -> dict
     return out
 
 
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 @dataclass
 class Formatter:
     """Builds the bodies of one request, chat or completion, with a fixed id and time."""
@@ -80,6 +90,44 @@ class Formatter:
     request_id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    name_token: TokenNamer | None = None  # needed only when logprobs are asked for
+    # Completions' text_offset runs on across a choice's stream chunks.
+    _offsets: dict[int, int] = field(default_factory=dict)
+
+    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """The `logprobs` object for these tokens of choice `index` (None if not asked):
+        chat's `content` list (the top alternatives, most likely first) or completions'
+        four parallel lists (the top alternatives plus the chosen token, keyed by text)."""
+        if entries is None:
+            return None
+        assert self.name_token is not None, "Formatter(name_token=...) for logprobs"
+        name = self.name_token
+        if self.endpoint == "chat":
+            return {"content": [self._chat_entry(e, name) for e in entries]}
+        tokens, offsets, top = [], [], []
+        offset = self._offsets.get(index, 0)
+        for e in entries:
+            text = name(e.token_id)[0]
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+            top.append({text: _logprob(e.logprob), **{name(t)[0]: _logprob(lp) for t, lp in e.top}})
+        self._offsets[index] = offset
+        return {
+            "text_offset": offsets,
+            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "tokens": tokens,
+            "top_logprobs": top,
+        }
+
+    @staticmethod
+    def _chat_entry(entry: TokenLogprob, name: TokenNamer) -> dict[str, Any]:
+        def one(token_id: int, logprob: float) -> dict[str, Any]:
+            text, raw = name(token_id)
+            return {"token": text, "logprob": _logprob(logprob), "bytes": list(raw)}
+
+        top = [one(t, lp) for t, lp in entry.top]
+        return {**one(entry.token_id, entry.logprob), "top_logprobs": top}
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
@@ -96,12 +144,14 @@ class Formatter:
         finish_reason: str | None,
         stop_reason: str | int | None = None,
         index: int = 0,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
         ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
+        lp = self.logprobs(index, logprobs)
         if self.endpoint == "chat":
-            choice = {"index": index, "delta": {"content": text}, "logprobs": None, **ends}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": lp, **ends}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text, "logprobs": None, **ends}
+        choice = {"index": index, "text": text, "logprobs": lp, **ends}
         return {**self._head("text_completion"), "choices": [choice]}
 
     def usage_chunk(self, use: dict[str, int], metrics: dict[str, Any] | None) -> dict[str, Any]:
@@ -110,14 +160,20 @@ class Formatter:
         return {**self._head(obj), "choices": [], "usage": use, **extra}
 
     def choice(
-        self, index: int, text: str, finish_reason: str, stop_reason: str | int | None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str,
+        stop_reason: str | int | None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> dict[str, Any]:
         """One choice of a whole response."""
         ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
+        lp = self.logprobs(index, logprobs)
         if self.endpoint == "chat":
             message = {"role": "assistant", "content": text}
-            return {"index": index, "message": message, "logprobs": None, **ends}
-        return {"index": index, "text": text, "logprobs": None, **ends}
+            return {"index": index, "message": message, "logprobs": lp, **ends}
+        return {"index": index, "text": text, "logprobs": lp, **ends}
 
     def response(
         self, choices: list[dict[str, Any]], use: dict[str, int], metrics: dict[str, Any] | None

@@ -25,6 +25,15 @@ class _WorkerFields(gateway.SamplingFields):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    # Ranges are the engine's to check (engine.py): one place, vLLM's messages.
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -38,8 +47,31 @@ class _WorkerFields(gateway.SamplingFields):
         """(the field the client used, its value)."""
         return "max_tokens", self.max_tokens
 
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` with its keys read as token ids; the bias clamped to OpenAI's
+        [-100, 100] as vLLM does."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise InvalidRequest(
+                    f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias"
+                ) from None
+            pairs.append((token, min(100.0, max(-100.0, bias))))
+        return tuple(pairs)
+
 
 class ChatCompletionRequest(_WorkerFields, gateway.ChatCompletionRequest):
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per output token (None: no logprobs at all)."""
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs: needs `logprobs` set to true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template takes them: plain role/content strings."""
         return [_flatten(i, m) for i, m in enumerate(self.messages)]
@@ -76,6 +108,17 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
 
 
 class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
+    logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        if self.logprobs is not None and self.echo:
+            raise InvalidRequest(
+                "logprobs: with echo it needs the prompt's logprobs, which the embedded "
+                "engine does not compute; the vLLM backend supports it",
+                param="logprobs",
+            )
+        return self.logprobs
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a request, each a string or token ids (a batch: several)."""
         prompt = self.prompt

@@ -15,7 +15,7 @@ import torch
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestRejected
 from engine.loader import load_drafter, load_target, save_drafter, save_target
-from engine.sequence import RequestOutput, SamplingParams
+from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from engine.worker.responses import metrics_object
 from tests.fixtures.tiny_models import (
     TinyCheckpoint,
@@ -82,18 +82,24 @@ def run(
     join_at: list[int] | None = None,
 ) -> dict[str, RequestOutput]:
     """Drive `step()` directly; request i joins at step join_at[i]. Returns the final
-    output of each request with the whole token list in token_ids_delta."""
+    output of each request with the whole token list in token_ids_delta (and the whole
+    logprobs list in logprobs_delta)."""
     join_at = join_at or [0] * len(requests)
     tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[TokenLogprob]] = {}
     final: dict[str, RequestOutput] = {}
     for step in range(10_000):
         for i, (prompt, params) in enumerate(requests):
             if join_at[i] == step:
                 engine.add_request(str(i), prompt, params)
         for _, out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.token_ids_delta)
+            rid = out.request_id
+            tokens.setdefault(rid, []).extend(out.token_ids_delta)
+            if out.logprobs_delta is not None:
+                logprobs.setdefault(rid, []).extend(out.logprobs_delta)
             if out.finished:
-                final[out.request_id] = replace(out, token_ids_delta=tokens[out.request_id])
+                whole = None if out.logprobs_delta is None else logprobs.get(rid, [])
+                final[rid] = replace(out, token_ids_delta=tokens[rid], logprobs_delta=whole)
         if len(final) == len(requests) and step >= max(join_at):
             return final
     raise AssertionError("engine did not finish")
@@ -331,3 +337,145 @@ def test_adaptive_speculation_is_lossless_and_counts_its_choices(
     spec = next(iter(out.values())).metrics.spec
     assert spec is not None and spec.adaptive
     assert spec.num_plain_steps + len(spec.per_step_drafted) >= 1
+
+
+# ---- logits processors and logprobs: exact under speculation -----------------------------
+# On the bundled trained pair: real text, a drafter that agrees often (so speculation is
+# really exercised), real words for bad_words.
+
+BUNDLED = Path(__file__).resolve().parents[2] / "engine/assets/tiny-coder"
+CODE_PROMPTS = [
+    "def fibonacci(n):",
+    "class Stack:\n    def __init__(self):",
+    "Write a Python function that reverses a string.",
+    "import os\n\ndef list_files(path):",
+]
+BASE = SamplingParams(max_tokens=32, temperature=0.0)
+
+
+def bundled_engine(k: int | None) -> Engine:
+    return Engine(
+        EngineConfig(
+            target_path=BUNDLED / "target",
+            drafter_path=None if k is None else BUNDLED / "dflash",
+            num_speculative_tokens=k,
+            max_num_seqs=4,
+            max_model_len=512,
+        )
+    )
+
+
+@pytest.fixture(scope="module")
+def code_prompts() -> list[list[int]]:
+    tok = bundled_engine(None).tokenizer
+    return [tok.encode(text) for text in CODE_PROMPTS]
+
+
+def _outputs(
+    engine: Engine, prompts: list[list[int]], params: SamplingParams
+) -> dict[str, RequestOutput]:
+    return run(engine, [(p, params) for p in prompts], join_at=[0, 0, 1, 3])
+
+
+def _processor_cases(base: list[int]) -> dict[str, SamplingParams]:
+    """Each processor (and all together), aimed at the plain greedy output `base` of the
+    first prompt so that each visibly changes it."""
+    stop = base[2]
+    return {
+        "repetition_penalty": replace(BASE, repetition_penalty=1.3),
+        "frequency_penalty": replace(BASE, frequency_penalty=0.5),
+        "presence_penalty": replace(BASE, presence_penalty=0.5),
+        "logit_bias": replace(BASE, logit_bias=((base[1], -100.0), (base[5], 3.0))),
+        "min_tokens": replace(BASE, stop_token_ids=(stop,), min_tokens=8),
+        "bad_words": replace(BASE, bad_words=("self", "name")),
+        "allowed_token_ids": replace(BASE, allowed_token_ids=tuple(range(0, 4096, 2))),
+        "all of them": replace(
+            BASE,
+            repetition_penalty=1.1,
+            frequency_penalty=0.2,
+            presence_penalty=0.2,
+            logit_bias=((base[5], 2.0),),
+            stop_token_ids=(stop,),
+            min_tokens=5,
+            bad_words=("return",),
+            logprobs=3,
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "repetition_penalty",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "min_tokens",
+        "bad_words",
+        "allowed_token_ids",
+        "all of them",
+    ],
+)
+def test_logits_processors_are_exact_under_speculation(
+    code_prompts: list[list[int]], case: str
+) -> None:
+    """Greedy with each processor: DFlash (3 and 15 drafts per step, batched, joining
+    mid-run) gives plain decoding's tokens, and the processor did change them."""
+    plain = bundled_engine(None)
+    base = _outputs(plain, code_prompts, BASE)
+    params = _processor_cases(base["0"].token_ids_delta)[case]
+    expected = _outputs(plain, code_prompts, params)
+    assert any(expected[r].token_ids_delta != base[r].token_ids_delta for r in expected), (
+        f"{case} changed nothing: the test is vacuous"
+    )
+    for k in (3, 15):
+        engine = bundled_engine(k)
+        got = _outputs(engine, code_prompts, params)
+        for rid, out in expected.items():
+            assert got[rid].token_ids_delta == out.token_ids_delta, f"{case}, k={k}, request {rid}"
+            assert got[rid].finish_reason == out.finish_reason
+            _same_logprobs(got[rid].logprobs_delta, out.logprobs_delta)
+        assert engine.stats().num_accepted_tokens > 0, "no draft accepted: the test is vacuous"
+
+
+def _same_logprobs(got: list[TokenLogprob] | None, want: list[TokenLogprob] | None) -> None:
+    """Equal up to float rounding (a verify step and a plain step sum in different orders)."""
+    assert (got is None) == (want is None)
+    for g, w in zip(got or [], want or [], strict=True):
+        assert (g.token_id, g.rank) == (w.token_id, w.rank)
+        assert [t for t, _ in g.top] == [t for t, _ in w.top]
+        assert [g.logprob, *(v for _, v in g.top)] == pytest.approx(
+            [w.logprob, *(v for _, v in w.top)], abs=1e-4
+        )
+
+
+def _teacher_forced(prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax of the target's logits at each output position, in one plain forward."""
+    target = load_target(BUNDLED / "target")
+    ids = torch.tensor([prompt + output[:-1]])
+    with torch.no_grad():
+        logits = target(ids, torch.arange(ids.shape[1])[None]).logits[0, len(prompt) - 1 :]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("k", [None, 15])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_logprobs_are_the_targets_at_each_emitted_token(
+    code_prompts: list[list[int]], k: int | None, temperature: float
+) -> None:
+    """Greedy and seeded sampling, with and without speculation: each token's logprob, rank
+    and top-5 are the target's own (raw: before the penalty) at that position."""
+    params = replace(
+        BASE, temperature=temperature, seed=3, logprobs=5, repetition_penalty=1.2, max_tokens=20
+    )
+    outs = _outputs(bundled_engine(k), code_prompts, params)
+    for rid, out in outs.items():
+        tokens, entries = out.token_ids_delta, out.logprobs_delta
+        assert entries is not None and [e.token_id for e in entries] == tokens
+        expected = _teacher_forced(code_prompts[int(rid)], tokens)
+        for i, e in enumerate(entries):
+            assert e.logprob == pytest.approx(float(expected[i, tokens[i]]), abs=1e-4)
+            assert e.rank == int((expected[i] >= expected[i, tokens[i]] - 1e-5).sum())
+            top = expected[i].topk(5)
+            assert [t for t, _ in e.top] == top.indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)

@@ -51,7 +51,8 @@ def test_prefill_then_a_step_fill_and_free_the_caches(tiny_checkpoint: TinyCheck
     greedy = SamplingParams(temperature=0.0)
     seq = _seq(0, [3, 4, 5], greedy)
     runner.add(seq)
-    (first,) = runner.prefill([seq])
+    (result,) = runner.prefill([seq])
+    (first,) = result.token_ids
     assert 0 <= first < runner.vocab_size and runner.kv_cache_usage() > 0
     seq.output_token_ids.append(first)
     (result,) = runner.decode([seq])
@@ -68,7 +69,7 @@ def test_seeded_requests_get_their_own_generator(tiny_checkpoint: TinyCheckpoint
         seqs = [_seq(i, [3, 4, 5], SamplingParams(temperature=1.0, seed=seed)) for i in (0, 1)]
         for s in seqs:
             runner.add(s)
-        return runner.prefill(seqs)
+        return [r.token_ids[0] for r in runner.prefill(seqs)]
 
     assert first_tokens(7) == first_tokens(7)
 

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from engine import speculative
 from engine.drafter import DFlashDrafter
+from engine.logits_processors import LogitsProcessing, process_block
 from engine.model import Qwen3Target
 from engine.sampling import sample, uniform
 from engine.speculative import (
@@ -91,7 +93,7 @@ def generate(
         while pending and free and (together or not joining):
             joining.append((pending.pop(0), free.pop(0)))
         new_rows = [PrefillRow(s, p) for (_, p), s in joining]
-        firsts = prefill(state, new_rows, [GREEDY] * len(joining))
+        firsts = [r.token_ids[0] for r in prefill(state, new_rows, [GREEDY] * len(joining))]
         for ((idx, p), slot), first in zip(joining, firsts, strict=True):
             active[slot] = (idx, [first], DecodeRow(slot, first, len(p)))
         rows = [a[2] for a in active.values()]
@@ -179,7 +181,7 @@ def test_a_different_number_of_drafts_every_step_equals_plain_decoding(
 def test_num_draft_out_of_range_is_refused(agreeable: Models) -> None:
     target, drafters = agreeable
     state = SpecState.create(target, drafters[4], 1, MAX_LEN, 4, "cpu", torch.float32)
-    first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0]
+    first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0].token_ids[0]
     for bad in (-1, 4):
         with pytest.raises(ValueError, match="num_draft"):
             spec_step(state, [DecodeRow(0, first, 3)], [GREEDY], num_draft=bad)
@@ -188,7 +190,7 @@ def test_num_draft_out_of_range_is_refused(agreeable: Models) -> None:
 def test_step_timings_cover_the_phases(agreeable: Models) -> None:
     target, drafters = agreeable
     state = SpecState.create(target, drafters[8], 1, MAX_LEN, 8, "cpu", torch.float32)
-    first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0]
+    first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0].token_ids[0]
     timings = StepTimings()
     spec_step(state, [DecodeRow(0, first, 3)], [GREEDY], timings=timings)
     assert timings.draft > 0 and timings.verify > 0 and timings.context > 0
@@ -262,7 +264,7 @@ def test_no_drafter_or_block_size_one_is_plain_decoding(agreeable: Models) -> No
     for drafter, size in ((None, 4), (drafters[4], 1)):
         state = SpecState.create(target, drafter, 2, MAX_LEN, size, "cpu", torch.float32)
         assert state.block_size == 1 and state.drafter is None and state.caches.drafter is None
-        first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0]
+        first = prefill(state, [PrefillRow(0, [1, 2, 3])], [GREEDY])[0].token_ids[0]
         (res,) = spec_step(state, [DecodeRow(0, first, 3)], [GREEDY])
         assert len(res.token_ids) == 1 and res.num_drafted == 0 and res.num_accepted == 0
         assert state.caches.target.length(0) == 4
@@ -272,7 +274,7 @@ def test_step_at_the_context_limit_fits_and_usage_is_reported(agreeable: Models)
     target, drafters = agreeable
     state = SpecState.create(target, drafters[16], 2, 24, 16, "cpu", torch.float32)
     prompt = list(range(1, 24))  # 23 tokens: the first sampled token is at position 23
-    first = prefill(state, [PrefillRow(1, prompt)], [GREEDY])[0]
+    first = prefill(state, [PrefillRow(1, prompt)], [GREEDY])[0].token_ids[0]
     assert state.kv_cache_usage() == pytest.approx(23 / (2 * (24 + 16)))
     (res,) = spec_step(state, [DecodeRow(1, first, 23)], [GREEDY])
     assert 1 <= len(res.token_ids) <= 16
@@ -382,6 +384,21 @@ def test_the_check_rejects_wrong_acceptance_rules(
 
 E2E_PROMPT, E2E_VOCAB = [1, 2, 3], 8
 E2E_SAMPLING = {"temperature": 0.9, "top_k": 6, "top_p": 0.97}
+# Every logits processor at once, each reading the history (penalties, a two-token bad word,
+# min_tokens) or reshaping the distribution (bias, allowed ids, min-p).
+E2E_PROCESSORS = {
+    "processors": LogitsProcessing(
+        repetition_penalty=1.6,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+        logit_bias=((5, 0.8),),
+        min_tokens=2,
+        stop_token_ids=(0,),
+        bad_words=((4, 6),),
+        allowed_token_ids=(0, 1, 2, 3, 4, 5, 6),
+    ),
+    "min_p": 0.03,
+}
 
 
 @pytest.fixture(scope="module")
@@ -394,16 +411,25 @@ def small_vocab() -> tuple[Qwen3Target, DFlashDrafter]:
     return target, drafter
 
 
-def _exact_three(target: Qwen3Target) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3) after E2E_PROMPT under the target alone, by enumeration."""
+def _exact_three(target: Qwen3Target, extra: dict[str, Any]) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) after E2E_PROMPT under the target alone, by enumeration; `extra`:
+    logits processors, applied along each path (t2 sees t1, t3 sees t1 t2)."""
     pairs = [(a, b) for a in range(E2E_VOCAB) for b in range(E2E_VOCAB)]
     ids = torch.tensor([[*E2E_PROMPT, a, b] for a, b in pairs])  # [64, 5]
     pos = torch.arange(ids.shape[1])[None].expand_as(ids)
     with torch.no_grad():
         logits = target(ids, pos).logits[:, -3:]  # [64, 3, vocab]: predicts t1, t2, t3
-    probs = speculative.row_probabilities(
-        logits.reshape(-1, E2E_VOCAB), RowSampling(**E2E_SAMPLING)
-    ).view(len(pairs), 3, -1)
+    sampling = RowSampling(**E2E_SAMPLING, **extra)
+    if sampling.processors is not None:
+        logits = torch.stack(
+            [
+                process_block(logits[i], sampling.processors, E2E_PROMPT, (), [a, b])
+                for i, (a, b) in enumerate(pairs)
+            ]
+        )
+    probs = speculative.row_probabilities(logits.reshape(-1, E2E_VOCAB), sampling).view(
+        len(pairs), 3, -1
+    )
     return {
         (a, b, c): float(probs[i, 0, a] * probs[i, 1, b] * probs[i, 2, c])
         for i, (a, b) in enumerate(pairs)
@@ -412,29 +438,38 @@ def _exact_three(target: Qwen3Target) -> dict[tuple[int, ...], float]:
 
 
 def _sample_three(
-    target: Qwen3Target, drafter: DFlashDrafter | None, batches: int, rows: int = 400
+    target: Qwen3Target,
+    drafter: DFlashDrafter | None,
+    batches: int,
+    rows: int = 400,
+    extra: dict[str, Any] | None = None,
 ) -> dict[tuple[int, ...], int]:
     state = SpecState.create(target, drafter, rows, 16, 4, "cpu", torch.float32)
     counts: dict[tuple[int, ...], int] = {}
     for batch in range(batches):
         sampling = [
             RowSampling(
-                **E2E_SAMPLING,  # type: ignore[arg-type]
+                **E2E_SAMPLING,
+                **(extra or {}),
                 generator=torch.Generator().manual_seed(batch * rows + r),
             )
             for r in range(rows)
         ]
-        firsts = prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(rows)], sampling)
+        firsts = [
+            r.token_ids[0]
+            for r in prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(rows)], sampling)
+        ]
         out = {r: [t] for r, t in enumerate(firsts)}
-        live = [DecodeRow(r, t, len(E2E_PROMPT)) for r, t in enumerate(firsts)]
+        live = [DecodeRow(r, t, len(E2E_PROMPT), E2E_PROMPT, out[r]) for r, t in enumerate(firsts)]
         while live:
             step = spec_step(state, live, [sampling[row.slot] for row in live])
             nxt = []
             for row, res in zip(live, step, strict=True):
                 out[row.slot] += res.token_ids
                 if len(out[row.slot]) < 3:
+                    position = row.position + len(res.token_ids)
                     nxt.append(
-                        DecodeRow(row.slot, res.token_ids[-1], row.position + len(res.token_ids))
+                        DecodeRow(row.slot, res.token_ids[-1], position, E2E_PROMPT, out[row.slot])
                     )
             live = nxt
         for r in range(rows):
@@ -444,12 +479,17 @@ def _sample_three(
     return counts
 
 
+@pytest.mark.parametrize("extra", [{}, E2E_PROCESSORS], ids=["sampling", "processors"])
 @pytest.mark.parametrize("speculate", [True, False], ids=["block4", "plain"])
 def test_sampling_matches_the_target_distribution_end_to_end(
-    monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter], speculate: bool
+    monkeypatch: pytest.MonkeyPatch,
+    small_vocab: tuple[Qwen3Target, DFlashDrafter],
+    speculate: bool,
+    extra: dict[str, Any],
 ) -> None:
     """4000 samples of the first three generated tokens (512 cells) with and without
-    speculation, each against the exact law of the target alone."""
+    speculation, each against the exact law of the target alone (with every logits
+    processor, each position processed on the history it extends)."""
     target, drafter = small_vocab
     accepted: list[int] = []
     real = speculative.accept_sampled
@@ -460,8 +500,8 @@ def test_sampling_matches_the_target_distribution_end_to_end(
         return n, bonus
 
     monkeypatch.setattr(speculative, "accept_sampled", spy)
-    counts = _sample_three(target, drafter if speculate else None, batches=10)
-    assert chi_square_p(counts, _exact_three(target)) > PASS_P
+    counts = _sample_three(target, drafter if speculate else None, batches=10, extra=extra)
+    assert chi_square_p(counts, _exact_three(target, extra)) > PASS_P
     if speculate:  # the check only means something if drafts are accepted AND rejected
         assert set(accepted) == {0, 1, 2, 3}
         assert 0.1 < sum(n > 0 for n in accepted) / len(accepted) < 0.9
@@ -473,7 +513,7 @@ def test_end_to_end_check_fails_for_a_wrong_rule(
     target, drafter = small_vocab
     monkeypatch.setattr(speculative, "accept_sampled", resample_without_removal)
     counts = _sample_three(target, drafter, batches=10)
-    assert chi_square_p(counts, _exact_three(target)) < FAIL_P
+    assert chi_square_p(counts, _exact_three(target, {})) < FAIL_P
 
 
 def test_prefill_in_chunks_equals_prefill_at_once(agreeable: Models) -> None:
@@ -502,8 +542,31 @@ def test_seeded_rows_reproduce_whatever_is_batched_with_them(
         sampling = [
             RowSampling(1.0, generator=torch.Generator().manual_seed(99 + r)) for r in range(batch)
         ]
-        first = prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(batch)], sampling)
+        first = [
+            r.token_ids[0]
+            for r in prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(batch)], sampling)
+        ]
         rows = [DecodeRow(r, t, len(E2E_PROMPT)) for r, t in enumerate(first)]
         return [first[0], *spec_step(state, rows, sampling)[0].token_ids]
 
     assert run(1) == run(5)
+
+
+def test_processors_must_see_the_drafts_before_each_position(
+    monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter]
+) -> None:
+    """The check above has power: processing every block position on the committed
+    history alone (ignoring the drafts before it) is caught."""
+    target, drafter = small_vocab
+
+    def drafts_ignored(
+        logits: torch.Tensor, proc: LogitsProcessing, prompt: Any, output: Any, drafts: Any
+    ) -> torch.Tensor:
+        rows = [
+            process_block(logits[k : k + 1], proc, prompt, output, ()) for k in range(len(logits))
+        ]
+        return torch.cat(rows)
+
+    monkeypatch.setattr(speculative, "process_block", drafts_ignored)
+    counts = _sample_three(target, drafter, batches=10, extra=E2E_PROCESSORS)
+    assert chi_square_p(counts, _exact_three(target, E2E_PROCESSORS)) < FAIL_P

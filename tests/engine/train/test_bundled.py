@@ -44,7 +44,7 @@ def _decode(
 ) -> tuple[list[int], list[int]]:
     """Greedy tokens and per-step accepted drafts through the engine's speculative step."""
     state = SpecState.create(target, drafter, 1, 512, block, "cpu", torch.float32)
-    out = prefill(state, [PrefillRow(0, prompt)], [GREEDY])
+    out = prefill(state, [PrefillRow(0, prompt)], [GREEDY])[0].token_ids
     accepted: list[int] = []
     while len(out) < n:
         row = DecodeRow(slot=0, last_token=out[-1], position=len(prompt) + len(out) - 1)

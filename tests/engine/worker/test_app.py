@@ -183,8 +183,12 @@ def test_models_health_and_request_id(client: openai.OpenAI, worker: AppHandle) 
 
 
 def test_sdk_errors_are_typed(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        client.chat.completions.create(
+            model=NAME, messages=HI, response_format={"type": "json_object"}
+        )
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.chat.completions.create(model=NAME, messages=HI, logit_bias={"5": 3})
+        client.chat.completions.create(model=NAME, messages=HI, logit_bias={"99999": 3})
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=HI)
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
@@ -231,7 +235,26 @@ LONG_PROMPT = "word " * 2000
         (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
         (CHAT, {"messages": HI, "max_tokens": MAX_LEN + 1}, 400, "max_tokens"),
         (CHAT, {"messages": HI, "n": 0}, 400, "n"),
-        (CHAT, {"messages": HI, "logprobs": True}, 400, "logprobs"),
+        (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
+        (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
+        (CHAT, {"messages": HI, "logprobs": 1}, 400, "logprobs"),
+        (COMP, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
+        (COMP, {"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
+        (COMP, {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
+        (CHAT, {"messages": HI, "logit_bias": {"a": 1}}, 400, "logit_bias"),
+        (CHAT, {"messages": HI, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        (CHAT, {"messages": HI, "logit_bias": {"5": "up"}}, 400, "logit_bias.5"),
+        (CHAT, {"messages": HI, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        (CHAT, {"messages": HI, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        (CHAT, {"messages": HI, "frequency_penalty": -3}, 400, "frequency_penalty"),
+        (CHAT, {"messages": HI, "min_p": 1.5}, 400, "min_p"),
+        (CHAT, {"messages": HI, "min_tokens": 9, "max_tokens": 4}, 400, "min_tokens"),
+        (CHAT, {"messages": HI, "min_tokens": -1}, 400, "min_tokens"),
+        (CHAT, {"messages": HI, "bad_words": [" "]}, 400, "bad_words"),
+        (CHAT, {"messages": HI, "bad_words": ["x"] * 129}, 400, "bad_words"),
+        (CHAT, {"messages": HI, "allowed_token_ids": []}, 400, "allowed_token_ids"),
+        (CHAT, {"messages": HI, "allowed_token_ids": [-1]}, 400, "allowed_token_ids"),
+        (CHAT, {"messages": HI, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
         (CHAT, {"messages": HI, "stop": [""]}, 400, "stop"),
         (CHAT, {"messages": HI, "seed": 2**70}, 400, "seed"),
         (

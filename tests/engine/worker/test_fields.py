@@ -39,7 +39,7 @@ def test_a_refused_field_is_400_naming_it_unless_it_asks_nothing(name: str) -> N
     ("payload", "endpoint", "param"),
     [
         ({"echo": True}, "chat", "echo"),
-        ({"logprobs": 1}, "completion", "logprobs"),  # not the same as false
+        ({"top_logprobs": 2}, "completion", "top_logprobs"),  # chat's own field
         ({"prompt": "x"}, "chat", "prompt"),  # another endpoint's field
         ({"messages": []}, "completion", "messages"),
         ({"suffix": "x"}, "chat", "suffix"),
