@@ -42,6 +42,39 @@ def test_sampling_params_defaults_and_fields() -> None:
     )
 
 
+def test_every_logits_processor_field_reaches_the_sampling_params() -> None:
+    processors = {
+        "min_p": 0.1,
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"7": 150, "8": -3},
+        "min_tokens": 2,
+        "bad_words": ["no"],
+        "allowed_token_ids": [1, 2],
+    }
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": HI, "logprobs": True, "top_logprobs": 4, **processors}
+    )
+    expected = SamplingParams(
+        max_tokens=None,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias=((7, 100.0), (8, -3.0)),  # clamped to OpenAI's +-100, as vLLM
+        min_tokens=2,
+        bad_words=("no",),
+        allowed_token_ids=(1, 2),
+        logprobs=4,
+    )
+    assert api._sampling_params(chat) == expected
+    completion = CompletionRequest.model_validate({"prompt": "x", "logprobs": 0})
+    assert api._sampling_params(completion).logprobs == 0
+    plain_chat = ChatCompletionRequest.model_validate({"messages": HI, "logprobs": False})
+    assert api._sampling_params(plain_chat).logprobs is None
+
+
 class _State:
     """The two things `_start` reads from the worker state."""
 

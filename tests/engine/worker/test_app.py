@@ -670,3 +670,89 @@ def test_adaptive_speculation_shows_its_choices(ckpt: TinyCheckpoint) -> None:
         samples = scrape(handle.base_url)
         steps = metric(samples, "dflash:spec_decode_steps_by_num_drafts_total")
         assert steps == spec["num_plain_steps"] + spec["num_spec_steps"] >= 1
+
+
+def _joined_bytes(content: Any) -> str:
+    return b"".join(bytes(entry.bytes) for entry in content).decode("utf-8", errors="replace")
+
+
+def test_chat_logprobs_through_the_sdk_stream_and_whole(client: openai.OpenAI) -> None:
+    """One entry per output token, the tokens' own bytes spell the text, the top ones best
+    first; a stream carries exactly the same entries as the whole response."""
+    ask: dict[str, Any] = {
+        "model": NAME,
+        "messages": HI,
+        "max_tokens": 12,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.chat.completions.create(**ask)
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == whole.usage.completion_tokens == 12  # type: ignore[union-attr]
+    assert _joined_bytes(content) == whole.choices[0].message.content
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest token
+    streamed = []
+    for chunk in client.chat.completions.create(**ask, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content or []
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs_zero_and_n(worker: AppHandle) -> None:
+    def complete(logprobs: int) -> dict[str, Any]:
+        body = {"prompt": "def f(x):", "max_tokens": 6, "temperature": 0, "logprobs": logprobs}
+        r = httpx.post(f"{worker.base_url}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        lp: dict[str, Any] = r.json()["choices"][0]["logprobs"]
+        return lp
+
+    zero, two = complete(0), complete(2)
+    assert zero["tokens"] == two["tokens"] and len(zero["tokens"]) == 6
+    assert zero["token_logprobs"] == pytest.approx(two["token_logprobs"])
+    # logprobs=0: the chosen token only; 2: the two likeliest (greedy: the chosen is one)
+    assert [list(top) for top in zero["top_logprobs"]] == [[t] for t in zero["tokens"]]
+    pairs = zip(two["top_logprobs"], two["tokens"], strict=True)
+    assert all(len(top) == 2 and tok in top for top, tok in pairs)
+    offsets = [sum(len(t) for t in zero["tokens"][:i]) for i in range(6)]
+    assert zero["text_offset"] == offsets
+
+
+def test_each_logits_processor_reaches_the_engine(worker: AppHandle) -> None:
+    """Honoured processors, sent over HTTP, have their effect (every field's mapping:
+    test_api.py; exactness under speculation: tests/engine/test_engine.py and
+    test_speculative.py)."""
+
+    def complete(**extra: Any) -> tuple[list[int], str]:
+        body = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(
+            f"{worker.base_url}/v1/completions",
+            json={**body, "logprobs": 0, **extra},
+            headers=AUTH,
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["logprobs"]["tokens"], choice["finish_reason"]
+
+    base, _ = complete()
+    assert len(set(base)) > 1  # the tiny model does not repeat itself on its own
+    # A repetition penalty below 1 favours what was seen (the prompt too): it repeats.
+    repeated, _ = complete(repetition_penalty=0.05)
+    assert len(set(repeated)) < len(set(base))
+    forced, _ = complete(logit_bias={"100": 100})
+    assert forced == complete(allowed_token_ids=[100])[0] and len(set(forced)) == 1
+    assert complete(bad_words=[base[0]])[0][0] != base[0]
+    first_id = httpx.post(
+        f"{worker.base_url}/tokenize", json={"prompt": base[0]}, headers=AUTH, timeout=30
+    ).json()["tokens"]
+    stopped, reason = complete(stop_token_ids=first_id)
+    assert len(stopped) == 1 and reason == "stop"
+    held, _ = complete(stop_token_ids=first_id, min_tokens=4)
+    assert len(held) >= 4

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sequence import RequestMetrics, SamplingParams, SpecDecodeStats
-from engine.worker.responses import Formatter, metrics_object, speculative_object, usage
+from engine.sequence import RequestMetrics, SamplingParams, SpecDecodeStats, TokenLogprob
+from engine.worker.responses import (
+    LOGPROB_FLOOR,
+    Formatter,
+    metrics_object,
+    speculative_object,
+    usage,
+)
 from tests.engine.test_sequence import make_seq
 
 
@@ -127,3 +133,48 @@ def test_metrics_levels(level: str) -> None:
 def test_plain_decoding_has_no_speculative_block() -> None:
     m = metrics_object(RequestMetrics(arrival_time=0.0), "summary", stream=True)
     assert "speculative_decoding" not in m and m["mean_itl_ms"] is None
+
+
+def _name(token_id: int) -> tuple[str, bytes]:
+    """A stand-in tokenizer: token 9 is half of a two-byte character."""
+    return ("\ufffd", b"\xc3") if token_id == 9 else (f"t{token_id}", f"t{token_id}".encode())
+
+
+ENTRIES = [
+    TokenLogprob(5, -0.25, 1, ((5, -0.25), (7, -2.0))),
+    TokenLogprob(9, float("-inf"), 3, ((5, -0.5), (7, -1.0))),
+]
+
+
+def test_chat_logprobs_are_openais_content_list() -> None:
+    fmt = Formatter("chat", "id", "m", name_token=_name)
+    content = fmt.choice(0, "x", "stop", None, ENTRIES)["logprobs"]["content"]
+    assert content[0] == {
+        "token": "t5",
+        "logprob": -0.25,
+        "bytes": list(b"t5"),
+        "top_logprobs": [
+            {"token": "t5", "logprob": -0.25, "bytes": list(b"t5")},
+            {"token": "t7", "logprob": -2.0, "bytes": list(b"t7")},
+        ],
+    }
+    # -inf is not JSON: OpenAI's and vLLM's floor; bytes are the token's own.
+    assert content[1]["logprob"] == LOGPROB_FLOOR and content[1]["bytes"] == [0xC3]
+    assert fmt.choice(0, "x", "stop", None, None)["logprobs"] is None
+
+
+def test_completion_logprobs_carry_the_chosen_token_and_offsets_across_chunks() -> None:
+    fmt = Formatter("completion", "id", "m", name_token=_name)
+    first = fmt.chunk("", None, None, 0, ENTRIES[:1])["choices"][0]["logprobs"]
+    assert first == {
+        "text_offset": [0],
+        "token_logprobs": [-0.25],
+        "tokens": ["t5"],
+        "top_logprobs": [{"t5": -0.25, "t7": -2.0}],
+    }
+    second = fmt.chunk("", None, None, 0, ENTRIES[1:])["choices"][0]["logprobs"]
+    assert second["text_offset"] == [2]  # after "t5"
+    # the chosen token is listed even when it is not among the top ones
+    assert second["top_logprobs"] == [{"\ufffd": LOGPROB_FLOOR, "t5": -0.5, "t7": -1.0}]
+    other = fmt.chunk("", None, None, 1, ENTRIES[:1])["choices"][0]["logprobs"]
+    assert other["text_offset"] == [0]  # each choice has its own offsets
