@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +131,7 @@ class GatewayMetrics:
         self.multiprocess_dir = multiprocess_dir or os.environ.get(MULTIPROC_ENV) or None
         self.registry = CollectorRegistry(auto_describe=True)
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._pool: set[str] = set()  # workers in this process's pool (health series)
         r = self.registry
         self.requests = Counter(
             "dflash_requests", "Requests answered", ["model", "endpoint", "status"], registry=r
@@ -232,14 +234,31 @@ class GatewayMetrics:
     def set_worker_health(self, worker: str, healthy: bool | None) -> None:
         """healthy None: the worker left the pool, so its series goes too (bounded labels)."""
         if healthy is None:
+            self._pool.discard(worker)
             with contextlib.suppress(KeyError):
                 self.worker_healthy.remove(worker)
             return
+        self._pool.add(worker)
         self.worker_healthy.labels(worker).set(1 if healthy else 0)
 
     def render(self) -> tuple[bytes, str]:
         if self.multiprocess_dir is None:
             return generate_latest(self.registry), CONTENT_TYPE_LATEST
         merged = CollectorRegistry()
-        MultiProcessCollector(merged, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        files = MultiProcessCollector(None, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        merged.register(_PoolOnly(files, self.worker_healthy._name, self._pool))
         return generate_latest(merged), CONTENT_TYPE_LATEST
+
+
+class _PoolOnly:
+    """The merged multi-process series, less the health series of workers that left the
+    pool: a value in another process's file cannot be removed, only left out here."""
+
+    def __init__(self, inner: Any, family: str, pool: set[str]) -> None:
+        self._inner, self._family, self._pool = inner, family, pool
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self._inner.collect():
+            if metric.name == self._family:
+                metric.samples = [s for s in metric.samples if s.labels["worker"] in self._pool]
+            yield metric

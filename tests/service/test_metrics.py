@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from service.metrics import GatewayMetrics, SpecStats, Usage, parse_spec, parse_usage
+from service.metrics import (
+    MULTIPROC_ENV,
+    GatewayMetrics,
+    SpecStats,
+    Usage,
+    parse_spec,
+    parse_usage,
+)
 
 SPEC = {
     "mean_acceptance_length": 2.5,
@@ -101,3 +112,24 @@ def test_exposition_has_the_design_names() -> None:
         assert line in text
     metrics.set_worker_health("http://w:1", None)
     assert "http://w:1" not in metrics.render()[0].decode()
+
+
+def test_multiprocess_metrics_drop_workers_that_left_the_pool(tmp_path: Path) -> None:
+    """In `--processes N` mode values live in per-process files that cannot be removed: a
+    worker that left the pool must still vanish from /metrics (it did not, before)."""
+    code = (
+        "from service.metrics import GatewayMetrics\n"
+        "m = GatewayMetrics()\n"
+        "m.set_worker_health('w-a', True)\n"
+        "m.set_worker_health('w-b', False)\n"
+        "m.set_worker_health('w-a', None)\n"
+        "m.requests.labels('m', 'chat', '200').inc()\n"
+        "print(m.render()[0].decode())\n"
+    )
+    env = {**os.environ, MULTIPROC_ENV: str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert 'dflash_worker_healthy{worker="w-b"} 0.0' in out
+    assert "w-a" not in out
+    assert 'dflash_requests_total{endpoint="chat",model="m",status="200"} 1.0' in out
