@@ -131,6 +131,12 @@ class Engine:
         if not self.accepting:
             raise QueueFull("the engine is shutting down")
         self.validate(prompt_token_ids, params)
+        try:
+            bad_words = self.tokenizer.bad_words(params.bad_words)
+        except ValueError:
+            raise RequestRejected(
+                "bad_words entries must tokenize to at least one token.", "bad_words"
+            ) from None
         seq = Sequence(
             request_id,
             list(prompt_token_ids),
@@ -141,7 +147,7 @@ class Engine:
             arrival_time=time.monotonic(),
             num_spec_tokens=self.num_spec_tokens,
             adaptive=self.runner.policy is not None,
-            bad_words_token_ids=self.tokenizer.bad_words(params.bad_words),
+            bad_words_token_ids=bad_words,
         )
         with self._lock:
             self._scheduler.add(seq)  # QueueFull propagates; nothing to undo

@@ -152,3 +152,27 @@ def test_invalid_bytes_are_eventually_emitted(tok: Tokenizer, folder: Path, kind
     detok = detokenizers(folder, [])[kind]
     text = "".join(detok.push([lone]) for _ in range(12))
     assert text.count("\ufffd") >= 8
+
+
+def test_bad_words_as_written_and_mid_sentence(tok: Tokenizer) -> None:
+    """vLLM's rule: the word without leading spaces, plus its " word" form when that is as
+    many tokens and starts with a different one."""
+    for word in ("hello", "  hello", "hello world"):
+        bare = tuple(tok.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tok.encode(" " + word.lstrip(), add_special_tokens=False))
+        expected = [bare]
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:
+            expected.append(spaced)
+        assert list(tok.bad_words([word])) == expected
+    assert len(tok.bad_words(["hello", "world"])) >= 2
+    with pytest.raises(ValueError, match="no tokens"):
+        tok.bad_words([""])
+
+
+def test_logprob_token_names_text_and_own_bytes(tok: Tokenizer) -> None:
+    ids = tok.encode("é", add_special_tokens=False)
+    named = [tok.logprob_token(i) for i in ids]
+    assert b"".join(raw for _, raw in named).decode() == "é"
+    eos = next(iter(tok.eos_token_ids))
+    text, raw = tok.logprob_token(eos)
+    assert text and raw == text.encode()  # special tokens are spelled out, as vLLM
