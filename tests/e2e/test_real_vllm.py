@@ -16,7 +16,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -247,6 +247,28 @@ CONTRACT: list[tuple[str, str, Any]] = [
     ),
     ("empty stop string", CHAT_PATH, {"model": MODEL, "messages": HI, "stop": [""]}),
     ("seed too big", CHAT_PATH, {"model": MODEL, "messages": HI, "seed": 2**70}),
+    (
+        "chat logprobs",
+        CHAT_PATH,
+        {
+            "model": MODEL,
+            "messages": HI,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 3,
+        },
+    ),
+    (
+        "completion logprobs 3",
+        COMP_PATH,
+        {"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "logprobs": 3},
+    ),
+    (
+        "completion logprobs 0",
+        COMP_PATH,
+        {"model": MODEL, "prompt": "def f(x):", "max_tokens": 8, "temperature": 0, "logprobs": 0},
+    ),
 ]
 # Keys vLLM adds that the embedded worker leaves out (all null or empty on this model).
 VLLM_ONLY_KEYS = {
@@ -333,6 +355,187 @@ def test_metrics_object_has_the_same_shape(backends: Backends) -> None:
     ]
     assert _nullable_equal(*shapes) == []
     assert shapes[0]["speculative_decoding"]["per_step_accepted"] == "NoneType"  # summary
+
+
+# Logits processors on both backends, greedy: the same text. vLLM applies each one on every
+# verified draft position (V1 RejectionSampler); the embedded engine does the same per block.
+PROCESSOR_PROMPTS = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+VOCAB = json.loads((ROOT / "engine/assets/tiny-coder/target/config.json").read_text())["vocab_size"]
+EVEN_IDS = list(range(0, VOCAB, 2))
+MIN_TOKENS = 16
+# Each takes the prompt's early stop id (a token of its plain greedy output): only min_tokens
+# uses it, and it must keep generating past it.
+LOGITS_PROCESSORS: dict[str, Callable[[int], dict[str, Any]]] = {
+    "repetition_penalty": lambda _: {"repetition_penalty": 1.3},
+    "frequency_penalty": lambda _: {"frequency_penalty": 0.5},
+    "presence_penalty": lambda _: {"presence_penalty": 0.5},
+    "bad_words": lambda _: {"bad_words": ["self", "return"]},
+    "min_tokens": lambda stop: {"min_tokens": MIN_TOKENS, "stop_token_ids": [stop]},
+    "allowed_token_ids": lambda _: {"allowed_token_ids": EVEN_IDS},
+    "combination": lambda stop: {
+        "repetition_penalty": 1.2,
+        "frequency_penalty": 0.3,
+        "presence_penalty": 0.3,
+        "bad_words": ["self"],
+        "allowed_token_ids": EVEN_IDS,
+        "min_tokens": MIN_TOKENS,
+        "stop_token_ids": [stop],
+    },
+}
+
+
+def _ok(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{base_url}{path}", json=body, timeout=120)
+    assert r.status_code == 200, (base_url, body, r.text)
+    reply: dict[str, Any] = r.json()
+    return reply
+
+
+def _text(reply: dict[str, Any]) -> str:
+    text: str = reply["choices"][0]["message"]["content"]
+    return text
+
+
+def _early_stop_id(base_url: str, text: str) -> int:
+    """A token of `text` (the plain greedy output) first seen at index 2..4: as a stop id it
+    ends the reply within MIN_TOKENS tokens."""
+    ids = _ok(base_url, "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]
+    return next(t for i, t in enumerate(ids[:5]) if i >= 2 and t not in ids[:i])
+
+
+def test_greedy_parity_with_each_logits_processor(backends: Backends) -> None:
+    vllm, embedded = backends.vllm.base_url, backends.embedded.base_url
+
+    def reply(base_url: str, prompt: str, **extra: Any) -> dict[str, Any]:
+        return _ok(base_url, CHAT_PATH, chat(prompt, max_tokens=32, temperature=0, **extra))
+
+    plain = {p: _text(reply(embedded, p)) for p in PROCESSOR_PROMPTS}
+    stops = {p: _early_stop_id(embedded, plain[p]) for p in PROCESSOR_PROMPTS}
+    stopped: dict[str, str] = {}  # without min_tokens the stop id ends it early
+    for p in PROCESSOR_PROMPTS:
+        for base_url in (vllm, embedded):
+            early = reply(base_url, p, stop_token_ids=[stops[p]])
+            assert early["choices"][0]["finish_reason"] == "stop", (base_url, early)
+            assert early["usage"]["completion_tokens"] < MIN_TOKENS, (base_url, early)
+            stopped[p] = _text(early)
+    differ: list[str] = []
+    changed = dict.fromkeys(LOGITS_PROCESSORS, False)
+    for name, extra in LOGITS_PROCESSORS.items():
+        for p in PROCESSOR_PROMPTS:
+            text_v, text_e = (_text(reply(b, p, **extra(stops[p]))) for b in (vllm, embedded))
+            if text_v != text_e:
+                differ.append(f"{name} {p[:20]!r}:\n  vLLM     {text_v!r}\n  embedded {text_e!r}")
+            unprocessed = stopped[p] if "min_tokens" in extra(0) else plain[p]
+            changed[name] |= text_e != unprocessed
+    print("\n".join(differ))
+    assert differ == []
+    assert all(changed.values()), changed  # each processor did something on some prompt
+
+
+def test_min_p_and_logit_bias_vllm_refuses_under_speculation_we_honour(backends: Backends) -> None:
+    """Our documented deliberate difference (README table, ARCHITECTURE.md)."""
+    vllm, embedded = backends.vllm.base_url, backends.embedded.base_url
+    greedy = chat(PROMPTS[1], max_tokens=32, temperature=0)
+    greedy_text = _text(_ok(embedded, CHAT_PATH, greedy))
+    hot = {**greedy, "temperature": 2.0, "seed": 1}
+    assert _text(_ok(embedded, CHAT_PATH, hot)) != greedy_text
+    token = _ok(embedded, "/tokenize", {"prompt": " banana", "add_special_tokens": False})
+    biased = {**greedy, "logit_bias": {str(token["tokens"][0]): 100}}
+    token_text = _ok(embedded, "/detokenize", {"tokens": token["tokens"][:1]})["prompt"]
+    expected = [
+        ({**hot, "min_p": 1.0}, greedy_text),  # only the most likely token survives
+        (biased, token_text * 32),  # +100 wins every step
+    ]
+    for body, text in expected:
+        r = httpx.post(f"{vllm}{CHAT_PATH}", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        assert "not yet supported with speculative decoding" in r.json()["error"]["message"]
+        assert _text(_ok(embedded, CHAT_PATH, body)) == text, body
+    # vLLM zeroes min_p of a greedy request before that check: T=0 passes, argmax unchanged.
+    assert _text(_ok(vllm, CHAT_PATH, {**greedy, "min_p": 0.5})) == greedy_text
+
+
+# Logprobs, as (token, logprob, [(top token, logprob), ...]) per generated token.
+LogprobRow = tuple[str, float, list[tuple[str, float]]]
+LOGPROB_TOLERANCE = 1e-3  # float32, two implementations of the same target forward
+
+
+def _rows(choice: dict[str, Any]) -> list[LogprobRow]:
+    lp = choice["logprobs"]
+    if "content" in lp:  # chat
+        return [
+            (e["token"], e["logprob"], [(t["token"], t["logprob"]) for t in e["top_logprobs"]])
+            for e in lp["content"]
+        ]
+    return [
+        (token, value, list(top.items()))
+        for token, value, top in zip(
+            lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
+        )
+    ]
+
+
+def _logprob_differences(rows_v: list[LogprobRow], rows_e: list[LogprobRow]) -> list[float]:
+    """Same tokens and top tokens in the same order (greedy: the sampled token is the most
+    likely, so vLLM's sampled-first list is the best-first one); the value differences."""
+    assert [r[0] for r in rows_v] == [r[0] for r in rows_e]
+    assert [[t for t, _ in r[2]] for r in rows_v] == [[t for t, _ in r[2]] for r in rows_e]
+    assert all(r[2][0][0] == r[0] for r in rows_e if r[2])  # greedy took the most likely
+    return [
+        abs(a - b)
+        for rv, re in zip(rows_v, rows_e, strict=True)
+        for a, b in [(rv[1], re[1]), *((x[1], y[1]) for x, y in zip(rv[2], re[2], strict=True))]
+    ]
+
+
+def test_logprobs_parity_embedded_vs_vllm(backends: Backends) -> None:
+    differences: list[float] = []
+    for prompt in PROMPTS[:3]:
+        requests = [  # and how many top entries each token gets
+            (CHAT_PATH, chat(prompt, logprobs=True, top_logprobs=3), 3),
+            (COMP_PATH, {"model": MODEL, "prompt": prompt, "logprobs": 3}, 3),  # sampled is one
+            (COMP_PATH, {"model": MODEL, "prompt": prompt, "logprobs": 0}, 1),  # the sampled
+        ]
+        for path, body, num_top in requests:
+            body = {**body, "max_tokens": 24, "temperature": 0}
+            choice_v, choice_e = (
+                _ok(w.base_url, path, body)["choices"][0]
+                for w in (backends.vllm, backends.embedded)
+            )
+            rows_v, rows_e = _rows(choice_v), _rows(choice_e)
+            assert [len(r[2]) for r in rows_e] == [num_top] * 24, rows_e
+            differences += _logprob_differences(rows_v, rows_e)
+            if path == COMP_PATH:
+                assert choice_v["logprobs"]["text_offset"] == choice_e["logprobs"]["text_offset"]
+                continue
+            for entry in choice_v["logprobs"]["content"] + choice_e["logprobs"]["content"]:
+                assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+                if entry["token"].isascii():  # vLLM encodes the string, we the token: same here
+                    assert entry["bytes"] == list(entry["token"].encode())
+    print(f"logprobs: {len(differences)} values, max |vLLM - embedded| {max(differences):.2e}")
+    assert max(differences) <= LOGPROB_TOLERANCE
+
+
+def test_streamed_logprobs_through_the_gateway_equal_the_non_streamed(backends: Backends) -> None:
+    client = sdk(backends.gateway)
+    body = chat(PROMPTS[1], max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+    whole = client.chat.completions.create(**body).choices[0].logprobs
+    assert whole is not None and whole.content is not None and len(whole.content) == 24
+    streamed = [
+        entry
+        for chunk in client.chat.completions.create(**body, stream=True)
+        for choice in chunk.choices
+        if choice.logprobs is not None
+        for entry in choice.logprobs.content or []
+    ]
+    assert [e.token for e in streamed] == [e.token for e in whole.content]
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [
+        [t.token for t in e.top_logprobs] for e in whole.content
+    ]
+    assert (
+        max(abs(s.logprob - w.logprob) for s, w in zip(streamed, whole.content, strict=True))
+        <= LOGPROB_TOLERANCE
+    )
 
 
 # ---- last: SIGTERM on the shared vLLM worker ------------------------------------------------
