@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from service.api import GatewayState
 from service.app import create_app
-from service.http import DrainingServer, run_servers
+from service.http import DrainingServer, run_servers, tune_gc_for_serving
 from service.http_server import guarded_protocol, listening_socket
 from service.metrics import MULTIPROC_ENV
 from service.proxy import Proxy
@@ -197,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             print("dflash-gateway: --processes needs a fixed --port", file=sys.stderr)
             return 2
         return supervise(args, settings.processes)
-    run_servers([GatewayServer(settings, reuse_port=settings.processes > 1)])
+    server = GatewayServer(settings, reuse_port=settings.processes > 1)
+    tune_gc_for_serving()
+    run_servers([server])
     return 0
 
 

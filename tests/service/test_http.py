@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -64,3 +66,17 @@ def test_sse_framing() -> None:
     assert event.startswith(b"data: ") and event.endswith(b"\n\n")
     assert json.loads(event[6:]) == {"a": 1, "b": "é"}
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_serving_processes_freeze_the_startup_heap() -> None:
+    """Run in a child: freezing would keep this test process's garbage forever."""
+    code = (
+        "import gc\n"
+        "from service.http import GC_YOUNG_THRESHOLD, tune_gc_for_serving\n"
+        "keep = [[i] for i in range(1000)]\n"
+        "tune_gc_for_serving()\n"
+        "assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD, gc.get_threshold()\n"
+        "assert gc.get_freeze_count() >= len(keep), gc.get_freeze_count()\n"
+        "assert gc.collect() == 0  # nothing frozen is scanned or freed\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
