@@ -140,12 +140,12 @@ def serve(settings: WorkerSettings, *, log_level: str = "info") -> int:
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from engine.threads import configure_torch_threads
+    from engine.threads import configure_torch_threads, serving_threads
 
     requested = settings.threads
     if requested is None and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         requested = int(os.environ["OMP_NUM_THREADS"])  # what the launcher sized for us
-    threads = configure_torch_threads(requested)
+    threads = configure_torch_threads(serving_threads() if requested is None else requested)
     log.info("torch threads: %d", threads)
     app = create_app(settings)
     state: WorkerState = app.state.worker

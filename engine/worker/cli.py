@@ -35,8 +35,8 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     (
         "--threads",
         int,
-        "embedded only: torch threads (default: the CPUs this process may use, "
-        "from its affinity and cgroup quota)",
+        "embedded only: torch threads (default: the CPUs this process may use, from its "
+        "affinity and cgroup quota, less one for the HTTP side)",
     ),
     (
         "--drain-timeout",

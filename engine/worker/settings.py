@@ -86,7 +86,7 @@ class WorkerSettings(BaseModel):
     # fixed: every step verifies num_speculative_tokens drafts (as vLLM); adaptive: each
     # step verifies the k a start-up cost model and the live acceptance favour (0 = plain).
     speculation: Literal["fixed", "adaptive"] = "fixed"
-    threads: int | None = Field(default=None, ge=1)  # torch threads; None: the CPUs we may use
+    threads: int | None = Field(default=None, ge=1)  # torch threads; None: our CPUs less one
     max_waiting: int = Field(default=64, ge=0)
     drain_timeout: float = Field(default=30.0, ge=0.0)  # vLLM: --shutdown-timeout
     max_body_bytes: int = Field(default=1 << 20, ge=1024)

@@ -55,6 +55,14 @@ def test_configure_never_exceeds_the_available_cpus(monkeypatch: pytest.MonkeyPa
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize(("cpus", "expected"), [(1, 1), (2, 1), (8, 7)])
+def test_serving_leaves_a_cpu_for_the_http_side(
+    monkeypatch: pytest.MonkeyPatch, cpus: int, expected: int
+) -> None:
+    monkeypatch.setattr(threads, "available_cpus", lambda: cpus)
+    assert threads.serving_threads() == expected
+
+
 def test_busy_core_runs_and_is_ended() -> None:
     with threads.BusyCore(seconds=30.0) as busy:
         proc = busy._proc
