@@ -71,6 +71,8 @@ class _Counters:
 MAX_LOGPROBS = 20
 # The most bad words a request may name (vLLM's VLLM_MAX_NUM_BAD_WORDS).
 MAX_BAD_WORDS = 128
+# The most logit_bias entries (vLLM's GPU model runner's limit).
+MAX_LOGIT_BIAS = 1024
 
 
 class Engine:
@@ -137,6 +139,16 @@ class Engine:
             raise RequestRejected(
                 "bad_words entries must tokenize to at least one token.", "bad_words"
             ) from None
+        if params.allowed_token_ids is not None:
+            banned = {w[0] for w in bad_words if len(w) == 1}
+            if params.min_tokens > 0:
+                banned |= set(params.stop_token_ids) | self._eos_ids
+            if set(params.allowed_token_ids) <= banned:
+                raise RequestRejected(
+                    "allowed_token_ids leaves no token to generate: every one is a bad word "
+                    "or, before min_tokens, a stop token",
+                    "allowed_token_ids",
+                )
         seq = Sequence(
             request_id,
             list(prompt_token_ids),
@@ -288,6 +300,12 @@ def _validate_params(params: SamplingParams) -> None:
         raise RequestRejected(
             f"Too many bad words: {len(params.bad_words)}. The max number is {MAX_BAD_WORDS}.",
             "bad_words",
+        )
+    if len(params.logit_bias) > MAX_LOGIT_BIAS:
+        raise RequestRejected(
+            f"Too many logit bias tokens: {len(params.logit_bias)}. The max size is "
+            f"{MAX_LOGIT_BIAS}.",
+            "logit_bias",
         )
     if params.logprobs is not None and params.logprobs < 0:
         raise RequestRejected(f"logprobs must be non-negative, got {params.logprobs}.", "logprobs")

@@ -75,11 +75,31 @@ def process_block(
             banned.extend(proc.stop_token_ids)
         if banned:
             out[k, banned] = NEG_INF
-    for token, bias in proc.logit_bias:
-        out[:, token] += bias
+    if proc.logit_bias:
+        ids = torch.tensor([t for t, _ in proc.logit_bias], device=dev)
+        bias = torch.tensor([b for _, b in proc.logit_bias], device=dev)
+        out.index_add_(1, ids, bias.expand(width, -1))
     if proc.repetition_penalty != 1.0 or proc.frequency_penalty or proc.presence_penalty:
         _penalise(out, proc, prompt, output, drafts)
+    _never_empty(out, logits, proc)
     return out
+
+
+def _never_empty(out: Tensor, raw: Tensor, proc: LogitsProcessing) -> None:
+    """A position where the masks left no token at all (e.g. a multi-token bad word that
+    the only allowed tokens keep completing): let the stop tokens through, so the output
+    ends there, or, with none, the raw logits. Without this the row's distribution would be
+    NaN, and one request could fail the step of every request batched with it. Masks that
+    can never be met are refused before this (Engine.add_request)."""
+    empty = torch.isneginf(out).all(dim=-1)
+    if not bool(empty.any()):
+        return
+    for k in empty.nonzero().flatten().tolist():
+        if proc.stop_token_ids:
+            ids = list(proc.stop_token_ids)
+            out[k, ids] = raw[k, ids].float()
+        else:
+            out[k] = raw[k].float()
 
 
 def _banned_words(

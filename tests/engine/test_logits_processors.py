@@ -120,3 +120,15 @@ def test_a_block_with_no_drafts_is_the_first_token_after_a_prompt() -> None:
 def test_the_block_width_must_match_the_drafts() -> None:
     with pytest.raises(ValueError, match="block positions"):
         process_block(_logits(), CASES["presence"], PROMPT, OUTPUT, DRAFTS[:1])
+
+
+def test_a_position_with_nothing_left_lets_the_stop_tokens_through() -> None:
+    """allowed (4, 7) with the bad word (4, 7) after ...4 and 7 banned alone: position 0
+    (history ends with 4) has nothing left; the stop token comes back with its raw logit,
+    so the output can end instead of the row's distribution turning NaN."""
+    logits = _logits()
+    proc = LogitsProcessing(allowed_token_ids=(4, 7), bad_words=((4, 7), (4,)), stop_token_ids=(0,))
+    got = process_block(logits, proc, PROMPT, OUTPUT, DRAFTS)
+    assert got[0, 0] == logits[0, 0] and torch.isfinite(got).any(dim=-1).all()
+    no_stop = process_block(logits, replace(proc, stop_token_ids=()), PROMPT, OUTPUT, DRAFTS)
+    torch.testing.assert_close(no_stop[0], logits[0])  # nothing else: the raw logits

@@ -243,6 +243,7 @@ LONG_PROMPT = "word " * 2000
         (COMP, {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
         (CHAT, {"messages": HI, "logit_bias": {"a": 1}}, 400, "logit_bias"),
         (CHAT, {"messages": HI, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        (CHAT, {"messages": HI, "logit_bias": {str(i): 1 for i in range(1025)}}, 400, "logit_bias"),
         (CHAT, {"messages": HI, "logit_bias": {"5": "up"}}, 400, "logit_bias.5"),
         (CHAT, {"messages": HI, "repetition_penalty": 0}, 400, "repetition_penalty"),
         (CHAT, {"messages": HI, "presence_penalty": 2.5}, 400, "presence_penalty"),
@@ -255,6 +256,12 @@ LONG_PROMPT = "word " * 2000
         (CHAT, {"messages": HI, "allowed_token_ids": []}, 400, "allowed_token_ids"),
         (CHAT, {"messages": HI, "allowed_token_ids": [-1]}, 400, "allowed_token_ids"),
         (CHAT, {"messages": HI, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        (
+            CHAT,
+            {"messages": HI, "allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 1},
+            400,
+            "allowed_token_ids",
+        ),
         (CHAT, {"messages": HI, "stop": [""]}, 400, "stop"),
         (CHAT, {"messages": HI, "seed": 2**70}, 400, "seed"),
         (
