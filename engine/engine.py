@@ -214,6 +214,7 @@ class Engine:
         counters = self._counters
         for seq, first in zip(seqs, firsts, strict=True):
             counters.prompt_tokens += seq.num_prompt_tokens
+            seq.prompt_logprobs = first.prompt_logprobs
             counters.generation_tokens += seq.append(first.token_ids, now, first.logprobs)
 
     def _commit_decode(self, seqs: list[Sequence]) -> None:
@@ -307,14 +308,16 @@ def _validate_params(params: SamplingParams) -> None:
             f"{MAX_LOGIT_BIAS}.",
             "logit_bias",
         )
-    if params.logprobs is not None and params.logprobs < 0:
-        raise RequestRejected(f"logprobs must be non-negative, got {params.logprobs}.", "logprobs")
-    if params.logprobs is not None and params.logprobs > MAX_LOGPROBS:
-        raise RequestRejected(
-            f"Requested sample logprobs of {params.logprobs}, which is greater than max "
-            f"allowed: {MAX_LOGPROBS}",
-            "logprobs",
-        )
+    for name, kind in (("logprobs", "sample"), ("prompt_logprobs", "prompt")):
+        value = getattr(params, name)
+        if value is not None and value < 0:
+            raise RequestRejected(f"{name} must be non-negative, got {value}.", name)
+        if value is not None and value > MAX_LOGPROBS:
+            raise RequestRejected(
+                f"Requested {kind} logprobs of {value}, which is greater than max "
+                f"allowed: {MAX_LOGPROBS}",
+                name,
+            )
 
 
 def _validate_token_ids(params: SamplingParams, vocab_size: int) -> None:

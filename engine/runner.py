@@ -109,7 +109,12 @@ class ModelRunner:
         params = seq.params
         processors = _processors(seq)
         if params.temperature == 0:
-            return RowSampling(0.0, processors=processors, logprobs=params.logprobs)
+            return RowSampling(
+                0.0,
+                processors=processors,
+                logprobs=params.logprobs,
+                prompt_logprobs=params.prompt_logprobs,
+            )
         if params.seed is None:
             generator = self._shared_generator
         else:
@@ -122,6 +127,7 @@ class ModelRunner:
             min_p=params.min_p,
             processors=processors,
             logprobs=params.logprobs,
+            prompt_logprobs=params.prompt_logprobs,
         )
 
 

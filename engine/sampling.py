@@ -29,6 +29,7 @@ class RowSampling:
     min_p: float = 0.0  # 0 = off
     processors: LogitsProcessing | None = None  # None: the logits are used as they are
     logprobs: int | None = None  # top log-probabilities per emitted token (None: none)
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     @property
     def greedy(self) -> bool:

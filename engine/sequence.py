@@ -41,6 +41,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None  # top log-probabilities per output token (None: none)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens after the first
 
     def __post_init__(self) -> None:
         # Callers often hand in lists and dicts (JSON); keep the object hashable.
@@ -125,6 +126,8 @@ class RequestOutput:
     metrics: RequestMetrics
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     logprobs_delta: list[TokenLogprob] | None = None  # one per token_ids_delta entry, if asked
+    # In the first output only, when asked for: one per prompt token after the first.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class Detokenizer(Protocol):
@@ -176,6 +179,7 @@ class Sequence:
         self.min_tokens_stop_ids = frozenset(params.stop_token_ids) | eos_token_ids
         self.bad_words_token_ids = bad_words_token_ids  # params.bad_words, tokenized
         self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # set at prefill, if asked
         room = max_model_len - len(prompt_token_ids)
         self._max_len = room if params.max_tokens is None else min(params.max_tokens, room)
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -298,6 +302,7 @@ class Sequence:
         While running, text that could still become a stop string is held back."""
         end = len(self.text) if self.finished else max(0, len(self.text) - self._holdback)
         end = max(end, self._sent_chars)
+        first = self._sent_tokens == 0 and self._sent_chars == 0
         tokens = self.output_token_ids[self._sent_tokens :]
         logprobs = None if self.logprobs is None else self.logprobs[self._sent_tokens :]
         text = self.text[self._sent_chars : end]
@@ -316,4 +321,5 @@ class Sequence:
             metrics=self.metrics,
             stop_reason=self.stop_reason,
             logprobs_delta=logprobs,
+            prompt_logprobs=self.prompt_logprobs if first else None,
         )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -76,6 +76,8 @@ class RowResult:
     num_drafted: int  # drafts proposed for this row (block_size - 1; 0 when plain)
     num_accepted: int  # len(token_ids) - 1
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when asked for
+    # prefill only, when asked for: one per prompt token after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -179,17 +181,30 @@ def prefill(
     starts = [state.caches.target.length(r.slot) for r in rows]
     ids, positions, valid, last = (t.to(dev) for t in _prompt_batch(rows, starts))
     slots = torch.tensor([r.slot for r in rows], device=dev)
+    # Prompt logprobs need the logits at every prompt position, not only the last.
+    every = any(s.prompt_logprobs is not None for s in sampling)
     out = state.target(
-        ids, positions, valid, state.caches.target, slots, state.layer_ids(), logit_index=last
+        ids,
+        positions,
+        valid,
+        state.caches.target,
+        slots,
+        state.layer_ids(),
+        logit_index=None if every else last,
     )
     if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
         state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
     for row, start in zip(rows, starts, strict=True):
         state.caches.set_length(row.slot, start + len(row.token_ids))
-    return [
-        _first_token(out.logits[i, 0], row.token_ids, s)
-        for i, (row, s) in enumerate(zip(rows, sampling, strict=True))
-    ]
+    results = []
+    for i, (row, s) in enumerate(zip(rows, sampling, strict=True)):
+        n = len(row.token_ids)
+        first = _first_token(out.logits[i, n - 1 if every else 0], row.token_ids, s)
+        if s.prompt_logprobs is not None:  # position j predicts prompt token j + 1
+            scored = token_logprobs(out.logits[i], row.token_ids[1:], s.prompt_logprobs)
+            first = replace(first, prompt_logprobs=scored)
+        results.append(first)
+    return results
 
 
 def _propose(

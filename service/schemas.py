@@ -20,6 +20,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# Completions' max_tokens may be 0 with echo: the prompt alone (with its logprobs), as vLLM;
+# eval harnesses score prompts this way.
+EchoCount = Annotated[int, Field(ge=0, le=2**31 - 1)]
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +91,15 @@ class CompletionRequest(SamplingFields):
     )
     prompt: str | Annotated[PromptItems, Field(min_length=1)]
     echo: bool | None = None
+    max_tokens: EchoCount | None = None
+
+    @model_validator(mode="after")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest(
+                "max_tokens: must be at least 1 (0 only with echo)", param="max_tokens"
+            )
+        return self
 
 
 class TokenizeRequest(BaseModel):

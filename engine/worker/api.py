@@ -212,8 +212,13 @@ COMPLETION_MAX_TOKENS = 16
 
 def _sampling_params(req: AnyRequest) -> SamplingParams:
     _, max_tokens = req.max_tokens_field()
-    if max_tokens is None and isinstance(req, CompletionRequest):
-        max_tokens = COMPLETION_MAX_TOKENS
+    prompt_logprobs = None
+    if isinstance(req, CompletionRequest):
+        if max_tokens is None:
+            max_tokens = COMPLETION_MAX_TOKENS
+        if max_tokens == 0:  # echo only (schemas.py): one token is generated and not shown
+            max_tokens = 1
+        prompt_logprobs = req.logprobs if req.echo else None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -233,6 +238,7 @@ def _sampling_params(req: AnyRequest) -> SamplingParams:
         bad_words=tuple(req.bad_words or ()),
         allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
         logprobs=req.num_logprobs(),
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -268,8 +274,18 @@ async def _start(
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
                 run = Run(engine, state.metrics, request_id)
                 run.start(ids, seeded)
-                echo = text if isinstance(req, CompletionRequest) and req.echo else ""
-                choices.append(Choice(i * n + j, run, echo, len(ids), j == 0))
+                echoed = isinstance(req, CompletionRequest) and bool(req.echo)
+                choices.append(
+                    Choice(
+                        i * n + j,
+                        run,
+                        text if echoed else "",
+                        len(ids),
+                        j == 0,
+                        first_prompt_token=ids[0] if params.prompt_logprobs is not None else None,
+                        hide_output=echoed and req.max_tokens == 0,
+                    )
+                )
     except (QueueFull, RequestRejected) as exc:
         for choice in choices:
             await choice.run.close()
@@ -311,7 +327,7 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
         for choice in choices:
             await choice.run.close()
     bodies = [
-        fmt.choice(c.index, c.echo + w.text, finish_reason(w.last), w.last.stop_reason, w.logprobs)
+        fmt.choice(c.index, w.text, finish_reason(w.last), w.last.stop_reason, w.logprobs)
         for c, w in zip(choices, finals, strict=True)
     ]
     use = choices_usage(choices, [w.last for w in finals])

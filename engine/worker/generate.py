@@ -116,6 +116,10 @@ def finish_reason(out: RequestOutput) -> str:
     return out.finish_reason
 
 
+# A logprobs entry: a scored token, or the id of a token nothing scores (the prompt's first).
+Entry = TokenLogprob | int
+
+
 @dataclass
 class Choice:
     """One sequence of a request: n per prompt, one or more prompts."""
@@ -125,6 +129,19 @@ class Choice:
     echo: str  # text that goes before the completion (the prompt, with `echo`)
     prompt_tokens: int
     counts_prompt: bool  # the first choice of its prompt: its prompt counts in usage
+    first_prompt_token: int | None = None  # with echo and logprobs: the unscored entry
+    hide_output: bool = False  # echo with max_tokens 0: the one generated token is not shown
+
+    def shown(self, out: RequestOutput, first: bool) -> tuple[str, list[Entry] | None]:
+        """What the client sees of an output: the echoed prompt (and its logprobs) before
+        the first, the generated text and logprobs unless hidden."""
+        text = "" if self.hide_output else out.text_delta
+        entries: list[Entry] | None = None
+        if out.logprobs_delta is not None:
+            entries = [] if self.hide_output else list(out.logprobs_delta)
+        if first and out.prompt_logprobs is not None and self.first_prompt_token is not None:
+            entries = [self.first_prompt_token, *out.prompt_logprobs, *(entries or [])]
+        return (self.echo + text if first else text), entries
 
 
 def choices_usage(choices: list[Choice], lasts: list[RequestOutput | None]) -> dict[str, int]:
@@ -136,27 +153,29 @@ def choices_usage(choices: list[Choice], lasts: list[RequestOutput | None]) -> d
 
 @dataclass(frozen=True)
 class Whole:
-    """A choice's whole answer: its text, logprobs (when asked for) and final output."""
+    """A choice's whole answer as shown (echo included): text, logprobs (when asked for),
+    and its final output."""
 
     text: str
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[Entry] | None
     last: RequestOutput
 
 
-async def _whole(run: Run) -> Whole:
+async def _whole(choice: Choice) -> Whole:
     parts: list[str] = []
-    logprobs: list[TokenLogprob] | None = None
-    async for out in run.outputs():
-        parts.append(out.text_delta)
-        if out.logprobs_delta is not None:
-            logprobs = (logprobs or []) + out.logprobs_delta
-    assert run.last is not None
-    return Whole("".join(parts), logprobs, run.last)
+    logprobs: list[Entry] | None = None
+    async for out in choice.run.outputs():
+        text, entries = choice.shown(out, first=not parts)
+        parts.append(text)
+        if entries is not None:
+            logprobs = (logprobs or []) + entries
+    assert choice.run.last is not None
+    return Whole("".join(parts), logprobs, choice.run.last)
 
 
 async def collect(request: Request, choices: list[Choice]) -> list[Whole]:
     """Every choice's whole answer; ClientGone when the client leaves first."""
-    work = asyncio.gather(*(_whole(c.run) for c in choices))
+    work = asyncio.gather(*(_whole(c) for c in choices))
     return await guard_disconnect(request, work)
 
 
@@ -206,18 +225,16 @@ async def stream_events(
     try:
         async for choice, out in _merged(request, choices):
             lasts[choice.index] = out
-            prefix = ""
-            if choice.index not in opened:
+            first = choice.index not in opened
+            if first:
                 opened.add(choice.index)
-                prefix = choice.echo
                 if fmt.endpoint == "chat":
                     yield sse_event(fmt.role_chunk(choice.index))
-            if not (prefix or out.text_delta or out.finished or out.logprobs_delta):
+            text, entries = choice.shown(out, first)
+            if not (text or out.finished or entries):
                 continue
             reason = finish_reason(out) if out.finished else None
-            chunk: dict[str, Any] = fmt.chunk(
-                prefix + out.text_delta, reason, out.stop_reason, choice.index, out.logprobs_delta
-            )
+            chunk: dict[str, Any] = fmt.chunk(text, reason, out.stop_reason, choice.index, entries)
             if continuous:
                 chunk["usage"] = choices_usage(choices, [lasts.get(c.index) for c in choices])
             yield sse_event(chunk)

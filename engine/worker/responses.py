@@ -4,7 +4,7 @@ one place where the engine's request state becomes wire format."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,28 +94,40 @@ class Formatter:
     # Completions' text_offset runs on across a choice's stream chunks.
     _offsets: dict[int, int] = field(default_factory=dict)
 
-    def logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    def logprobs(
+        self, index: int, entries: Sequence[TokenLogprob | int] | None
+    ) -> dict[str, Any] | None:
         """The `logprobs` object for these tokens of choice `index` (None if not asked):
         chat's `content` list (the top alternatives, most likely first) or completions'
-        four parallel lists (the top alternatives plus the chosen token, keyed by text)."""
+        four parallel lists (the top alternatives plus the chosen token, keyed by text; a
+        bare token id is a token nothing scored, the first of an echoed prompt: null)."""
         if entries is None:
             return None
         assert self.name_token is not None, "Formatter(name_token=...) for logprobs"
         name = self.name_token
         if self.endpoint == "chat":
-            return {"content": [self._chat_entry(e, name) for e in entries]}
-        tokens, offsets, top = [], [], []
+            scored = [e for e in entries if isinstance(e, TokenLogprob)]
+            return {"content": [self._chat_entry(e, name) for e in scored]}
+        tokens, offsets = [], []
+        values: list[float | None] = []
+        top: list[dict[str, float] | None] = []
         offset = self._offsets.get(index, 0)
         for e in entries:
-            text = name(e.token_id)[0]
+            text = name(e if isinstance(e, int) else e.token_id)[0]
             tokens.append(text)
             offsets.append(offset)
             offset += len(text)
-            top.append({text: _logprob(e.logprob), **{name(t)[0]: _logprob(lp) for t, lp in e.top}})
+            if isinstance(e, int):
+                values.append(None)
+                top.append(None)
+                continue
+            values.append(_logprob(e.logprob))
+            alternatives = {name(t)[0]: _logprob(lp) for t, lp in e.top}
+            top.append({text: _logprob(e.logprob), **alternatives})
         self._offsets[index] = offset
         return {
             "text_offset": offsets,
-            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "token_logprobs": values,
             "tokens": tokens,
             "top_logprobs": top,
         }
@@ -144,7 +156,7 @@ class Formatter:
         finish_reason: str | None,
         stop_reason: str | int | None = None,
         index: int = 0,
-        logprobs: list[TokenLogprob] | None = None,
+        logprobs: Sequence[TokenLogprob | int] | None = None,
     ) -> dict[str, Any]:
         ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}
         lp = self.logprobs(index, logprobs)
@@ -165,7 +177,7 @@ class Formatter:
         text: str,
         finish_reason: str,
         stop_reason: str | int | None,
-        logprobs: list[TokenLogprob] | None = None,
+        logprobs: Sequence[TokenLogprob | int] | None = None,
     ) -> dict[str, Any]:
         """One choice of a whole response."""
         ends = {"finish_reason": finish_reason, "stop_reason": stop_reason}

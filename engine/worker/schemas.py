@@ -108,15 +108,10 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
 
 
 class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
+    max_tokens: gateway.EchoCount | None = None  # the gateway's rule, not _WorkerFields'
     logprobs: int | None = None
 
     def num_logprobs(self) -> int | None:
-        if self.logprobs is not None and self.echo:
-            raise InvalidRequest(
-                "logprobs: with echo it needs the prompt's logprobs, which the embedded "
-                "engine does not compute; the vLLM backend supports it",
-                param="logprobs",
-            )
         return self.logprobs
 
     def prompts(self) -> list[str | list[int]]:

@@ -187,7 +187,20 @@ ROWS = [
     ),
     Row("use_beam_search", COMP, {"model": MODEL, "prompt": "x", "use_beam_search": True}),
     Row("frobnicate", CHAT, {"model": MODEL, "messages": HI, "frobnicate": 1}),
-    Row("logprobs", COMP, {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}),
+    Row(
+        "echo",  # an eval harness's loglikelihood request: the prompt scored, nothing generated
+        COMP,
+        {"model": MODEL, "prompt": "def f(x):", "echo": True, "logprobs": 1, "max_tokens": 0},
+        _all(
+            lambda b: (
+                _choice(b)["text"] == "def f(x):"
+                and _choice(b)["logprobs"]["token_logprobs"][0] is None
+                and all(v <= 0 for v in _choice(b)["logprobs"]["token_logprobs"][1:])
+                and "".join(_tokens(b)) == "def f(x):"
+            )
+        ),
+    ),
+    Row("max_tokens", COMP, {"model": MODEL, "prompt": "x", "max_tokens": 0}),
 ]
 
 

@@ -479,3 +479,24 @@ def test_logprobs_are_the_targets_at_each_emitted_token(
             top = expected[i].topk(5)
             assert [t for t, _ in e.top] == top.indices.tolist()
             assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_are_the_targets_over_the_prompt(code_prompts: list[list[int]]) -> None:
+    """What `echo` with `logprobs` returns: each prompt token after the first, scored by the
+    target on the tokens before it (prompts prefilled together, padded to the longest)."""
+    params = replace(BASE, max_tokens=2, prompt_logprobs=2)
+    engine = bundled_engine(15)
+    for i, prompt in enumerate(code_prompts):
+        engine.add_request(str(i), prompt, params if i != 1 else BASE)
+    firsts: dict[str, RequestOutput] = {}
+    while engine.has_work:
+        for _, out in engine.step():
+            firsts.setdefault(out.request_id, out)
+    assert firsts["1"].prompt_logprobs is None  # not asked for
+    for rid in ("0", "2", "3"):
+        prompt, entries = code_prompts[int(rid)], firsts[rid].prompt_logprobs
+        assert entries is not None and [e.token_id for e in entries] == prompt[1:]
+        expected = _teacher_forced(prompt[:1], [*prompt[1:], 0])  # logits after each token
+        for j, e in enumerate(entries):
+            assert e.logprob == pytest.approx(float(expected[j, prompt[j + 1]]), abs=1e-4)
+            assert [t for t, _ in e.top] == expected[j].topk(2).indices.tolist()

@@ -239,7 +239,8 @@ LONG_PROMPT = "word " * 2000
         (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
         (CHAT, {"messages": HI, "logprobs": 1}, 400, "logprobs"),
         (COMP, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
-        (COMP, {"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
+        (COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        (COMP, {"prompt": "x", "logprobs": 21, "echo": True}, 400, "logprobs"),
         (COMP, {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs"),
         (CHAT, {"messages": HI, "logit_bias": {"a": 1}}, 400, "logit_bias"),
         (CHAT, {"messages": HI, "logit_bias": {"99999": 1}}, 400, "logit_bias"),
@@ -763,3 +764,37 @@ def test_each_logits_processor_reaches_the_engine(worker: AppHandle) -> None:
     assert len(stopped) == 1 and reason == "stop"
     held, _ = complete(stop_token_ids=first_id, min_tokens=4)
     assert len(held) >= 4
+
+
+def test_echo_with_logprobs_scores_the_prompt(worker: AppHandle) -> None:
+    """lm-eval-harness's loglikelihood request (echo, logprobs, max_tokens 0): the prompt's
+    tokens with the target's logprobs (the first unscored), nothing generated shown; with
+    max_tokens > 0 the completion's entries follow; a stream carries the same entries."""
+    prompt = "def add(a, b):"
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "temperature": 0}
+    only = _post(worker, COMP, {**body, "max_tokens": 0})
+    choice = only["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"] == prompt and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert lp["text_offset"] == [sum(map(len, lp["tokens"][:i])) for i in range(len(lp["tokens"]))]
+    assert only["usage"]["completion_tokens"] == 1  # generated and not shown, as vLLM
+    more = _post(worker, COMP, {**body, "max_tokens": 4, "ignore_eos": True})["choices"][0]
+    scored = more["logprobs"]
+    n = len(lp["tokens"])
+    assert scored["tokens"][:n] == lp["tokens"] and len(scored["tokens"]) == n + 4
+    assert scored["token_logprobs"][:n] == lp["token_logprobs"]
+    assert "".join(scored["tokens"]) == more["text"]
+    r = httpx.post(
+        f"{worker.base_url}{COMP}",
+        json={**body, "max_tokens": 4, "ignore_eos": True, "stream": True},
+        headers=AUTH,
+        timeout=60,
+    )
+    streamed: list[str] = []
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            chunk_lp = json.loads(line[6:])["choices"][0]["logprobs"]
+            streamed += chunk_lp["tokens"] if chunk_lp else []
+    assert streamed == scored["tokens"]
