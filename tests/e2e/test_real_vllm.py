@@ -516,6 +516,41 @@ def test_logprobs_parity_embedded_vs_vllm(backends: Backends) -> None:
     assert max(differences) <= LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize("max_tokens", [0, 5])
+def test_echo_logprobs_score_the_prompt_as_vllm_does(backends: Backends, max_tokens: int) -> None:
+    """lm-eval-harness's loglikelihood request (echo + logprobs, max_tokens 0) and echo with a
+    completion: the same tokens, offsets, usage and logprobs (the first prompt token null)."""
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "echo": True,
+        "logprobs": 1,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    reply_v, reply_e = (
+        _ok(w.base_url, COMP_PATH, body) for w in (backends.vllm, backends.embedded)
+    )
+    choice_v, choice_e = reply_v["choices"][0], reply_e["choices"][0]
+    assert choice_v["text"] == choice_e["text"] and choice_e["text"].startswith(PROMPTS[0])
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")
+    assert [reply_v["usage"][k] for k in counts] == [reply_e["usage"][k] for k in counts]
+    lp_v, lp_e = choice_v["logprobs"], choice_e["logprobs"]
+    for key in ("tokens", "text_offset"):
+        assert lp_v[key] == lp_e[key], key
+    assert lp_v["token_logprobs"][0] is None and lp_e["token_logprobs"][0] is None
+    assert lp_v["top_logprobs"][0] is None and lp_e["top_logprobs"][0] is None
+    differences = [
+        abs(a - b)
+        for a, b in zip(lp_v["token_logprobs"][1:], lp_e["token_logprobs"][1:], strict=True)
+    ]
+    for top_v, top_e in zip(lp_v["top_logprobs"][1:], lp_e["top_logprobs"][1:], strict=True):
+        assert list(top_v) == list(top_e)  # the token itself first, then the likeliest
+        differences += [abs(top_v[t] - top_e[t]) for t in top_v]
+    print(f"echo logprobs: {len(differences)} values, max |diff| {max(differences):.2e}")
+    assert max(differences) <= LOGPROB_TOLERANCE
+
+
 def test_streamed_logprobs_through_the_gateway_equal_the_non_streamed(backends: Backends) -> None:
     client = sdk(backends.gateway)
     body = chat(PROMPTS[1], max_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
