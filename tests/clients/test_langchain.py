@@ -100,3 +100,16 @@ async def test_async_stream_usage(base_url: str) -> None:
         merged = chunk if merged is None else merged + chunk
     assert merged is not None
     assert merged.usage_metadata == expected
+
+
+def test_logprobs_reach_langchain(base_url: str) -> None:
+    """`ChatOpenAI(logprobs=True, top_logprobs=2)`: one entry per generated token in the
+    reply's metadata, whole and streamed alike."""
+    llm = chat(base_url, logprobs=True, top_logprobs=2)
+    reply = llm.invoke(MESSAGES)
+    content = reply.response_metadata["logprobs"]["content"]
+    assert len(content) == MAX_TOKENS
+    assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0 for entry in content)
+    merged, _ = stream_all(llm)
+    streamed = merged.response_metadata["logprobs"]["content"]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
