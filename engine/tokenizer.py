@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,17 +221,52 @@ class Tokenizer:
         """Each id's token as the vocabulary spells it (vLLM's `token_strs`)."""
         return [self._tok.id_to_token(i) or "" for i in ids]
 
-    def render_chat(self, messages: list[dict[str, str]]) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The conversation as the chat template writes it. `template_kwargs` are extra
+        template variables (vLLM's `chat_template_kwargs`, e.g. enable_thinking);
+        `continue_final_message` leaves the last message open for the model to go on
+        (the text ends where that message's content ends, as transformers does)."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat_template")
-        return self._template.render(
-            messages=messages, add_generation_prompt=True, **self._special_tokens
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        rendered: str = self._template.render(
+            **{**self._special_tokens, **(template_kwargs or {})},
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
         )
+        if not continue_final_message:
+            return rendered
+        final = messages[-1]["content"] if messages else ""
+        core = final.strip()
+        at = rendered.rfind(core) if core else -1
+        if at < 0:
+            raise ValueError("the final message does not appear in the rendered chat")
+        # The template may trim the message's trailing spaces: keep them only where the
+        # rendered text still has them (transformers' rule).
+        kept = final.lstrip()
+        end = at + (len(kept) if rendered[at : at + len(kept)] == kept else len(core))
+        return rendered[:end]
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the conversation with the assistant turn opened."""
-        # The template writes special tokens as text; they must not be added twice.
-        return self.encode(self.render_chat(messages), add_special_tokens=False)
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, str]],
+        *,
+        add_special_tokens: bool = False,
+        **options: Any,
+    ) -> list[int]:
+        """Token ids of the conversation, by default with the assistant turn opened
+        (`options`: render_chat's). The template writes special tokens as text, so by
+        default none are added again (vLLM's chat default)."""
+        text = self.render_chat(messages, **options)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     def detokenizer(
         self, context: Sequence[int] = ()

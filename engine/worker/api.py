@@ -187,7 +187,8 @@ def _prompts(engine: AsyncEngine, req: AnyRequest) -> list[tuple[list[int], str]
     tok = engine.tokenizer
     if isinstance(req, ChatCompletionRequest):
         try:
-            return [(list(tok.apply_chat_template(req.template_messages())), "")]
+            options = req.template_options()
+            return [(list(tok.apply_chat_template(req.template_messages(), **options)), "")]
         except InvalidRequest:
             raise
         except Exception as exc:  # the template's own raise_exception, jinja errors
@@ -197,7 +198,9 @@ def _prompts(engine: AsyncEngine, req: AnyRequest) -> list[tuple[list[int], str]
     out: list[tuple[list[int], str]] = []
     for prompt in req.prompts():
         if isinstance(prompt, str):
-            out.append((list(tok.encode(prompt)), prompt))
+            out.append(
+                (list(tok.encode(prompt, add_special_tokens=req.add_special_tokens)), prompt)
+            )
         else:
             vocab = engine.engine.vocab_size
             if any(not 0 <= t < vocab for t in prompt):  # decode() below needs real ids

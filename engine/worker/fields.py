@@ -56,6 +56,7 @@ HONOURED = frozenset(
         "min_tokens",
         "bad_words",
         "allowed_token_ids",
+        "add_special_tokens",
         # No prefix cache is shared between requests here, so every salt is honoured.
         "cache_salt",
     }
@@ -94,11 +95,7 @@ REFUSED: dict[str, Refused] = {
     "include_reasoning": Refused((True, False), None, "moot: no reasoning parser"),
     "thinking_token_budget": Refused((), 64, "the bundled models do not reason"),
     # Chat template controls.
-    "add_generation_prompt": Refused((True,), False, _SAMPLING),
-    "continue_final_message": Refused((False,), True, _SAMPLING),
-    "add_special_tokens": Refused((False,), True, _SAMPLING),
     "chat_template": Refused((), "{{ messages }}", "custom chat templates are not accepted"),
-    "chat_template_kwargs": Refused(({},), {"enable_thinking": True}, _SAMPLING),
     "documents": Refused(([],), [{"text": "x"}], "the bundled chat template takes no documents"),
     # Multimodal inputs.
     "mm_processor_kwargs": Refused(({},), {"x": 1}, _NO_MM),
@@ -128,19 +125,21 @@ REFUSED: dict[str, Refused] = {
 
 # Fields of one endpoint only: elsewhere they are unknown.
 ENDPOINT_FIELDS: dict[str, frozenset[str]] = {
-    "chat": frozenset({"messages", "max_completion_tokens", "top_logprobs"}),
+    "chat": frozenset(
+        {
+            "messages",
+            "max_completion_tokens",
+            "top_logprobs",
+            "add_generation_prompt",
+            "continue_final_message",
+            "chat_template_kwargs",
+        }
+    ),
     "completion": frozenset({"prompt", "echo"}),
-}
-# Where an endpoint's own default differs (vLLM's completions add special tokens).
-ENDPOINT_OFF: dict[tuple[str, str], tuple[Any, ...]] = {
-    ("completion", "add_special_tokens"): (True,),
 }
 CHAT_ONLY = frozenset(
     {
-        "add_generation_prompt",
-        "continue_final_message",
         "chat_template",
-        "chat_template_kwargs",
         "documents",
         "tools",
         "tool_choice",
@@ -194,8 +193,7 @@ def check_fields(payload: dict[str, Any], endpoint: str) -> None:
             continue
         if name in REFUSED:
             rule = REFUSED[name]
-            off = ENDPOINT_OFF.get((endpoint, name), rule.off)
-            if not _asks_nothing(value, off):
+            if not _asks_nothing(value, rule.off):
                 raise InvalidRequest(f"{name}: {rule.why}", param=name)
 
 

@@ -6,7 +6,7 @@ dropped) is fields.py.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -62,9 +62,41 @@ class _WorkerFields(gateway.SamplingFields):
         return tuple(pairs)
 
 
+# Template variables a request may not set through chat_template_kwargs: the worker sets them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "add_generation_prompt", "continue_final_message", "tools", "documents"}
+)
+
+
 class ChatCompletionRequest(_WorkerFields, gateway.ChatCompletionRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # the template writes them (vLLM's chat default)
+
+    def template_options(self) -> dict[str, Any]:
+        """Tokenizer.apply_chat_template's options, as the request sets them."""
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest(
+                "continue_final_message: cannot be true with add_generation_prompt true "
+                "(send add_generation_prompt: false)",
+                param="continue_final_message",
+            )
+        kwargs = self.chat_template_kwargs or {}
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & set(kwargs))
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs: {reserved} are set by the request's own fields",
+                param="chat_template_kwargs",
+            )
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "template_kwargs": kwargs,
+            "add_special_tokens": self.add_special_tokens,
+        }
 
     def num_logprobs(self) -> int | None:
         """Top log-probabilities per output token (None: no logprobs at all)."""
@@ -110,6 +142,7 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
 class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
     max_tokens: gateway.EchoCount | None = None  # the gateway's rule, not _WorkerFields'
     logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's completions default
 
     def num_logprobs(self) -> int | None:
         return self.logprobs

@@ -170,6 +170,35 @@ ROWS = [
     Row("min_p", CHAT, {**GREEDY, "messages": HI, "min_p": 2}),
     Row("min_tokens", CHAT, {**GREEDY, "messages": HI, "max_tokens": 2, "min_tokens": 3}),
     Row("allowed_token_ids", CHAT, {**GREEDY, "messages": HI, "allowed_token_ids": []}),
+    Row(
+        "continue_final_message",
+        CHAT,
+        {
+            **GREEDY,
+            "messages": [*HI, {"role": "assistant", "content": "    return"}],
+            "add_generation_prompt": False,
+            "continue_final_message": True,
+            "max_tokens": 3,
+        },
+        _all(lambda b: b["usage"]["completion_tokens"] == 3),
+    ),
+    Row("continue_final_message", CHAT, {**GREEDY, "messages": HI, "continue_final_message": True}),
+    Row(
+        "chat_template_kwargs",
+        CHAT,
+        {
+            **GREEDY,
+            "messages": HI,
+            "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        _all(lambda b: b["usage"]["completion_tokens"] == 2),
+    ),
+    Row(
+        "chat_template_kwargs",
+        CHAT,
+        {**GREEDY, "messages": HI, "chat_template_kwargs": {"messages": []}},
+    ),
     # Refused on the embedded engine (the vLLM backend gets them untouched).
     Row(
         "response_format",

@@ -176,3 +176,53 @@ def test_logprob_token_names_text_and_own_bytes(tok: Tokenizer) -> None:
     eos = next(iter(tok.eos_token_ids))
     text, raw = tok.logprob_token(eos)
     assert text and raw == text.encode()  # special tokens are spelled out, as vLLM
+
+
+BUNDLED = Path(__file__).resolve().parents[2] / "engine/assets/tiny-coder/target"
+CHAT_CASES = [
+    ([{"role": "user", "content": "hi"}], {"add_generation_prompt": True}),
+    ([{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}], {}),
+    (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f(x):"}],
+        {"continue_final_message": True},
+    ),
+    (
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  spaced  "}],
+        {"continue_final_message": True},
+    ),
+]
+
+
+@pytest.mark.parametrize(("messages", "options"), CHAT_CASES)
+def test_chat_options_render_as_transformers_does(
+    messages: list[dict[str, str]], options: dict[str, bool]
+) -> None:
+    """The peer itself: transformers' apply_chat_template on the bundled tokenizer."""
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(str(BUNDLED))
+    ours = Tokenizer.from_dir(BUNDLED)
+    add = options.get("add_generation_prompt", False)
+    cont = options.get("continue_final_message", False)
+    expected = theirs.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add, continue_final_message=cont
+    )
+    assert ours.render_chat(messages, add_generation_prompt=add, continue_final_message=cont) == (
+        expected
+    )
+
+
+def test_template_kwargs_reach_the_template(tok: Tokenizer, tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    write_tokenizer(tmp_path, template="{{ greeting }}{{ messages[0].content }}")
+    reading = Tokenizer.from_dir(tmp_path)
+    assert reading.render_chat(messages, template_kwargs={"greeting": "HELLO "}) == "HELLO hi"
+    assert tok.render_chat(messages, template_kwargs={"unused": 1}) == tok.render_chat(messages)
+    with pytest.raises(ValueError, match="exclude each other"):
+        tok.render_chat(messages, continue_final_message=True)
+    with pytest.raises(ValueError, match="does not appear"):
+        tok.render_chat(
+            [{"role": "assistant", "content": "   "}],
+            add_generation_prompt=False,
+            continue_final_message=True,
+        )

@@ -798,3 +798,48 @@ def test_echo_with_logprobs_scores_the_prompt(worker: AppHandle) -> None:
             chunk_lp = json.loads(line[6:])["choices"][0]["logprobs"]
             streamed += chunk_lp["tokens"] if chunk_lp else []
     assert streamed == scored["tokens"]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_generation_prompt": False},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+    ],
+)
+def test_chat_template_options_are_the_prompt_they_render(
+    worker: AppHandle, ckpt: TinyCheckpoint, options: dict[str, Any]
+) -> None:
+    """A chat request with template options answers exactly as a completion of the text
+    the template renders with them (rendering itself: transformers' in test_tokenizer.py)."""
+    from engine.tokenizer import Tokenizer
+
+    messages = [*HI, {"role": "assistant", "content": "    return"}]
+    greedy = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    chat = _post(worker, CHAT, {"messages": messages, **options, **greedy})
+    render = {k: v for k, v in options.items() if k != "chat_template_kwargs"}
+    kwargs = options.get("chat_template_kwargs")
+    text = Tokenizer.from_dir(ckpt.target_dir).render_chat(
+        messages, template_kwargs=kwargs, **render
+    )
+    completion = _post(worker, COMP, {"prompt": text, "add_special_tokens": False, **greedy})
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    assert chat["usage"]["prompt_tokens"] == completion["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"continue_final_message": True}, "continue_final_message"),  # with the gen. prompt
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+    ],
+)
+def test_chat_template_options_refused(
+    worker: AppHandle, extra: dict[str, Any], param: str
+) -> None:
+    r = httpx.post(
+        f"{worker.base_url}{CHAT}", json={"messages": HI, **extra}, headers=AUTH, timeout=30
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
