@@ -516,6 +516,29 @@ def test_logprobs_parity_embedded_vs_vllm(backends: Backends) -> None:
     assert max(differences) <= LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_generation_prompt": False},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"add_special_tokens": True},
+    ],
+    ids=["continue_final_message", "no_generation_prompt", "template_kwargs", "special_tokens"],
+)
+def test_chat_template_options_as_vllm(backends: Backends, options: dict[str, Any]) -> None:
+    messages = [
+        {"role": "user", "content": PROMPTS[0]},
+        {"role": "assistant", "content": "def fib(n):"},
+    ]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 16, "temperature": 0, **options}
+    reply_v, reply_e = (
+        _ok(w.base_url, CHAT_PATH, body) for w in (backends.vllm, backends.embedded)
+    )
+    assert _text(reply_v) == _text(reply_e)
+    assert reply_v["usage"]["prompt_tokens"] == reply_e["usage"]["prompt_tokens"]
+
+
 @pytest.mark.parametrize("max_tokens", [0, 5])
 def test_echo_logprobs_score_the_prompt_as_vllm_does(backends: Backends, max_tokens: int) -> None:
     """lm-eval-harness's loglikelihood request (echo + logprobs, max_tokens 0) and echo with a
