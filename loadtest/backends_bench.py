@@ -40,6 +40,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.engine_bench import int_list
+
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("embedded", "vllm")
 MODES = ("plain", "dflash")
@@ -516,16 +518,6 @@ def _round_size(concurrency: int, args: argparse.Namespace) -> int:
 # ---- command line ---------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
-    return values
-
-
 def _name_list(allowed: Sequence[str]) -> Any:
     def parse(text: str) -> list[str]:
         values = [v.strip() for v in text.split(",") if v.strip()]
@@ -551,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-bench backends", description=__doc__.split("\n")[0])
     p.add_argument("--backends", type=_name_list(BACKENDS), default=list(BACKENDS))
     p.add_argument("--modes", type=_name_list(MODES), default=list(MODES))
-    p.add_argument("--concurrency", type=_int_list, default=None, help="default 1,8")
+    p.add_argument("--concurrency", type=int_list, default=None, help="default 1,8")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
     p.add_argument("--max-tokens", type=int, default=None, help="per request (default 96)")
     p.add_argument("--num-prompts", type=int, default=None, help="held-out prompts (default 8)")

@@ -72,7 +72,8 @@ class Cell:
         return [mine / base for mine, base in pairs if base > 0]
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers (every bench's lists)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError as exc:
@@ -86,10 +87,10 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dflash-bench engine", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=BUNDLED / "target", help="target folder")
     p.add_argument("--drafter", type=Path, default=BUNDLED / "dflash", help="DFlash folder")
-    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 8])
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 8])
     p.add_argument(
         "--block-sizes",
-        type=_int_list,
+        type=int_list,
         default=None,
         help="block sizes to compare (default: 1 and the drafter's)",
     )

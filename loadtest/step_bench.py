@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.engine_bench import BUNDLED, _int_list, load_prompts
+from loadtest.engine_bench import BUNDLED, int_list, load_prompts
 
 PHASES = ("prepare", "draft", "verify", "accept", "context", "commit")
 
@@ -81,10 +81,10 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="dflash-bench step", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, default=BUNDLED / "target", help="target folder")
     p.add_argument("--drafter", type=Path, default=BUNDLED / "dflash", help="DFlash folder")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1, 8])
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8])
     p.add_argument(
         "--block-sizes",
-        type=_int_list,
+        type=int_list,
         default=[4, 8, 16],
         help="verify widths w (w - 1 drafts), at most the drafter's block size",
     )
