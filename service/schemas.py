@@ -102,8 +102,8 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a completion prompt or chat messages."""
+class RoutedRequest(BaseModel):
+    """A one-shot request routed to a worker serving `model` (no stream, one answer)."""
 
     model_config = _OPEN
     # Not fields: what the proxy reads of every request it forwards.
@@ -111,9 +111,14 @@ class TokenizeRequest(BaseModel):
     stream_options: ClassVar[None] = None
     n: ClassVar[int] = 1
     model: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class TokenizeRequest(RoutedRequest):
+    """vLLM's /tokenize: a completion prompt or chat messages."""
+
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: vLLM's default, true for a prompt only
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -122,15 +127,16 @@ class TokenizeRequest(BaseModel):
             raise ValueError("give exactly one of prompt and messages")
         return self
 
+    def special_tokens(self) -> bool:
+        """Add the tokenizer's special tokens? (A chat template writes its own.)"""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
 
-class DetokenizeRequest(BaseModel):
+
+class DetokenizeRequest(RoutedRequest):
     """vLLM's /detokenize: token ids back to text."""
 
-    model_config = _OPEN
-    stream: ClassVar[bool] = False
-    stream_options: ClassVar[None] = None
-    n: ClassVar[int] = 1
-    model: Annotated[str, Field(min_length=1, max_length=256)]
     tokens: list[TokenId]
 
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from engine.errors import QueueFull, RequestRejected
 from engine.sequence import SamplingParams
@@ -106,14 +106,13 @@ async def version() -> dict[str, str]:
 async def tokenize(request: Request) -> dict[str, Any]:
     state = worker(request)
     engine = _admit(state, request)
-    _, payload = await read_json(request, state.settings.max_body_bytes)
-    req = _parse_model(TokenizeRequest, payload)
-    _check_model(req, state.settings.model_name)
+    req, _ = await _read(state, request, TokenizeRequest)
     tok = engine.tokenizer
+    special = req.special_tokens()
     if req.messages is not None:
-        ids = list(tok.apply_chat_template(req.template_messages()))
+        ids = list(tok.apply_chat_template(req.template_messages(), add_special_tokens=special))
     else:
-        ids = list(tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens))
+        ids = list(tok.encode(req.prompt or "", add_special_tokens=special))
     return {
         "count": len(ids),
         "max_model_len": engine.max_model_len,
@@ -126,9 +125,7 @@ async def tokenize(request: Request) -> dict[str, Any]:
 async def detokenize(request: Request) -> dict[str, str]:
     state = worker(request)
     engine = _admit(state, request)
-    _, payload = await read_json(request, state.settings.max_body_bytes)
-    req = _parse_model(DetokenizeRequest, payload)
-    _check_model(req, state.settings.model_name)
+    req, _ = await _read(state, request, DetokenizeRequest)
     vocab = engine.engine.vocab_size
     if any(t >= vocab for t in req.tokens):
         raise InvalidRequest(f"tokens: token ids must be in [0, {vocab})", param="tokens")
@@ -164,22 +161,25 @@ def _admit(state: WorkerState, request: Request) -> AsyncEngine:
     return state.engine
 
 
-M = TypeVar("M", bound=BaseModel)
+R = TypeVar(
+    "R", bound=ChatCompletionRequest | CompletionRequest | TokenizeRequest | DetokenizeRequest
+)
 
 
-def _parse_model(kind: type[M], payload: dict[str, Any]) -> M:
+async def _read(state: WorkerState, request: Request, kind: type[R]) -> tuple[R, dict[str, Any]]:
+    """The body as `kind` (and as parsed JSON), for the model this worker serves."""
+    _, payload = await read_json(request, state.settings.max_body_bytes)
     try:
-        return kind.model_validate(payload)
+        req = cast(R, kind.model_validate(payload))  # pydantic's Self is lost on a bound union
     except ValidationError as exc:
         raise from_validation_errors(list(exc.errors())) from None
-
-
-def _check_model(req: AnyRequest | TokenizeRequest | DetokenizeRequest, served: str) -> None:
+    served = state.settings.model_name
     if req.model is not None and req.model != served:
         raise ModelNotFound(
             f"The model `{req.model}` does not exist (this worker serves `{served}`).",
             param="model",
         )
+    return req, payload
 
 
 def _prompts(engine: AsyncEngine, req: AnyRequest) -> list[tuple[list[int], str]]:
@@ -305,9 +305,7 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     # As vLLM: the client's X-Request-Id becomes the body's id.
     request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-{request.state.request_id}"
     engine = _admit(state, request)
-    _, payload = await read_json(request, state.settings.max_body_bytes)
-    req = _parse_model(kind, payload)
-    _check_model(req, state.settings.model_name)
+    req, payload = await _read(state, request, kind)
     check_fields(payload, "chat" if is_chat else "completion")
     choices = await _start(engine, state, req, request_id)
     fmt = Formatter(

@@ -7,7 +7,13 @@ from typing import Any
 import pytest
 
 from service.errors import InvalidRequest
-from service.schemas import ChatCompletionRequest, CompletionRequest, prompt_text, validate_request
+from service.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    prompt_text,
+    validate_request,
+)
 
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -55,3 +61,13 @@ def test_affinity_key_is_a_bounded_prefix() -> None:
     key = prompt_text(validate_request(ChatCompletionRequest, long), 64)
     assert len(key) == 64
     assert key.startswith("user")
+
+
+def test_tokenize_adds_special_tokens_by_vllms_defaults() -> None:
+    """True for a prompt, false for chat messages (the template writes its own), else as
+    sent: the worker honours it both ways."""
+    chat = [{"role": "user", "content": "x"}]
+    assert TokenizeRequest.model_validate({"model": "m", "prompt": "x"}).special_tokens()
+    assert not TokenizeRequest.model_validate({"model": "m", "messages": chat}).special_tokens()
+    both = {"model": "m", "messages": chat, "add_special_tokens": True}
+    assert TokenizeRequest.model_validate(both).special_tokens()
