@@ -19,7 +19,15 @@ import torch
 from torch import Tensor, nn
 
 from engine.kv_cache import CacheIndex, KVCache
-from engine.layers import DecoderLayer, LayerShape, RMSNorm, Rotary, linear
+from engine.layers import (
+    DecoderLayer,
+    FusedWeight,
+    LayerShape,
+    RMSNorm,
+    Rotary,
+    linear,
+    use_int8_matmuls,
+)
 from engine.model import rope_theta_of
 
 
@@ -136,6 +144,7 @@ class DFlashDrafter(nn.Module):
         self.rotary = Rotary(config.head_dim, config.rope_theta)
         # A tuple keeps the target's modules out of this module's parameters/state_dict.
         self._borrowed = (embed_tokens, lm_head)
+        self._int8_head: FusedWeight | None = None  # the borrowed lm_head in int8 (use_int8)
 
     @property
     def block_size(self) -> int:
@@ -158,8 +167,20 @@ class DFlashDrafter(nn.Module):
     def embed(self, ids: Tensor) -> Tensor:
         return self._borrowed[0](ids).to(self.dtype)  # type: ignore[no-any-return]
 
+    def use_int8(self) -> None:
+        """Draft with int8 matmuls (layers.use_int8_matmuls), the borrowed lm_head
+        included through a copy of its own, so the target keeps its float32 head."""
+        use_int8_matmuls(self)
+        self._int8_head = FusedWeight(int8=True)
+
+    @property
+    def int8(self) -> bool:
+        return self._int8_head is not None
+
     def logits(self, hidden: Tensor) -> Tensor:
         """Draft logits [.., vocab] from drafter hidden states [.., hidden]."""
+        if self._int8_head is not None:
+            return self._int8_head.linear(hidden, [self._borrowed[1].weight])
         return linear(self._borrowed[1], hidden)
 
     def context(self, features: Tensor) -> Tensor:

@@ -107,6 +107,32 @@ def _onednn_linear_available() -> bool:
 ONEDNN_LINEAR = _onednn_linear_available()
 
 
+def _int8_linear_available() -> bool:
+    ops = getattr(torch.ops, "quantized", None)
+    return bool(
+        ops is not None
+        and hasattr(ops, "linear_dynamic")
+        and hasattr(ops, "linear_prepack")
+        and "fbgemm" in torch.backends.quantized.supported_engines
+    )
+
+
+INT8_LINEAR = _int8_linear_available()
+
+
+def _pack_int8(weight: Tensor) -> object:
+    """fbgemm's packed form of a float weight [out, in], quantized per output row
+    (symmetric, scale = max |w| / 127)."""
+    import warnings
+
+    scale = (weight.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
+    zero = torch.zeros(weight.shape[0], dtype=torch.long)
+    with warnings.catch_warnings():  # the quantized-tensor constructors warn of a future API
+        warnings.simplefilter("ignore")
+        q = torch.quantize_per_channel(weight.float(), scale, zero, 0, torch.qint8)
+        return torch.ops.quantized.linear_prepack(q, None)
+
+
 class FusedWeight:
     """Inference copy of one or more Linear weights, concatenated along the output dim,
     rebuilt when any source changes (in-place edits bump `_version`, `.to()` changes
@@ -116,9 +142,16 @@ class FusedWeight:
     on the CPUs measured (AMD EPYC, AVX-512) it is 2-2.6x faster than the default BLAS
     for 4-128 rows, and each row's result does not depend on how many rows are in the
     batch (the default BLAS path gives different bits for 1 row and for 16), so a
-    verify over a block computes exactly what plain decoding computes token by token."""
+    verify over a block computes exactly what plain decoding computes token by token.
 
-    def __init__(self) -> None:
+    `int8`: matmuls with the weight quantized per row to int8 and the input per call
+    (fbgemm's dynamic linear, ~1.8x faster than oneDNN float32 at 16 rows here). Only
+    for a drafter: its outputs are proposals the target verifies, so they may round
+    differently; the target's own weights are never quantized."""
+
+    def __init__(self, int8: bool = False) -> None:
+        self.int8 = int8
+        self._int8_packed: tuple[tuple[object, ...], object] | None = None
         # per compute dtype (a bfloat16 drafter borrowing a float32 lm_head): source
         # version key, the concatenated weight, its oneDNN-packed form (made on first use)
         self._copies: dict[
@@ -143,6 +176,8 @@ class FusedWeight:
 
     def linear(self, x: Tensor, parts: list[Tensor]) -> Tensor:
         """x @ concat(parts).T (inference only: no autograd through the copies)."""
+        if self.int8 and INT8_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._linear_int8(x, parts)
         key, weight, packed = self._entry(parts, x.dtype)
         if not (ONEDNN_LINEAR and x.dtype == torch.float32 and x.device.type == "cpu"):
             return F.linear(x, weight)
@@ -151,6 +186,16 @@ class FusedWeight:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight)
             self._copies[x.dtype] = (key, weight, packed)
         out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        return out
+
+    def _linear_int8(self, x: Tensor, parts: list[Tensor]) -> Tensor:
+        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parts)
+        if self._int8_packed is None or self._int8_packed[0] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                weight = torch.cat([p.detach() for p in parts], dim=0).contiguous()
+                self._int8_packed = (key, _pack_int8(weight))
+        # reduce_range: 7-bit activations, so fbgemm's int16 accumulation cannot saturate
+        out: Tensor = torch.ops.quantized.linear_dynamic(x, self._int8_packed[1], True)
         return out
 
 
@@ -165,6 +210,17 @@ def linear(module: nn.Linear, x: Tensor) -> Tensor:
         cache = FusedWeight()
         module.__dict__["_inference_weight"] = cache
     return cache.linear(x, [module.weight])
+
+
+def use_int8_matmuls(module: nn.Module) -> None:
+    """Every inference matmul of `module`'s own Linear layers (fused or not) in int8 from
+    now on (FusedWeight `int8`): drafters only. A no-op where fbgemm is unavailable."""
+    for sub in module.modules():
+        if isinstance(sub, nn.Linear):
+            sub.__dict__["_inference_weight"] = FusedWeight(int8=True)
+        for value in vars(sub).values():
+            if isinstance(value, FusedWeight):
+                value.int8 = True
 
 
 class Attention(nn.Module):

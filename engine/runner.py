@@ -45,6 +45,8 @@ class ModelRunner:
         drafter = None
         if config.drafter_path is not None:
             drafter = load_drafter(config.drafter_path, target, config.device, dtype)
+            if config.drafter_int8:
+                drafter.use_int8()
         drafter_block = None if drafter is None else drafter.block_size
         self.block_size = block_size_for(config.num_speculative_tokens, drafter_block)
         if self.block_size == 1:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 BUNDLED = Path(__file__).resolve().parents[1] / "engine" / "assets" / "tiny-coder"
 
@@ -30,6 +30,7 @@ class Cell:
     concurrency: int
     block_size: int
     adaptive: bool = False  # k chosen per step by engine.adaptive (block_size = its max)
+    drafter_int8: bool = False  # the drafter's matmuls in int8 (EngineConfig.drafter_int8)
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     num_requests: int = 0
@@ -120,6 +121,12 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
         "model and live acceptance; engine.adaptive), at the drafter's block size",
     )
     p.add_argument(
+        "--drafter-int8",
+        action="store_true",
+        help="also run DFlash (and adaptive, with --adaptive) with the drafter's matmuls in "
+        "int8 (EngineConfig.drafter_int8)",
+    )
+    p.add_argument(
         "--background-load",
         action="store_true",
         help="run everything twice: quiet, then with one core kept busy by another process",
@@ -199,7 +206,7 @@ def format_table(report: dict[str, Any], title: str = "quiet") -> str:
     ]
     for r in report["results"]:
         speedup, median = r["speedup_vs_block_size_1"], r["median_paired_speedup"]
-        block = f"{r['block_size']}{'a' if r['adaptive'] else ''}"
+        block = f"{r['block_size']}{'a' if r['adaptive'] else ''}{'q' if r['drafter_int8'] else ''}"
         lines.append(
             f"{r['concurrency']:>5} {block:>6} {r['tokens_per_second']:>9.1f} "
             f"{r['mean_acceptance_length']:>10.2f} {r['mean_draft_tokens_per_step']:>6.2f} "
@@ -218,7 +225,10 @@ def format_table(report: dict[str, Any], title: str = "quiet") -> str:
 # ---- running ------------------------------------------------------------------------
 
 
-Variant = tuple[int, bool]  # (block size, adaptive)
+class Variant(NamedTuple):
+    block_size: int
+    adaptive: bool = False
+    drafter_int8: bool = False
 
 
 def make_engines(args: argparse.Namespace, variants: list[Variant]) -> dict[Variant, Any]:
@@ -227,7 +237,8 @@ def make_engines(args: argparse.Namespace, variants: list[Variant]) -> dict[Vari
     from engine.engine import Engine, EngineConfig
 
     engines: dict[Variant, Any] = {}
-    for b, adaptive in variants:
+    for variant in variants:
+        b = variant.block_size
         config = EngineConfig(
             target_path=args.model,
             drafter_path=None if b == 1 else args.drafter,
@@ -237,9 +248,10 @@ def make_engines(args: argparse.Namespace, variants: list[Variant]) -> dict[Vari
             max_waiting=4096,
             device=args.device,
             dtype=args.dtype,
-            adaptive=adaptive,  # calibrated on its own state before any request
+            adaptive=variant.adaptive,  # calibrated on its own state before any request
+            drafter_int8=variant.drafter_int8,
         )
-        engines[(b, adaptive)] = Engine(config)
+        engines[variant] = Engine(config)
     return engines
 
 
@@ -301,21 +313,26 @@ def _variants(args: argparse.Namespace) -> list[Variant]:
     block_sizes = args.block_sizes or [1, drafter_block_size(args.drafter)]
     if 1 not in block_sizes:
         block_sizes = [1, *block_sizes]
-    variants: list[Variant] = [(b, False) for b in block_sizes]
+    variants = [Variant(b) for b in block_sizes]
+    top = max(max(block_sizes), drafter_block_size(args.drafter))
     if args.adaptive:
-        variants.append((max(max(block_sizes), drafter_block_size(args.drafter)), True))
+        variants.append(Variant(top, adaptive=True))
+    if args.drafter_int8:
+        variants.append(Variant(top, drafter_int8=True))
+        if args.adaptive:
+            variants.append(Variant(top, adaptive=True, drafter_int8=True))
     return variants
 
 
 def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     variants = _variants(args)
     engines = make_engines(args, variants)
-    tokenizer = engines[(1, False)].tokenizer
+    tokenizer = engines[Variant(1)].tokenizer
     budget = args.max_model_len - args.max_tokens
     prompts = [tokenizer.encode(t)[-budget:] for t in texts]
     for engine in engines.values():  # warm-up: first-call allocations out of the timing
         run_round(engine, prompts[:1], 1, 4)
-    cells = {(c, v): Cell(c, v[0], v[1]) for c in args.concurrency for v in variants}
+    cells = {(c, v): Cell(c, *v) for c in args.concurrency for v in variants}
     reference: dict[int, list[int]] = {}
     outputs_match = True
     for c in args.concurrency:
@@ -329,7 +346,7 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
                 outputs_match &= all(outs[i] == reference[i] for i in range(len(prompts)))
     report = _report(args, variants, cells, outputs_match)
     for v, engine in engines.items():
-        if v[1]:
+        if v.adaptive and not v.drafter_int8:
             info = adaptive_report(engine, sorted({1, 2, 4, 8, 16, *args.concurrency}))
             report["adaptive_costs"], report["adaptive_rates"] = info["costs"], info["rates"]
             report["adaptive_table"] = info["table"]
@@ -361,9 +378,9 @@ def _report(
     import torch
 
     results = [
-        cells[(c, v)].to_json(cells[(c, (1, False))]) for c in args.concurrency for v in variants
+        cells[(c, v)].to_json(cells[(c, Variant(1))]) for c in args.concurrency for v in variants
     ]
-    block_sizes = [b for b, adaptive in variants if not adaptive]
+    block_sizes = [v.block_size for v in variants if v == Variant(v.block_size)]
     return {
         "benchmark": "engine",
         "model": str(args.model),
@@ -377,6 +394,7 @@ def _report(
         "dtype": args.dtype,
         "outputs_match": outputs_match,
         "adaptive": bool(args.adaptive),
+        "drafter_int8": bool(args.drafter_int8),
         "results": results,
     }
 

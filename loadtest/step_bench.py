@@ -113,8 +113,9 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
     p.add_argument(
         "--drafter-dtype",
         default=None,
-        help="drafter compute dtype (default: --dtype); drafts only propose, so "
-        "a different one keeps greedy outputs exact",
+        help="drafter compute dtype (default: --dtype), or int8 (float activations, int8 "
+        "matmuls: EngineConfig.drafter_int8); drafts only propose, so a different one keeps "
+        "greedy outputs exact",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(list(argv))
@@ -185,8 +186,11 @@ class StepBench:
         self.args = args
         self.dtype = getattr(torch, args.dtype)
         self.target = load_target(args.model, "cpu", self.dtype)
-        drafter_dtype = getattr(torch, args.drafter_dtype or args.dtype)
+        int8 = args.drafter_dtype == "int8"
+        drafter_dtype = self.dtype if int8 else getattr(torch, args.drafter_dtype or args.dtype)
         self.drafter = load_drafter(args.drafter, self.target, "cpu", drafter_dtype)
+        if int8:
+            self.drafter.use_int8()
         tokenizer = Tokenizer.from_dir(args.model)
         texts = load_prompts(args.prompts, max(args.batch_sizes))
         self.prompts = [tokenizer.encode(t)[-args.prompt_tokens :] for t in texts]

@@ -49,6 +49,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         dtype=settings.torch_dtype_name(),
         seed=settings.seed,
         adaptive=settings.speculation == "adaptive",
+        drafter_int8=settings.drafter_int8,
     )
 
 

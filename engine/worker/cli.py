@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
         "vLLM); adaptive = each step verifies the number a start-up cost model and the live "
         "acceptance favour (0 = plain decoding), so speculation never costs throughput",
     )
+    p.add_argument(
+        "--drafter-int8",
+        action="store_true",
+        default=sup,
+        help="embedded only: the drafter's matmuls in int8 on CPU (faster drafts; outputs "
+        "stay the target's exactly, acceptance may move slightly)",
+    )
     for flag, kind, text in _OPTIONS:
         p.add_argument(flag, type=kind, default=sup, help=text)
     p.add_argument(

@@ -86,6 +86,8 @@ class WorkerSettings(BaseModel):
     # fixed: every step verifies num_speculative_tokens drafts (as vLLM); adaptive: each
     # step verifies the k a start-up cost model and the live acceptance favour (0 = plain).
     speculation: Literal["fixed", "adaptive"] = "fixed"
+    # The drafter's matmuls in int8 (CPU): faster drafts, outputs still the target's.
+    drafter_int8: bool = False
     threads: int | None = Field(default=None, ge=1)  # torch threads; None: our CPUs less one
     max_waiting: int = Field(default=64, ge=0)
     drain_timeout: float = Field(default=30.0, ge=0.0)  # vLLM: --shutdown-timeout
@@ -168,6 +170,10 @@ def _check_backend_fields(s: WorkerSettings) -> None:
             raise ValueError(
                 "speculation: adaptive is the embedded engine's; give vLLM its batch-size "
                 "table as speculative_config.num_speculative_tokens_per_batch_size"
+            )
+        if s.drafter_int8:
+            raise ValueError(
+                "drafter_int8: the embedded engine's (vLLM: a quantized draft checkpoint)"
             )
         return
     spec = s.speculative_config

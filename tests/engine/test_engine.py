@@ -8,12 +8,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestRejected
+from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target, save_drafter, save_target
 from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from engine.worker.responses import metrics_object
@@ -353,7 +355,7 @@ CODE_PROMPTS = [
 BASE = SamplingParams(max_tokens=32, temperature=0.0)
 
 
-def bundled_engine(k: int | None) -> Engine:
+def bundled_engine(k: int | None, **kw: Any) -> Engine:
     return Engine(
         EngineConfig(
             target_path=BUNDLED / "target",
@@ -361,6 +363,7 @@ def bundled_engine(k: int | None) -> Engine:
             num_speculative_tokens=k,
             max_num_seqs=4,
             max_model_len=512,
+            **kw,
         )
     )
 
@@ -436,6 +439,23 @@ def test_logits_processors_are_exact_under_speculation(
             assert got[rid].finish_reason == out.finish_reason
             _same_logprobs(got[rid].logprobs_delta, out.logprobs_delta)
         assert engine.stats().num_accepted_tokens > 0, "no draft accepted: the test is vacuous"
+
+
+def test_an_int8_drafter_changes_drafts_not_outputs(code_prompts: list[list[int]]) -> None:
+    """drafter_int8: the drafter's matmuls (its borrowed lm_head included) in int8; greedy
+    output stays plain decoding's, drafts still land, and the target's own lm_head stays
+    float (its logprobs are unchanged)."""
+    params = SamplingParams(max_tokens=32, temperature=0.0, logprobs=2)
+    expected = _outputs(bundled_engine(None), code_prompts, params)
+    engine = bundled_engine(15, drafter_int8=True)
+    drafter = engine.runner._state.drafter
+    assert drafter is not None and drafter.int8 == INT8_LINEAR
+    got = _outputs(engine, code_prompts, params)
+    for rid, out in expected.items():
+        assert got[rid].token_ids_delta == out.token_ids_delta, f"request {rid}"
+        _same_logprobs(got[rid].logprobs_delta, out.logprobs_delta)
+    stats = engine.stats()
+    assert stats.num_accepted_tokens > stats.num_drafts, "drafts hardly accepted"
 
 
 def _same_logprobs(got: list[TokenLogprob] | None, want: list[TokenLogprob] | None) -> None:

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from torch import nn
 
 from engine.layers import (
+    INT8_LINEAR,
     Attention,
     DecoderLayer,
+    FusedWeight,
     LayerShape,
     RMSNorm,
     Rotary,
     apply_rotary,
+    linear,
     rms_norm,
+    use_int8_matmuls,
 )
 
 
@@ -140,3 +146,34 @@ def test_rotary_table_equals_direct_computation() -> None:
     assert torch.equal(cos, emb.cos())
     assert torch.equal(sin[..., 4:], emb.sin()[..., 4:])
     assert torch.equal(sin[..., :4], -emb.sin()[..., :4])
+
+
+@pytest.mark.skipif(not INT8_LINEAR, reason="no fbgemm in this torch build")
+def test_int8_matmul_is_close_to_float_and_follows_edits() -> None:
+    """Per-row int8 weights and 7-bit dynamic activations: about 1% of the output's scale
+    (drafts only propose, so this is a speed/acceptance trade, never a correctness one)."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(96, 64, generator=gen)
+    x = torch.randn(3, 16, 64, generator=gen)
+    with torch.inference_mode():
+        exact = FusedWeight().linear(x, [weight])
+        fused = FusedWeight(int8=True)
+        approx = fused.linear(x, [weight])
+        assert approx.shape == exact.shape and not torch.equal(approx, exact)
+        assert float((approx - exact).abs().max()) < 0.03 * float(exact.abs().max())
+    with torch.no_grad():
+        weight.mul_(-1.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(fused.linear(x, [weight]), -approx, rtol=0.05, atol=0.05)
+
+
+def test_use_int8_matmuls_reaches_every_linear_of_the_module_only() -> None:
+    layer = DecoderLayer(LayerShape(32, 64, 4, 2, 8, 1e-6))
+    shared_head = nn.Linear(32, 10, bias=False)
+    with torch.inference_mode():
+        linear(shared_head, torch.randn(1, 32))  # the owner's float copy exists first
+    use_int8_matmuls(layer)
+    fused = [v for m in layer.modules() for v in vars(m).values() if isinstance(v, FusedWeight)]
+    own = [m.__dict__["_inference_weight"] for m in layer.modules() if isinstance(m, nn.Linear)]
+    assert len(own) == 7 and all(f.int8 for f in fused + own)
+    assert not shared_head.__dict__["_inference_weight"].int8

@@ -81,7 +81,7 @@ def test_bad_lists_are_usage_errors() -> None:
         engine_bench.parse_args(["--concurrency", "0,2"])
 
 
-def test_adaptive_variant_is_exact_and_reports_its_choices(
+def test_adaptive_and_int8_variants_are_exact_and_report_their_choices(
     tiny_checkpoint: TinyCheckpoint, tmp_path: Path
 ) -> None:
     prompts = tmp_path / "prompts.json"
@@ -103,6 +103,7 @@ def test_adaptive_variant_is_exact_and_reports_its_choices(
         "--max-model-len",
         "128",
         "--adaptive",
+        "--drafter-int8",
         "--json",
         str(out),
     ]
@@ -110,7 +111,21 @@ def test_adaptive_variant_is_exact_and_reports_its_choices(
     report = json.loads(out.read_text())
     assert report["outputs_match"] is True and report["adaptive"] is True
     adaptive = [r for r in report["results"] if r["adaptive"]]
-    assert [(r["concurrency"], r["block_size"]) for r in adaptive] == [(1, 4), (2, 4)]
+    assert [(r["concurrency"], r["block_size"]) for r in adaptive] == [
+        (1, 4),
+        (1, 4),
+        (2, 4),
+        (2, 4),
+    ]
+    variants = {(r["block_size"], r["adaptive"], r["drafter_int8"]) for r in report["results"]}
+    assert variants == {
+        (1, False, False),
+        (4, False, False),
+        (4, True, False),
+        (4, False, True),
+        (4, True, True),
+    }
+    assert report["block_sizes"] == [1, 4] and report["drafter_int8"] is True
     for r in adaptive:
         assert 0.0 <= r["mean_draft_tokens_per_step"] <= 3.0
         assert r["generated_tokens"] == 6 * r["num_requests"]

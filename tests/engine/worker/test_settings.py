@@ -154,3 +154,23 @@ def test_settings_are_frozen(ckpt: TinyCheckpoint) -> None:
     s = WorkerSettings(model=str(ckpt.target_dir))
     with pytest.raises(ValueError, match="frozen"):
         s.port = 1  # type: ignore[misc]
+
+
+def test_drafter_int8_reaches_the_engine_and_is_the_embedded_engines(
+    ckpt: TinyCheckpoint,
+) -> None:
+    from engine.worker.app import engine_config
+    from engine.worker.cli import settings_from_args
+
+    s, _ = settings_from_args(
+        [
+            str(ckpt.target_dir),
+            "--drafter-int8",
+            "--speculative-config",
+            json.dumps(spec(ckpt.drafter_dir)),
+        ]
+    )
+    assert s.drafter_int8 and engine_config(s).drafter_int8
+    assert not engine_config(load_settings(model=str(ckpt.target_dir))).drafter_int8
+    message = error_of(backend="vllm", model=str(ckpt.target_dir), drafter_int8=True)
+    assert message.startswith("invalid worker setting drafter_int8:")
