@@ -134,6 +134,7 @@ def upstream_pool(settings: GatewaySettings) -> Pool:
         connect_timeout_s=settings.connect_timeout_s,
         headers=worker_headers(settings),
         max_idle=settings.max_upstream_connections,
+        keepalive_s=settings.upstream_keepalive_s,
     )
 
 

@@ -78,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shutdown-delay-s", type=float)
     p.add_argument("--processes", type=int, help="processes sharing the port (default 1)")
     p.add_argument("--listen-backlog", type=int, help="pending connections (default 4096)")
+    p.add_argument(
+        "--upstream-keepalive-s",
+        type=float,
+        help="seconds an idle worker connection is kept for reuse (default 4; keep it below "
+        "the workers' idle close, VLLM_HTTP_TIMEOUT_KEEP_ALIVE)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")
     return p

@@ -57,6 +57,10 @@ class GatewaySettings(BaseSettings):
     processes: int = Field(default=1, ge=1, le=256)
     listen_backlog: int = Field(default=4096, ge=16)
     max_upstream_connections: int = Field(default=2048, ge=1)
+    # How long an idle connection to a worker is kept for reuse. It must stay below the
+    # worker's own idle close (uvicorn's and vLLM's 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): a
+    # burst of new streams then reuses warm connections instead of opening one each.
+    upstream_keepalive_s: float = Field(default=4.0, gt=0)
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     # Shutdown: /ready flips at once; serving continues for shutdown_delay_s (so load
     # balancers notice); then new requests get 503 + Retry-After while in-flight ones get up

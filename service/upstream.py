@@ -234,14 +234,20 @@ class Pool:
     """Idle keep-alive connections per worker address."""
 
     def __init__(
-        self, *, connect_timeout_s: float, headers: Mapping[str, str], max_idle: int = 256
+        self,
+        *,
+        connect_timeout_s: float,
+        headers: Mapping[str, str],
+        max_idle: int = 256,
+        keepalive_s: float = 4.0,
     ) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
         self._idle: dict[Key, collections.deque[tuple[float, Connection]]] = {}
         self._tls: ssl.SSLContext | None = None
         self._static = b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in headers.items())
-        self.keepalive_s = 4.0  # below uvicorn's (and vLLM's) 5 s idle close on the worker
+        # Idle reuse window: below the worker's idle close (uvicorn's and vLLM's 5 s).
+        self.keepalive_s = keepalive_s
 
     def put_back(self, conn: Connection) -> None:
         idle = self._idle.setdefault(conn.key, collections.deque())

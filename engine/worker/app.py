@@ -158,6 +158,7 @@ def serve(settings: WorkerSettings, *, log_level: str = "info") -> int:
         lifespan="on",
         # Backstop only: the engine ends in-flight requests at drain_timeout itself.
         timeout_graceful_shutdown=int(settings.drain_timeout) + 10,
+        timeout_keep_alive=settings.http_keep_alive_s,
         access_log=log_level == "debug",
     )
     server = DrainingServer(config, state.begin_drain)

@@ -129,6 +129,14 @@ def settings_from_args(argv: list[str]) -> tuple[WorkerSettings, argparse.Namesp
         values["speculative_config"] = None
     if "vllm_bin" not in values and os.environ.get("DFLASH_VLLM_BIN"):
         values["vllm_bin"] = os.environ["DFLASH_VLLM_BIN"]
+    keep_alive = os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "").strip()
+    if keep_alive:
+        if not keep_alive.isdigit() or int(keep_alive) < 1:
+            raise ConfigError(
+                "invalid worker setting VLLM_HTTP_TIMEOUT_KEEP_ALIVE: whole seconds >= 1 "
+                f"expected, got {keep_alive!r}"
+            )
+        values["http_keep_alive_s"] = int(keep_alive)
     return load_settings(**values), ns
 
 

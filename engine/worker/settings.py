@@ -91,6 +91,10 @@ class WorkerSettings(BaseModel):
     threads: int | None = Field(default=None, ge=1)  # torch threads; None: our CPUs less one
     max_waiting: int = Field(default=64, ge=0)
     drain_timeout: float = Field(default=30.0, ge=0.0)  # vLLM: --shutdown-timeout
+    # Idle keep-alive of client connections (uvicorn's timeout_keep_alive), read from vLLM's
+    # env VLLM_HTTP_TIMEOUT_KEEP_ALIVE: one knob for both backends. A gateway reuses idle
+    # connections for less than this (DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S).
+    http_keep_alive_s: int = Field(default=5, ge=1)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     # vLLM's flag: usage on every stream chunk whatever the client asked. Off, as OpenAI
     # defines usage; the gateway asks workers for the usage chunk itself.

@@ -1,5 +1,6 @@
 """The chart's keys and its `helm test` hook against real processes: an embedded worker started
-with the worker key from the rendered Secret refuses requests without it, the gateway (holding
+with the worker key from the rendered Secret (and the rendered keep-alive) refuses requests
+without it and closes idle connections when the chart says, the gateway (holding
 that key and the client keys, as the chart wires them) serves through it, and the `helm test`
 Pod's script passes against that gateway."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -32,7 +34,10 @@ def secret_data(docs: list[dict[str, Any]], key: str) -> str:
 
 @pytest.fixture(scope="module")
 def docs() -> list[dict[str, Any]]:
-    return render(set_json=('gateway.apiKeys.keys=["sk-client-one-1234"]',))
+    return render(
+        sets=("worker.httpKeepAliveSeconds=2",),  # short enough to watch the idle close
+        set_json=('gateway.apiKeys.keys=["sk-client-one-1234"]',),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +46,26 @@ def worker(docs: list[dict[str, Any]], tiny_checkpoint: TinyCheckpoint) -> Itera
     key = secret_data(docs, "worker-api-key")
     args: tuple[str, ...] = (str(tiny_checkpoint.target_dir), "--speculative-config", spec)
     args += ("--served-model-name", MODEL, "--max-model-len", "256", "--api-key", key)
-    with running_worker(*args) as handle:
+    container = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e and e["name"] != "HOME"}
+    with running_worker(*args, env=env) as handle:
         yield handle
+
+
+def test_the_worker_closes_idle_connections_after_the_rendered_keep_alive(
+    worker: WorkerHandle,
+) -> None:
+    """The chart's worker.httpKeepAliveSeconds (2 here) reaches the worker process as
+    VLLM_HTTP_TIMEOUT_KEEP_ALIVE: an idle connection lives ~2 s, not uvicorn's default 5."""
+    port = int(worker.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: w\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        sock.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            sock.recv(1)  # still open after 1 s idle
+        sock.settimeout(3.5)
+        assert sock.recv(1) == b""  # closed by the worker before 4.5 s
 
 
 def chat(base: str, key: str | None) -> httpx.Response:

@@ -85,3 +85,16 @@ def test_gateway_sends_the_key_the_workers_require(monkeypatch: pytest.MonkeyPat
     worker = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]
     ref = next(e for e in worker["env"] if e["name"] == "DFLASH_WORKER_API_KEY")
     assert secret_value(docs, ref["valueFrom"]["secretKeyRef"]) == s.worker_api_key
+
+
+def test_gateway_reuses_worker_connections_for_less_than_the_workers_keep_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for sets in ((), ("worker.httpKeepAliveSeconds=5",)):
+        docs = render(sets=sets)
+        s = gateway_settings(docs, monkeypatch)
+        worker = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        worker_s = int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"])
+        assert worker_s == (5 if sets else 61)
+        assert s.upstream_keepalive_s == worker_s - 1

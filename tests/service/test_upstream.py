@@ -76,6 +76,20 @@ async def test_keep_alive_reuses_one_connection(server: Server) -> None:
     pool.close()
 
 
+@pytest.mark.parametrize(("keepalive_s", "connections"), [(0.05, 2), (5.0, 1)])
+async def test_idle_connections_are_reused_for_keepalive_s_only(
+    server: Server, keepalive_s: float, connections: int
+) -> None:
+    pool = Pool(connect_timeout_s=1, headers={}, keepalive_s=keepalive_s)
+    for i in range(2):
+        response = await pool.post(target(server.port), b"/", b"{}", f"r{i}", ignore)
+        assert await response.content.read() == b"ok"
+        response.release()
+        await asyncio.sleep(0.2)  # idle longer than the short window, shorter than the long
+    assert server.connections == connections
+    pool.close()
+
+
 async def test_chunked_body_arrives_in_parts(server: Server) -> None:
     server.reply = lambda n: [
         b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-type: text/event-stream\r\n\r\n",

@@ -144,12 +144,13 @@
 {{- end -}}
 
 {{/* Worker environment: HOME on the writable /tmp (the pods run as non-root, some with a
-     read-only root), the HF cache, token and offline switch (vllm mode), the worker key,
+     read-only root), the idle keep-alive of its HTTP server, the HF cache, token and offline switch (vllm mode), the worker key,
      then worker.extraEnv. */}}
 {{- define "dflash.worker.env" -}}
 {{- $w := .Values.worker -}}
 {{- $c := $w.modelCache -}}
 {{- $env := list (dict "name" "HOME" "value" "/tmp") -}}
+{{- $env = append $env (dict "name" "VLLM_HTTP_TIMEOUT_KEEP_ALIVE" "value" (toString (int $w.httpKeepAliveSeconds))) -}}
 {{- if not (include "dflash.embedded" .) -}}
 {{- $env = append $env (dict "name" "HF_HOME" "value" (printf "%s/huggingface" $c.mountPath)) -}}
 {{- if or $c.offline $c.readOnly (eq $c.type "hostPath") -}}

@@ -174,3 +174,17 @@ def test_drafter_int8_reaches_the_engine_and_is_the_embedded_engines(
     assert not engine_config(load_settings(model=str(ckpt.target_dir))).drafter_int8
     message = error_of(backend="vllm", model=str(ckpt.target_dir), drafter_int8=True)
     assert message.startswith("invalid worker setting drafter_int8:")
+
+
+def test_http_keep_alive_comes_from_vllms_env_variable(
+    ckpt: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.worker.cli import settings_from_args
+
+    assert settings_from_args([str(ckpt.target_dir)])[0].http_keep_alive_s == 5  # vLLM's default
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "61")
+    assert settings_from_args([str(ckpt.target_dir)])[0].http_keep_alive_s == 61
+    for bad in ("0", "2.5", "soon"):
+        monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", bad)
+        with pytest.raises(ConfigError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
+            settings_from_args([str(ckpt.target_dir)])
