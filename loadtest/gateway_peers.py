@@ -44,6 +44,7 @@ from loadtest.gateway_bench import (
     closed_loop,
     free_port,
     percentile,
+    quiet_collector,
     wait_healthy,
 )
 
@@ -167,7 +168,16 @@ def start_peers(
     # The stub shares its core with the load generator: under a closed loop its /health can
     # take longer than the default 1 s, and a gateway would then mark it down (503s that
     # measure the bench, not the proxy); nginx has no active checks to trip.
-    env = {**os.environ, "DFLASH_GATEWAY_API_KEYS": "", "DFLASH_GATEWAY_HEALTH_TIMEOUT_S": "5"}
+    # Idle upstream connections are reused for 60 s, as nginx's `keepalive` does by default
+    # (keepalive_timeout 60s): the stub never closes them, so the
+    # gateway's default (4 s, below a real worker's 5 s idle close) would make every burst
+    # open fresh connections where the peers reuse warm ones.
+    env = {
+        **os.environ,
+        "DFLASH_GATEWAY_API_KEYS": "",
+        "DFLASH_GATEWAY_HEALTH_TIMEOUT_S": "5",
+        "DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S": "60",
+    }
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
     worker = f"http://127.0.0.1:{upstream}"
     sources = [("dflash-gateway", ROOT)]
@@ -407,7 +417,11 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_peers(args)
     if shutil.which("taskset") and args.aux_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.aux_cpus.split(",")})
-    with tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp, stub_process(args) as stub:
+    with (
+        quiet_collector(),
+        tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp,
+        stub_process(args) as stub,
+    ):
         peers = start_peers(args, stub, Path(tmp), missing)
         try:
             for peer in peers:

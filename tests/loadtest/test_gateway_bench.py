@@ -61,3 +61,15 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
         assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
         assert row["unary_cpu_us_per_request"] > 0 and row["streams_per_s"] > 0
         assert row["burst_added_ttft_ms"]["p99"] is not None
+
+
+def test_the_load_generators_collector_settings_are_restored() -> None:
+    import gc
+
+    from loadtest.gateway_bench import quiet_collector
+    from service.http import GC_YOUNG_THRESHOLD
+
+    before = gc.get_threshold(), gc.get_freeze_count()
+    with quiet_collector():
+        assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD and gc.get_freeze_count() > 0
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
