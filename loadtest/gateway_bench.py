@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -26,10 +27,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -114,23 +115,21 @@ CHAT: dict[str, Any] = {
 }
 
 
-@contextlib.contextmanager
-def quiet_collector() -> Iterator[None]:
-    """The load generator runs with the gateway's collector settings: its own full
-    collection (tens of ms with a burst's objects alive) would land in whatever latency it
-    was measuring, in the same burst of every run (the allocation count is deterministic).
-    Restored on exit (the benchmarks also run inside the test process)."""
-    import gc
+T = TypeVar("T")
 
-    from service.http import tune_gc_for_serving
 
-    threshold = gc.get_threshold()
-    tune_gc_for_serving()
+async def without_collector(measure: Awaitable[T]) -> T:
+    """One timed slice with the load generator's collector off (and collected just before):
+    a collection pause in the client would count as the proxy's latency, and lands in the
+    same slice of every run (the allocation count is deterministic)."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
     try:
-        yield
+        return await measure
     finally:
-        gc.unfreeze()
-        gc.set_threshold(*threshold)
+        if was_enabled:
+            gc.enable()
 
 
 def body(stream: bool, gap_ms: float = 0.0) -> bytes:
@@ -280,7 +279,7 @@ async def run_all(stub_port: int, gw_port: int, args: argparse.Namespace) -> dic
         merged = {target: Sample() for target, _ in targets}
         for _ in range(args.rounds):
             for target, port in targets:
-                merge(merged[target], await run_phase(name, port, args))
+                merge(merged[target], await without_collector(run_phase(name, port, args)))
         row: dict[str, Any] = {target: summary(merged[target]) for target, _ in targets}
         row["added_ms"] = added(row["direct"], row["gateway"], "latency_ms")
         if name == "stream":
@@ -379,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return gateway_peers.main(argv)
     args = build_parser().parse_args(argv)
-    with quiet_collector(), subprocesses(args.events) as (stub_port, gw_port):
+    with subprocesses(args.events) as (stub_port, gw_port):
         results = asyncio.run(run_all(stub_port, gw_port, args))
     report = {
         "benchmark": "gateway",

@@ -44,8 +44,8 @@ from loadtest.gateway_bench import (
     closed_loop,
     free_port,
     percentile,
-    quiet_collector,
     wait_healthy,
+    without_collector,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,17 +259,23 @@ async def one_round(
     for peer in peers:
         result = results[peer.name]
         before = cpu_seconds(peer.process.pid)
-        part = await closed_loop(peer.port, unary, args.concurrency, args.duration, False)
+        unary_loop = closed_loop(peer.port, unary, args.concurrency, args.duration, False)
+        part = await without_collector(unary_loop)
         result.unary_cpu_s += cpu_seconds(peer.process.pid) - before
         merge(result.unary, part)
         before = cpu_seconds(peer.process.pid)
-        part = await closed_loop(peer.port, stream, args.concurrency, args.duration, True)
+        stream_loop = closed_loop(peer.port, stream, args.concurrency, args.duration, True)
+        part = await without_collector(stream_loop)
         result.stream_cpu_s += cpu_seconds(peer.process.pid) - before
         merge(result.stream, part)
     for peer in peers:  # each proxy's burst right after one sent to the stub directly
-        merge(results[f"direct:{peer.name}"].burst, await burst(stub, args.burst, burst_body))
+        direct = await without_collector(burst(stub, args.burst, burst_body))
+        merge(results[f"direct:{peer.name}"].burst, direct)
         await asyncio.sleep(0.2)  # let a burst's connections close before the next
-        merge(results[peer.name].burst, await burst(peer.port, args.burst, burst_body))
+        merge(
+            results[peer.name].burst,
+            await without_collector(burst(peer.port, args.burst, burst_body)),
+        )
         await asyncio.sleep(0.2)
 
 
@@ -417,11 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_peers(args)
     if shutil.which("taskset") and args.aux_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.aux_cpus.split(",")})
-    with (
-        quiet_collector(),
-        tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp,
-        stub_process(args) as stub,
-    ):
+    with tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp, stub_process(args) as stub:
         peers = start_peers(args, stub, Path(tmp), missing)
         try:
             for peer in peers:

@@ -123,11 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", type=int, default=20)
     p.add_argument("--gap-ms", type=float, default=0.0)
     args = p.parse_args(argv)
-    # The gateway's own collector settings: a full collection in the stub during one burst
-    # would add its pause to whichever proxy (or the direct baseline) that burst measured.
-    from service.http import tune_gc_for_serving
-
-    tune_gc_for_serving()
     try:
         import uvloop
 

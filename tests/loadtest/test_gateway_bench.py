@@ -63,13 +63,15 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
         assert row["burst_added_ttft_ms"]["p99"] is not None
 
 
-def test_the_load_generators_collector_settings_are_restored() -> None:
+def test_timed_slices_run_without_the_collector() -> None:
+    import asyncio
     import gc
 
-    from loadtest.gateway_bench import quiet_collector
-    from service.http import GC_YOUNG_THRESHOLD
+    from loadtest.gateway_bench import without_collector
 
-    before = gc.get_threshold(), gc.get_freeze_count()
-    with quiet_collector():
-        assert gc.get_threshold()[0] == GC_YOUNG_THRESHOLD and gc.get_freeze_count() > 0
-    assert (gc.get_threshold(), gc.get_freeze_count()) == before
+    async def slice_() -> bool:
+        return gc.isenabled()
+
+    assert gc.isenabled()
+    assert asyncio.run(without_collector(slice_())) is False
+    assert gc.isenabled()
