@@ -98,6 +98,12 @@ class ModelRunner:
         if self.policy is None or self.acceptance is None:
             return spec_step(self._state, rows, sampling)
         k = self.policy.choose(len(rows), self.acceptance)
+        if any(_seeded_sampling(s) for s in seqs):
+            # A seed promises the same text every time, and how many drafts a row verifies
+            # decides how many random numbers it draws: with a seeded sampled row in the
+            # batch the step verifies them all, as fixed mode does, whatever the live
+            # acceptance says.
+            k = self.policy.max_k
         start = time.perf_counter()
         results = spec_step(self._state, rows, sampling, num_draft=k)
         self.policy.observe_cost(len(rows), k, time.perf_counter() - start)
@@ -152,3 +158,7 @@ def _processors(seq: Sequence) -> LogitsProcessing | None:
 def _slot(seq: Sequence) -> int:
     assert seq.slot is not None, "a scheduled sequence has a slot"
     return seq.slot
+
+
+def _seeded_sampling(seq: Sequence) -> bool:
+    return seq.params.seed is not None and seq.params.temperature > 0

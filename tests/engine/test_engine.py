@@ -3,6 +3,7 @@ continuous batching, queueing, cancellation, rejection, stop conditions, metrics
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -293,6 +294,30 @@ def test_seeded_sampling_is_reproducible(ckpt: TinyCheckpoint, k: int | None) ->
     reqs = [([1, 2], noisy), ([7, 8, 9], seeded), ([3, 4, 5, 6], noisy)]
     out = run(make_engine(ckpt, k=k), reqs, join_at=[0, 1, 3])
     assert out["1"].token_ids_delta == first
+
+
+def _prefer(k: int, batch_size: int, stats: object) -> int:
+    return k
+
+
+def test_adaptive_speculation_keeps_a_seed_reproducible(ckpt: TinyCheckpoint) -> None:
+    """How many drafts a sampled row verifies decides how many random numbers it draws, so
+    a step with a seeded sampled row verifies them all, whatever the policy would pick: the
+    seeded text is fixed mode's, and stays so when the policy prefers fewer drafts."""
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    reqs = [([1, 2], greedy), ([7, 8, 9], seeded)]
+    expected = run(make_engine(ckpt, k=3), reqs, join_at=[0, 2])["1"].token_ids_delta
+    for preferred in (0, 1, 3):
+        engine = make_engine(ckpt, k=3, adaptive=True)
+        policy = engine.runner.policy
+        assert policy is not None
+        policy.choose = functools.partial(_prefer, preferred)  # type: ignore[method-assign]
+        out = run(engine, reqs, join_at=[0, 2])
+        assert out["1"].token_ids_delta == expected, f"policy preferring k={preferred}"
+        steps = engine.stats().steps_by_k
+        if preferred < 3:  # before the seeded row joins, the preferred k was used
+            assert steps[preferred] > 0 and steps[3] > 0, steps
 
 
 def test_num_speculative_tokens_is_checked(ckpt: TinyCheckpoint, tmp_path: Path) -> None:
