@@ -245,6 +245,11 @@ def worker_argv(spec: WorkerSpec, port: int, args: argparse.Namespace) -> list[s
     argv += ["--max-model-len", str(args.max_model_len), "--seed", "0"]
     if spec.mode == "plain":
         argv.append("--no-speculation")
+    elif spec.backend == "embedded":
+        # vLLM's policy on both backends (num_speculative_tokens drafts every step), so the
+        # two engines are compared at the same speculation; `dflash-bench engine --adaptive`
+        # measures the embedded worker's default, adaptive.
+        argv += ["--speculation", "fixed"]
     if spec.backend == "vllm" and spec.mode == "plain":
         # Real vLLM refuses per-request speculation metrics without a speculative config,
         # and dflash-worker asks for them by default (`summary`).

@@ -48,7 +48,7 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
         device=settings.device,
         dtype=settings.torch_dtype_name(),
         seed=settings.seed,
-        adaptive=settings.speculation == "adaptive",
+        adaptive=settings.adaptive_speculation,
         drafter_int8=settings.drafter_int8,
     )
 

@@ -86,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculation",
         choices=["fixed", "adaptive"],
         default=sup,
-        help="embedded only: fixed = every step verifies num_speculative_tokens drafts (as "
-        "vLLM); adaptive = each step verifies the number a start-up cost model and the live "
-        "acceptance favour (0 = plain decoding), so speculation never costs throughput",
+        help="embedded only: adaptive (default) = each step verifies the number of drafts, "
+        "up to num_speculative_tokens, that a start-up cost model and the live acceptance "
+        "favour (0 = plain decoding), so speculation never costs throughput; fixed = every "
+        "step verifies num_speculative_tokens drafts (vLLM's policy)",
     )
     p.add_argument(
         "--drafter-int8",

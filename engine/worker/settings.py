@@ -83,9 +83,12 @@ class WorkerSettings(BaseModel):
     spec_cost_model: str | None = None
     # Embedded-only knobs (no `vllm serve` equivalent; never put into the vLLM argv).
     device: str = "cpu"
-    # fixed: every step verifies num_speculative_tokens drafts (as vLLM); adaptive: each
-    # step verifies the k a start-up cost model and the live acceptance favour (0 = plain).
-    speculation: Literal["fixed", "adaptive"] = "fixed"
+    # adaptive: each step verifies the k in [0, num_speculative_tokens] that a start-up cost
+    # model and the live acceptance favour (0 = plain decoding), so speculation never costs
+    # throughput; fixed: every step verifies num_speculative_tokens drafts (vLLM's policy).
+    # None: adaptive on the embedded backend, vLLM's own on the vllm backend (fixed, or its
+    # num_speculative_tokens_per_batch_size table).
+    speculation: Literal["fixed", "adaptive"] | None = None
     # The drafter's matmuls in int8 (CPU): faster drafts, outputs still the target's.
     drafter_int8: bool = False
     threads: int | None = Field(default=None, ge=1)  # torch threads; None: our CPUs less one
@@ -135,6 +138,12 @@ class WorkerSettings(BaseModel):
     def speculative(self) -> bool:
         return self.speculative_config is not None
 
+    @property
+    def adaptive_speculation(self) -> bool:
+        """Whether the embedded engine chooses k per step (see `speculation`)."""
+        chosen = self.speculation or ("adaptive" if self.backend == "embedded" else "fixed")
+        return self.speculative and chosen == "adaptive"
+
     def num_speculative_tokens(self) -> int | None:
         """K: as configured, else the drafter's block_size - 1 (when its config is local)."""
         spec = self.speculative_config
@@ -170,7 +179,7 @@ class WorkerSettings(BaseModel):
 
 def _check_backend_fields(s: WorkerSettings) -> None:
     if s.backend != "embedded":
-        if s.speculation != "fixed":
+        if s.speculation == "adaptive":
             raise ValueError(
                 "speculation: adaptive is the embedded engine's; give vLLM its batch-size "
                 "table as speculative_config.num_speculative_tokens_per_batch_size"

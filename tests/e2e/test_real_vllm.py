@@ -73,7 +73,9 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
                 startup_timeout=420,
             )
         )
-        embedded = stack.enter_context(running_worker(*COMMON))
+        # vLLM's policy on both sides (every step verifies num_speculative_tokens drafts),
+        # so acceptance and the metrics object compare like for like.
+        embedded = stack.enter_context(running_worker(*COMMON, "--speculation", "fixed"))
         gateway = stack.enter_context(
             running_gateway([vllm.base_url], tmp_path_factory.mktemp("gw"))
         )

@@ -97,6 +97,8 @@ def test_workers_start_through_dflash_worker_with_equal_settings() -> None:
     assert vllm[1:3] == ["-m", "engine.worker.cli"] and emb[1:3] == ["-m", "engine.worker.cli"]
     assert vllm[3:7] == ["--backend", "vllm", "--vllm-bin", "/opt/vllm"]
     assert "--no-speculation" in vllm and "--no-speculation" not in emb
+    assert emb[emb.index("--speculation") + 1] == "fixed"  # vLLM's policy on both sides
+    assert "--speculation" not in vllm
     assert vllm[-1] == "--enforce-eager" and "--enforce-eager" not in emb
     for argv in (vllm, emb):
         assert argv[argv.index("--dtype") + 1] == "float32"

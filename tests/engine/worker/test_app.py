@@ -710,7 +710,10 @@ def test_chat_logprobs_through_the_sdk_stream_and_whole(client: openai.OpenAI) -
     for chunk in client.chat.completions.create(**ask, stream=True):
         if chunk.choices and chunk.choices[0].logprobs is not None:
             streamed += chunk.choices[0].logprobs.content or []
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # Same tokens; the values to float rounding: adaptive speculation may verify another
+    # number of drafts on the second call, and a wider verify rounds attention differently.
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
 
 
 def test_completion_logprobs_zero_and_n(worker: AppHandle) -> None:

@@ -43,6 +43,7 @@ def worker(tiny_checkpoint: TinyCheckpoint) -> Iterator[AppHandle]:
         max_model_len=512,
         speculative_config={"method": "dflash", "model": str(ckpt.drafter_dir)},
         per_request_spec_decode_metrics="detailed",
+        speculation="fixed",  # vLLM's policy: K drafts every step, as its counters assume
     )
     # A pre-built engine handed to create_app (test_server covers the app loading its own).
     with serving_app(settings, engine=build_engine(settings)) as handle:

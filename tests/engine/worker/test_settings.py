@@ -188,3 +188,17 @@ def test_http_keep_alive_comes_from_vllms_env_variable(
         monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", bad)
         with pytest.raises(ConfigError, match="VLLM_HTTP_TIMEOUT_KEEP_ALIVE"):
             settings_from_args([str(ckpt.target_dir)])
+
+
+def test_speculation_is_adaptive_on_the_embedded_backend_unless_fixed(
+    ckpt: TinyCheckpoint,
+) -> None:
+    from engine.worker.app import engine_config
+
+    dflash = {"model": str(ckpt.target_dir), "speculative_config": spec(ckpt.drafter_dir)}
+    assert engine_config(load_settings(**dflash)).adaptive
+    assert not engine_config(load_settings(**dflash, speculation="fixed")).adaptive
+    assert not load_settings(model=str(ckpt.target_dir)).adaptive_speculation  # no drafter
+    assert not load_settings(**dflash, backend="vllm").adaptive_speculation  # vLLM's own
+    message = error_of(**dflash, backend="vllm", speculation="adaptive")
+    assert message.startswith("invalid worker setting speculation:")
