@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
@@ -123,10 +123,19 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# Seconds workers keep an idle connection (as the chart's worker.httpKeepAliveSeconds);
+# the gateway reuses one for a second less, so bursts find warm connections.
+WORKER_KEEP_ALIVE_S = 61
+
+
 def worker_env(total_workers: int) -> dict[str, str]:
     # Every worker would otherwise use every core: split them between the workers.
     threads = max(1, (os.cpu_count() or 1) // max(1, total_workers))
-    return {"OMP_NUM_THREADS": str(threads), **os.environ, "PYTHONUNBUFFERED": "1"}
+    defaults = {
+        "OMP_NUM_THREADS": str(threads),
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(WORKER_KEEP_ALIVE_S),
+    }
+    return {**defaults, **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def start_worker(pool: PoolSpec, env: dict[str, str], port: int) -> WorkerProcess:
@@ -209,10 +218,16 @@ def sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def gateway_settings(pool: PoolSpec, urls: list[str], log_level: str) -> GatewaySettings:
+def gateway_settings(
+    pool: PoolSpec, urls: list[str], log_level: str, worker_env: Mapping[str, str]
+) -> GatewaySettings:
     # Env (DFLASH_GATEWAY_*) still applies to everything not decided here.
     fixed: dict[str, Any] = {"host": "127.0.0.1", "port": pool.port, "workers": urls}
     fixed.update(log_level=log_level, drain_timeout_s=10)
+    keep_alive = worker_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "")
+    if "DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S" not in os.environ and keep_alive.isdigit():
+        # (a malformed value is the workers' to report: they refuse to start)
+        fixed["upstream_keepalive_s"] = max(0.5, int(keep_alive) - 1.0)
     return GatewaySettings(**fixed)
 
 
@@ -246,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
                 urls[pool.name] = [w.url for w in procs]
             wait_ready(started, args.startup_timeout)
             servers = [
-                GatewayServer(gateway_settings(p, urls[p.name], args.log_level)) for p in pools
+                GatewayServer(gateway_settings(p, urls[p.name], args.log_level, env)) for p in pools
             ]
         run_servers(servers, on_started=lambda: announce(pools))
     except (RuntimeError, TimeoutError) as exc:

@@ -66,3 +66,20 @@ def test_compare_serves_dflash_and_plain_side_by_side(tiny_checkpoint: Any) -> N
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_the_gateway_reuses_worker_connections_for_less_than_the_workers_keep_them(
+    monkeypatch: Any,
+) -> None:
+    from service.local_stack import PoolSpec, gateway_settings, worker_env
+
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    monkeypatch.delenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", raising=False)
+    pool = PoolSpec("dflash", 8000, 1, True, (), "embedded")
+    env = worker_env(1)
+    assert env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "61"
+    assert gateway_settings(pool, [], "info", env).upstream_keepalive_s == 60
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")  # the user's value wins
+    assert gateway_settings(pool, [], "info", worker_env(1)).upstream_keepalive_s == 4
+    monkeypatch.setenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", "2")
+    assert gateway_settings(pool, [], "info", worker_env(1)).upstream_keepalive_s == 2
