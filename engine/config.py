@@ -23,7 +23,7 @@ class EngineConfig:
     # (engine/adaptive.py); k = 0 is plain decoding, so it is never slower than plain.
     adaptive: bool = False
     # True: the drafter's matmuls in int8 (engine/layers.py FusedWeight `int8`; CPU with
-    # fbgemm, else ignored). Drafts only propose, so outputs stay the target's exactly;
+    # fbgemm, else a ValueError). Drafts only propose, so outputs stay the target's exactly;
     # acceptance may move slightly. The target is never quantized.
     drafter_int8: bool = False
 

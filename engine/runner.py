@@ -14,6 +14,7 @@ import torch
 from engine.adaptive import AcceptanceStats, SpecPolicy
 from engine.calibration import calibrate_state
 from engine.config import EngineConfig, block_size_for
+from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target
 from engine.logits_processors import LogitsProcessing
 from engine.sequence import SamplingParams, Sequence
@@ -46,6 +47,8 @@ class ModelRunner:
         if config.drafter_path is not None:
             drafter = load_drafter(config.drafter_path, target, config.device, dtype)
             if config.drafter_int8:
+                if not (INT8_LINEAR and torch.device(config.device).type == "cpu"):
+                    raise ValueError("drafter_int8: no int8 (fbgemm) matmuls for this device")
                 drafter.use_int8()
         drafter_block = None if drafter is None else drafter.block_size
         self.block_size = block_size_for(config.num_speculative_tokens, drafter_block)

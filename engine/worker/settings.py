@@ -190,6 +190,8 @@ def _check_backend_fields(s: WorkerSettings) -> None:
             )
         return
     spec = s.speculative_config
+    if s.drafter_int8 and (spec is None or s.device != "cpu"):
+        raise ValueError("drafter_int8: needs a drafter (speculative_config) on the CPU")
     if spec is not None and spec.method != "dflash":
         raise ValueError(
             f"speculative_config.method: {spec.method!r} is not supported by the embedded "

@@ -483,6 +483,14 @@ def test_an_int8_drafter_changes_drafts_not_outputs(code_prompts: list[list[int]
     assert stats.num_accepted_tokens > stats.num_drafts, "drafts hardly accepted"
 
 
+def test_an_int8_drafter_without_int8_kernels_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("engine.runner.INT8_LINEAR", False)
+    with pytest.raises(ValueError, match="drafter_int8"):
+        bundled_engine(15, drafter_int8=True)
+
+
 def _same_logprobs(got: list[TokenLogprob] | None, want: list[TokenLogprob] | None) -> None:
     """Equal up to float rounding (a verify step and a plain step sum in different orders)."""
     assert (got is None) == (want is None)

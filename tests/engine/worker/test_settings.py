@@ -174,6 +174,12 @@ def test_drafter_int8_reaches_the_engine_and_is_the_embedded_engines(
     assert not engine_config(load_settings(model=str(ckpt.target_dir))).drafter_int8
     message = error_of(backend="vllm", model=str(ckpt.target_dir), drafter_int8=True)
     assert message.startswith("invalid worker setting drafter_int8:")
+    for needs in (
+        {"model": str(ckpt.target_dir)},
+        {"device": "cuda", **s.model_dump(include={"model", "speculative_config"})},
+    ):
+        message = error_of(**needs, drafter_int8=True)
+        assert message.startswith("invalid worker setting drafter_int8: needs a drafter")
 
 
 def test_http_keep_alive_comes_from_vllms_env_variable(
