@@ -133,6 +133,12 @@ def _pack_int8(weight: Tensor) -> object:
         return torch.ops.quantized.linear_prepack(q, None)
 
 
+def _source_key(parts: list[Tensor]) -> tuple[object, ...]:
+    """What identifies the weights a copy was made from: in-place edits bump `_version`,
+    `.to()` changes `data_ptr`."""
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parts)
+
+
 class FusedWeight:
     """Inference copy of one or more Linear weights, concatenated along the output dim,
     rebuilt when any source changes (in-place edits bump `_version`, `.to()` changes
@@ -165,7 +171,7 @@ class FusedWeight:
     def _entry(
         self, parts: list[Tensor], dtype: torch.dtype | None
     ) -> tuple[tuple[object, ...], Tensor, Tensor | None]:
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parts)
+        key = _source_key(parts)
         entry = self._copies.get(dtype)
         if entry is None or entry[0] != key:
             with torch.inference_mode(False), torch.no_grad():
@@ -189,7 +195,7 @@ class FusedWeight:
         return out
 
     def _linear_int8(self, x: Tensor, parts: list[Tensor]) -> Tensor:
-        key = tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parts)
+        key = _source_key(parts)
         if self._int8_packed is None or self._int8_packed[0] != key:
             with torch.inference_mode(False), torch.no_grad():
                 weight = torch.cat([p.detach() for p in parts], dim=0).contiguous()

@@ -380,7 +380,7 @@ def _report(
     results = [
         cells[(c, v)].to_json(cells[(c, Variant(1))]) for c in args.concurrency for v in variants
     ]
-    block_sizes = [v.block_size for v in variants if v == Variant(v.block_size)]
+    block_sizes = [v.block_size for v in variants if not (v.adaptive or v.drafter_int8)]
     return {
         "benchmark": "engine",
         "model": str(args.model),
