@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -36,6 +37,8 @@ MODEL = "tiny-coder"
 MAX_LEN = 1024
 # Both backends from the same settings: float32 (the bundled pair's dtype), 15 drafts.
 COMMON = ("--dtype", "float32", "--max-model-len", str(MAX_LEN), "--max-num-seqs", "4")
+# vLLM's idle keep-alive variable, given to both backends (above the gateway's 4 s reuse).
+KEEP_ALIVE_S = 6
 PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
     "def is_prime(n):",
@@ -69,13 +72,24 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
                 "--drain-timeout",
                 "30",
                 "--enforce-eager",
-                env={"DFLASH_VLLM_BIN": str(VLLM_BIN), "VLLM_CPU_KVCACHE_SPACE": "1"},
+                env={
+                    "DFLASH_VLLM_BIN": str(VLLM_BIN),
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S),
+                },
                 startup_timeout=420,
             )
         )
         # vLLM's policy on both sides (every step verifies num_speculative_tokens drafts),
         # so acceptance and the metrics object compare like for like.
-        embedded = stack.enter_context(running_worker(*COMMON, "--speculation", "fixed"))
+        embedded = stack.enter_context(
+            running_worker(
+                *COMMON,
+                "--speculation",
+                "fixed",
+                env={"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S)},
+            )
+        )
         gateway = stack.enter_context(
             running_gateway([vllm.base_url], tmp_path_factory.mktemp("gw"))
         )
@@ -98,6 +112,32 @@ def test_vllm_is_what_serves(backends: Backends) -> None:
     assert "DFlashDraftModel" in log and "starting real vLLM" in log
     version = httpx.get(f"{backends.vllm.base_url}/version", timeout=10).json()
     assert version["version"].startswith("0.32")
+
+
+def test_both_backends_close_idle_connections_after_vllms_keep_alive(
+    backends: Backends,
+) -> None:
+    """VLLM_HTTP_TIMEOUT_KEEP_ALIVE means the same on both: an idle connection lives
+    KEEP_ALIVE_S seconds (6 here, not the default 5)."""
+    socks = []
+    for handle in (backends.vllm, backends.embedded):
+        port = int(handle.base_url.rsplit(":", 1)[1])
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: w\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 200"), handle.base_url
+        socks.append(sock)
+    try:
+        time.sleep(KEEP_ALIVE_S - 0.8)  # past the default 5 s: both still open
+        for sock in socks:
+            sock.settimeout(0.05)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+        for sock in socks:
+            sock.settimeout(3.0)
+            assert sock.recv(1) == b""  # closed by the server
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def test_sdk_chat_and_completions_through_the_gateway(backends: Backends) -> None:
