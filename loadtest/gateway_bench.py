@@ -27,7 +27,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Iterator
+from collections.abc import Awaitable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -349,8 +349,13 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
             (labels[name], "requests/s", cell(d["requests_per_s"]), cell(g["requests_per_s"]), "")
         )
         rows.append((labels[name], "errors", cell(d["errors"]), cell(g["errors"]), ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+    return aligned(rows)
+
+
+def aligned(rows: Sequence[Sequence[str]], sep: str = "  ") -> str:
+    """Rows of cells as text columns, each as wide as its widest cell."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(sep.join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -369,6 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="instead: side by side with nginx and vllm-router (see loadtest/gateway_peers.py)",
     )
+    p.add_argument(
+        "--scaling",
+        action="store_true",
+        help="instead: requests/s with --processes 1, 2, ... (see loadtest/gateway_scaling.py)",
+    )
     return p
 
 
@@ -377,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest import gateway_peers  # side by side with nginx and vllm-router
 
         return gateway_peers.main(argv)
+    if argv is not None and "--scaling" in argv:
+        from loadtest import gateway_scaling  # --processes 1, 2, ...
+
+        return gateway_scaling.main(argv)
     args = build_parser().parse_args(argv)
     with subprocesses(args.events) as (stub_port, gw_port):
         results = asyncio.run(run_all(stub_port, gw_port, args))

@@ -14,7 +14,9 @@ machine's load (shared, noisy) weighs on all of them alike. Per proxy:
 - streams: the same for SSE streams of `--events` events (CPU µs per stream and per event),
   and completed streams/s (new streams/s the proxy sustains);
 - burst: `--burst` streams opened at once on fresh connections: time to first byte, minus the
-  same burst sent to the stub directly (added TTFT p50/p99);
+  same burst sent to the stub directly (added TTFT p50/p99). The first burst after the
+  warm-up is reported apart ("first burst"): a proxy then opens most of its upstream
+  connections (the warm-up keeps only a few), which the steady-state rounds do not measure;
 - RSS after the run.
 Prints a table, writes JSON.
 """
@@ -40,6 +42,7 @@ from typing import Any
 from loadtest.gateway_bench import (
     RawClient,
     Sample,
+    aligned,
     body,
     closed_loop,
     free_port,
@@ -93,6 +96,7 @@ class PeerResult:
     stream: Sample = field(default_factory=Sample)
     stream_cpu_s: float = 0.0
     burst: Sample = field(default_factory=Sample)
+    first_burst: Sample = field(default_factory=Sample)  # opens the upstream connections
     rss_mb: float | None = None
 
 
@@ -255,7 +259,6 @@ async def one_round(
     args: argparse.Namespace, peers: list[Peer], results: dict[str, PeerResult], stub: int
 ) -> None:
     unary, stream = body(False), body(True, args.stream_gap_ms)
-    burst_body = body(True, args.burst_gap_ms)
     for peer in peers:
         result = results[peer.name]
         before = cpu_seconds(peer.process.pid)
@@ -268,14 +271,26 @@ async def one_round(
         part = await without_collector(stream_loop)
         result.stream_cpu_s += cpu_seconds(peer.process.pid) - before
         merge(result.stream, part)
-    for peer in peers:  # each proxy's burst right after one sent to the stub directly
+    await bursts(args, peers, results, stub, first=False)
+
+
+async def bursts(
+    args: argparse.Namespace,
+    peers: list[Peer],
+    results: dict[str, PeerResult],
+    stub: int,
+    *,
+    first: bool,
+) -> None:
+    """Each proxy's burst right after one sent to the stub directly."""
+    burst_body = body(True, args.burst_gap_ms)
+    for peer in peers:
+        peer_result, direct_result = results[peer.name], results[f"direct:{peer.name}"]
         direct = await without_collector(burst(stub, args.burst, burst_body))
-        merge(results[f"direct:{peer.name}"].burst, direct)
+        merge(direct_result.first_burst if first else direct_result.burst, direct)
         await asyncio.sleep(0.2)  # let a burst's connections close before the next
-        merge(
-            results[peer.name].burst,
-            await without_collector(burst(peer.port, args.burst, burst_body)),
-        )
+        part = await without_collector(burst(peer.port, args.burst, burst_body))
+        merge(peer_result.first_burst if first else peer_result.burst, part)
         await asyncio.sleep(0.2)
 
 
@@ -284,16 +299,21 @@ def ms(values: list[float], q: float) -> float | None:
     return None if value is None else round(value * 1000, 2)
 
 
+def added_ms(through: Sample, direct: Sample) -> dict[str, float | None]:
+    """Time to first byte through the proxy minus straight to the stub, at p50 and p99."""
+    added: dict[str, float | None] = {}
+    for name, q in (("p50", 50), ("p99", 99)):
+        a, b = ms(through.latencies_s, q), ms(direct.latencies_s, q)
+        added[name] = None if a is None or b is None else round(a - b, 2)
+    return added
+
+
 def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[str, Any]:
     unary_us = result.unary_cpu_s / result.unary.completed * 1e6 if result.unary.completed else 0
     stream_us = (
         result.stream_cpu_s / result.stream.completed * 1e6 if result.stream.completed else 0
     )
     b, d = result.burst.latencies_s, direct.burst.latencies_s
-    added = {
-        q: (None if ms(b, p) is None or ms(d, p) is None else round(ms(b, p) - ms(d, p), 2))  # type: ignore[operator]
-        for q, p in (("p50", 50), ("p99", 99))
-    }
     return {
         "proxy": name,
         "unary_cpu_us_per_request": round(unary_us, 1),
@@ -309,14 +329,16 @@ def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[
         "stream_errors": result.stream.errors,
         "burst_ttft_ms": {"p50": ms(b, 50), "p99": ms(b, 99)},
         "burst_direct_ttft_ms": {"p50": ms(d, 50), "p99": ms(d, 99)},
-        "burst_added_ttft_ms": added,
-        "burst_errors": result.burst.errors,
+        "burst_added_ttft_ms": added_ms(result.burst, direct.burst),
+        "first_burst_added_ttft_ms": added_ms(result.first_burst, direct.first_burst),
+        "burst_errors": result.burst.errors + result.first_burst.errors,
         "error_kinds": {
             phase: sample.error_kinds
             for phase, sample in (
                 ("unary", result.unary),
                 ("stream", result.stream),
                 ("burst", result.burst),
+                ("first_burst", result.first_burst),
             )
             if sample.error_kinds
         },
@@ -333,12 +355,13 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "CPU µs/event",
         "streams/s",
         f"burst {args.burst} added TTFT p50/p99 ms",
+        "first burst p50/p99 ms",
         "RSS MB",
         "errors",
     )
     lines = [head]
     for r in rows:
-        added = r["burst_added_ttft_ms"]
+        added, first = r["burst_added_ttft_ms"], r["first_burst_added_ttft_ms"]
         errors = r["unary_errors"] + r["stream_errors"] + r["burst_errors"]
         lines.append(
             (
@@ -349,14 +372,12 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 str(r["stream_cpu_us_per_event"]),
                 str(r["streams_per_s"]),
                 f"{added['p50']} / {added['p99']}",
+                f"{first['p50']} / {first['p99']}",
                 str(r["rss_mb"]),
                 str(errors),
             )
         )
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
-    return "\n".join(
-        " | ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)) for line in lines
-    )
+    return aligned(lines, " | ")
 
 
 @contextlib.contextmanager
@@ -388,6 +409,7 @@ async def run(args: argparse.Namespace, stub: int, peers: list[Peer]) -> list[di
     for peer in peers:  # warm-up: connections, caches, lazy imports
         await closed_loop(peer.port, body(False), 8, args.warmup, False)
         await closed_loop(peer.port, body(True), 8, args.warmup, True)
+    await bursts(args, peers, results, stub, first=True)
     for _ in range(args.rounds):
         await one_round(args, peers, results, stub)
     for peer in peers:

@@ -61,6 +61,22 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
         assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
         assert row["unary_cpu_us_per_request"] > 0 and row["streams_per_s"] > 0
         assert row["burst_added_ttft_ms"]["p99"] is not None
+        # the first burst after the warm-up (upstream connections opened) is kept apart
+        assert row["first_burst_added_ttft_ms"]["p99"] is not None
+
+
+def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
+    out = tmp_path / "scaling.json"
+    argv = ["gateway", "--scaling", "--processes", "1,2", "--duration", "0.5", "--warmup", "0.1"]
+    argv += ["--rounds", "1", "--concurrency", "4", "--out", str(out)]
+    assert bench_main(argv) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["processes"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["errors"] == 0, r
+        assert r["requests_per_s"] > 0 and r["gateway_cores_busy"] > 0
+        assert r["cpu_us_per_request"] > 0
+    assert rows[0]["vs_one_process"] == 1.0
 
 
 def test_timed_slices_run_without_the_collector() -> None:
