@@ -126,3 +126,15 @@ def test_readme_compatibility_table_is_the_field_table() -> None:
     text = (ROOT / "README.md").read_text()
     table = text.split("<!-- fields:begin -->\n")[1].split("<!-- fields:end -->")[0]
     assert table == compatibility_table()
+
+
+def test_readme_gateway_table_names_every_setting() -> None:
+    """'Every setting is a flag or a DFLASH_GATEWAY_<NAME> variable': each one is in the table."""
+    from service.settings import GatewaySettings
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The gateway\n")[1].split("\n## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    names = {name for row in rows for name in re.findall(r"`([A-Z_]+)`", row)}
+    missing = {f.upper() for f in GatewaySettings.model_fields} - names
+    assert not missing, f"README's gateway settings table lacks {sorted(missing)}"
