@@ -394,23 +394,27 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with subprocesses(args.events) as (stub_port, gw_port):
         results = asyncio.run(run_all(stub_port, gw_port, args))
+    print(table(results, args))
+    print(f"goal p50 added <= 1 ms, p99 added <= 5 ms: {goals(results)}")
+    write_report("gateway", args, results=results, goals=goals(results))
+    return 0
+
+
+def write_report(benchmark: str, args: argparse.Namespace, **parts: Any) -> None:
+    """The JSON every gateway benchmark writes to `args.out`: what ran, where, and `parts`."""
     report = {
-        "benchmark": "gateway",
+        "benchmark": benchmark,
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
-        "results": results,
-        "goals": goals(results),
+        **parts,
     }
-    print(table(results, args))
-    print(f"goal p50 added <= 1 ms, p99 added <= 5 ms: {report['goals']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

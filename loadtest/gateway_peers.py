@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -49,6 +47,7 @@ from loadtest.gateway_bench import (
     percentile,
     wait_healthy,
     without_collector,
+    write_report,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -454,17 +453,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             for peer in peers:
                 stop(peer.process)
-    report = {
-        "benchmark": "gateway-peers",
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "missing": missing,
-        "results": rows,
-    }
     print(table(rows, args))
     for name, why in missing.items():
         print(f"missing {name}: {why}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report("gateway-peers", args, missing=missing, results=rows)
     return 0

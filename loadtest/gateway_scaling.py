@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -30,6 +28,7 @@ from loadtest.gateway_bench import (
     closed_loop,
     wait_healthy,
     without_collector,
+    write_report,
 )
 from loadtest.gateway_peers import ROOT, cpu_seconds, fresh_port, stop, stub_process
 
@@ -145,17 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                 one_slice(n, upstream, args, totals[n])
     baseline = totals.get(1, totals[args.processes[0]])
     rows = [row(n, totals[n], baseline) for n in args.processes]
-    report = {
-        "benchmark": "gateway-scaling",
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "results": rows,
-    }
     print(table(rows))
     print(f"({os.cpu_count()} CPUs, shared with the stub upstream and the load generator)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    write_report("gateway-scaling", args, results=rows)
     return 0
 
 
