@@ -82,6 +82,7 @@ BAD_VALUES = [
     ("monitoring.serviceMonitor.enabled=maybe", "monitoring.serviceMonitor.enabled must be one of"),
     ("worker.modelCache.size=lots", "worker.modelCache.size: Does not match pattern"),
     ("gateway.port=70000", "gateway.port: Must be less than or equal to 65535"),
+    ("gateway.processes=0", "gateway.processes: Must be greater than or equal to 1"),
     (
         "json:worker.gpuMemoryUtilization=1.5",
         "worker.gpuMemoryUtilization: Must be less than or equal to 1",

@@ -59,6 +59,7 @@ def test_gateway_reads_the_rendered_settings(
     assert s.worker_dns == "rel-dflash-serving-worker.llm.svc.cluster.local:8000"
     assert s.routing == "prefix_affinity" and s.max_retries == 4 and s.metrics_auth is True
     assert s.drain_timeout_s == 30.0 and s.dns_interval_s == 5.0
+    assert s.processes == 1
     # The key file path is where the Secret is mounted; its content is the rendered Secret.
     c = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
     mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["api-keys"]
@@ -98,3 +99,8 @@ def test_gateway_reuses_worker_connections_for_less_than_the_workers_keep_them(
         worker_s = int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"])
         assert worker_s == (5 if sets else 61)
         assert s.upstream_keepalive_s == worker_s - 1
+
+
+def test_gateway_processes_per_pod(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = gateway_settings(render(sets=("gateway.processes=4",)), monkeypatch)
+    assert s.processes == 4 and s.port == 8000  # a fixed port, as --processes needs
