@@ -124,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     p.add_argument("--scaling", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--processes", type=int_list, default=[1, 2], help="e.g. 1,2,4")
+    p.add_argument(
+        "--processes", type=int_list, default=[1, 2], help="e.g. 1,2,4 (1 is always measured)"
+    )
     p.add_argument("--duration", type=float, default=6.0, help="seconds per slice")
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=2, help="interleaved slices per N")
@@ -137,13 +139,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # stub_process reads these two: unary requests only, and nothing pinned.
     stub_args = argparse.Namespace(events=1, aux_cpus=None)
-    totals = {n: Totals() for n in args.processes}
+    counts = sorted({1, *args.processes})  # one process is the baseline of the ratios
+    totals = {n: Totals() for n in counts}
     with stub_process(stub_args) as upstream:
         for _ in range(args.rounds):
-            for n in args.processes:
+            for n in counts:
                 one_slice(n, upstream, args, totals[n])
-    baseline = totals.get(1, totals[args.processes[0]])
-    rows = [row(n, totals[n], baseline) for n in args.processes]
+    rows = [row(n, totals[n], totals[1]) for n in counts]
     print(table(rows))
     print(f"({os.cpu_count()} CPUs, shared with the stub upstream and the load generator)")
     write_report("gateway-scaling", args, results=rows)

@@ -67,7 +67,8 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
     out = tmp_path / "scaling.json"
-    argv = ["gateway", "--scaling", "--processes", "1,2", "--duration", "0.5", "--warmup", "0.1"]
+    # 1 is measured although not asked for: the baseline of the ratios
+    argv = ["gateway", "--scaling", "--processes", "2", "--duration", "0.5", "--warmup", "0.1"]
     argv += ["--rounds", "1", "--concurrency", "4", "--out", str(out)]
     assert bench_main(argv) == 0
     rows = json.loads(out.read_text())["results"]
