@@ -2,9 +2,10 @@
 upstream, with the same load generator, in interleaved rounds.
 
 Peers: `dflash-gateway` (one process), nginx (the Debian package: `scripts/install-tools.sh`),
-vllm-router (PyPI, a Rust router: `scripts/install-vllm-router.sh`), and optionally a second
-gateway from another source tree (`--baseline-src`, e.g. a checkout of main) to compare a
-change. A peer that is not installed is reported as missing, with why, and skipped.
+vllm-router (PyPI, a Rust router: `scripts/install-vllm-router.sh`), optionally LiteLLM's
+proxy (`--litellm`; PyPI: `scripts/install-litellm-proxy.sh`) and a second gateway from
+another source tree (`--baseline-src`, e.g. a checkout of main) to compare a change. A peer
+that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
 others (`--aux-cpus`); each round runs every phase against every proxy in turn, so that the
@@ -53,6 +54,17 @@ from loadtest.gateway_bench import (
 ROOT = Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"
 ROUTER = ROOT / ".tools" / "vllm-router" / "bin" / "vllm-router"
+LITELLM = ROOT / ".tools" / "litellm-proxy" / "bin" / "litellm"
+# One model routed to the stub as an OpenAI-compatible server; request fields it does not
+# know (the stub's bench_gap_ms) pass through to it.
+LITELLM_CONF = """
+model_list:
+  - model_name: stub
+    litellm_params:
+      model: openai/stub
+      api_base: http://127.0.0.1:{upstream}/v1
+      api_key: none
+"""
 NGINX_CONF = """
 worker_processes 1;
 daemon off;
@@ -159,6 +171,8 @@ def missing_peers(args: argparse.Namespace) -> dict[str, str]:
         why["nginx"] = f"{NGINX} not found: run scripts/install-tools.sh (Debian package nginx)"
     if not ROUTER.is_file():
         why["vllm-router"] = f"{ROUTER} not found: run scripts/install-vllm-router.sh"
+    if args.litellm and not LITELLM.is_file():
+        why["litellm"] = f"{LITELLM} not found: run scripts/install-litellm-proxy.sh"
     if not shutil.which("taskset"):
         why["pinning"] = "taskset (util-linux) not found: proxies run unpinned"
     return why
@@ -210,7 +224,27 @@ def start_peers(
             pinned(args.proxy_cpu, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
         peers.append(Peer("vllm-router", port, process, "/health"))
+    if args.litellm and "litellm" not in missing:
+        peers.append(start_litellm(args, upstream, workdir))
     return peers
+
+
+def start_litellm(args: argparse.Namespace, upstream: int, workdir: Path) -> Peer:
+    port = fresh_port()
+    conf = workdir / "litellm.yaml"
+    conf.write_text(LITELLM_CONF.format(upstream=upstream))
+    env = {
+        **os.environ,
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # offline: no price-map download at start
+        # No master key: the bench's clients send none, as they do to the other peers.
+        "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+    }
+    argv = [str(LITELLM), "--config", str(conf), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--num_workers", "1"]
+    process = subprocess.Popen(
+        pinned(args.proxy_cpu, argv), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    return Peer("litellm", port, process, "/health/liveliness")
 
 
 async def burst(port: int, count: int, payload: bytes) -> Sample:
@@ -435,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-cpu", default="1", help="core(s) every proxy is pinned to")
     p.add_argument("--aux-cpus", default="0", help="cores of the stub and the load generator")
     p.add_argument("--baseline-src", type=Path, help="also run the gateway from this tree")
+    p.add_argument(
+        "--litellm", action="store_true", help="also LiteLLM's proxy (~10 ms of CPU per request)"
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway-peers.json"))
     return p
 

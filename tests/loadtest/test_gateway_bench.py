@@ -49,13 +49,14 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "peers.json"
-    argv = ["gateway", "--peers", "--duration", "0.3", "--warmup", "0.1", "--rounds", "1"]
+    argv = ["gateway", "--peers", "--litellm", "--duration", "0.3", "--warmup", "0.1"]
+    argv += ["--rounds", "1"]
     argv += ["--concurrency", "4", "--events", "3", "--burst", "5", "--out", str(out)]
     assert bench_main(argv) == 0
     report = json.loads(out.read_text())
     names = [row["proxy"] for row in report["results"]]
     assert names[0] == "dflash-gateway"
-    for peer in ("nginx", "vllm-router"):
+    for peer in ("nginx", "vllm-router", "litellm"):
         assert (peer in names) != (peer in report["missing"])  # run, or said why not
     for row in report["results"]:
         assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
