@@ -383,11 +383,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is not None and "--peers" in argv:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--peers" in argv:
         from loadtest import gateway_peers  # side by side with nginx and vllm-router
 
         return gateway_peers.main(argv)
-    if argv is not None and "--scaling" in argv:
+    if "--scaling" in argv:
         from loadtest import gateway_scaling  # --processes 1, 2, ...
 
         return gateway_scaling.main(argv)

@@ -414,11 +414,12 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 @contextlib.contextmanager
-def stub_process(args: argparse.Namespace) -> Iterator[int]:
+def stub_process(events: int, cpus: str | None) -> Iterator[int]:
+    """The stub upstream (SSE streams of `events` events), pinned to `cpus` when given."""
     port = fresh_port()
     argv = [sys.executable, "-m", "loadtest.stub_upstream", "--port", str(port)]
-    argv += ["--events", str(args.events)]
-    process = subprocess.Popen(pinned(args.aux_cpus, argv), cwd=ROOT)
+    argv += ["--events", str(events)]
+    process = subprocess.Popen(pinned(cpus, argv), cwd=ROOT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", process)
         yield port
@@ -481,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_peers(args)
     if shutil.which("taskset") and args.aux_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.aux_cpus.split(",")})
-    with tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp, stub_process(args) as stub:
+    stub_upstream = stub_process(args.events, args.aux_cpus)
+    with tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp, stub_upstream as stub:
         peers = start_peers(args, stub, Path(tmp), missing)
         try:
             for peer in peers:

@@ -137,11 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # stub_process reads these two: unary requests only, and nothing pinned.
-    stub_args = argparse.Namespace(events=1, aux_cpus=None)
     counts = sorted({1, *args.processes})  # one process is the baseline of the ratios
     totals = {n: Totals() for n in counts}
-    with stub_process(stub_args) as upstream:
+    with stub_process(1, None) as upstream:  # unary requests only; nothing pinned
         for _ in range(args.rounds):
             for n in counts:
                 one_slice(n, upstream, args, totals[n])
