@@ -359,7 +359,9 @@ def aligned(rows: Sequence[Sequence[str]], sep: str = "  ") -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-bench gateway", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="dflash-bench gateway", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
     p.add_argument("--duration", type=float, default=8.0, help="seconds per phase and target")
     p.add_argument("--warmup", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=4, help="alternating slices per target")

@@ -145,14 +145,20 @@ def tree_pids(pid: int) -> list[int]:
 
 
 def cpu_seconds(pid: int) -> float:
-    total = 0.0
+    """CPU seconds (user + system) of the process and its descendants."""
+    return sum(cpu_by_process(pid).values())
+
+
+def cpu_by_process(pid: int) -> dict[int, float]:
+    """CPU seconds of the process and of each descendant, by pid."""
+    found: dict[int, float] = {}
     for one in tree_pids(pid):
         try:
             fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+        found[one] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return found
 
 
 def rss_mb(pid: int) -> float:
@@ -178,10 +184,10 @@ def missing_peers(args: argparse.Namespace) -> dict[str, str]:
     return why
 
 
-def start_peers(
-    args: argparse.Namespace, upstream: int, workdir: Path, missing: dict[str, str]
-) -> list[Peer]:
-    peers: list[Peer] = []
+def start_gateway(
+    port: int, upstream: int, extra: list[str], cpus: str | None, src: Path = ROOT
+) -> subprocess.Popen[bytes]:
+    """`dflash-gateway` from source tree `src` in front of the stub, without API keys."""
     # The stub shares its core with the load generator: under a closed loop its /health can
     # take longer than the default 1 s, and a gateway would then mark it down (503s that
     # measure the bench, not the proxy); nginx has no active checks to trip.
@@ -194,19 +200,24 @@ def start_peers(
         "DFLASH_GATEWAY_API_KEYS": "",
         "DFLASH_GATEWAY_HEALTH_TIMEOUT_S": "5",
         "DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S": "60",
+        "PYTHONPATH": str(src),
     }
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
-    worker = f"http://127.0.0.1:{upstream}"
+    argv = [sys.executable, "-m", "service.cli", "--port", str(port)]
+    argv += ["--worker", f"http://127.0.0.1:{upstream}", "--log-level", "warning", *extra]
+    return subprocess.Popen(pinned(cpus, argv), env=env, cwd=src)
+
+
+def start_peers(
+    args: argparse.Namespace, upstream: int, workdir: Path, missing: dict[str, str]
+) -> list[Peer]:
+    peers: list[Peer] = []
     sources = [("dflash-gateway", ROOT)]
     if args.baseline_src is not None:
         sources.append(("dflash-gateway@baseline", args.baseline_src.resolve()))
     for name, src in sources:
         port = fresh_port()
-        argv = [sys.executable, "-m", "service.cli", "--port", str(port), "--worker", worker]
-        argv += ["--log-level", "warning"]
-        process = subprocess.Popen(
-            pinned(args.proxy_cpu, argv), env={**env, "PYTHONPATH": str(src)}, cwd=src
-        )
+        process = start_gateway(port, upstream, [], args.proxy_cpu, src)
         peers.append(Peer(name, port, process, "/ready"))
     if "nginx" not in missing:
         port = fresh_port()
@@ -217,6 +228,7 @@ def start_peers(
         peers.append(Peer("nginx", port, process, "/health"))
     if "vllm-router" not in missing:
         port = fresh_port()
+        worker = f"http://127.0.0.1:{upstream}"
         argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker]
         argv += ["--policy", "round_robin", "--log-level", "warning"]
         argv += ["--prometheus-port", str(fresh_port())]

@@ -4,10 +4,14 @@
 Nothing is pinned: the gateway's processes, the stub upstream and the load generator share
 the machine's cores, so the total requests/s stops growing once the cores are busy. What
 says whether the gateway itself scales is its own CPU: the cores its processes kept busy and
-the requests served per busy gateway core (flat = each added process adds a core's worth;
-falling = the processes get in each other's way). Per N: requests/s and its ratio to one
-process, gateway cores busy, CPU µs per request, requests/s per gateway core, errors.
-Prints a table, writes JSON.
+the CPU each request cost against one process's (1.0 = each added process adds a core's
+worth; less = the processes get in each other's way). Per N: requests/s and its ratio to one
+process, gateway cores busy, CPU µs per request and that efficiency, each process's share of
+the gateway's CPU (the kernel spreads connections, not requests: a lopsided split shows
+here), errors. A slice starts once every process listens. Prints a table, writes JSON.
+
+On a machine with more cores the load generator and the stub (one process each) may bound
+the total requests/s before the gateway does: read the efficiency and the shares then.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import argparse
 import asyncio
 import os
 import subprocess
-import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +34,7 @@ from loadtest.gateway_bench import (
     without_collector,
     write_report,
 )
-from loadtest.gateway_peers import ROOT, cpu_seconds, fresh_port, stop, stub_process
+from loadtest.gateway_peers import cpu_by_process, fresh_port, start_gateway, stop, stub_process
 
 
 @dataclass
@@ -39,6 +43,14 @@ class Totals:
     errors: int = 0
     elapsed_s: float = 0.0
     cpu_s: float = 0.0
+    # CPU seconds of each gateway process, busiest first, summed over slices
+    by_process: list[float] = field(default_factory=list)
+
+    def add_processes(self, seconds: list[float]) -> None:
+        ranked = sorted(seconds, reverse=True)
+        if not self.by_process:
+            self.by_process = [0.0] * len(ranked)
+        self.by_process = [a + b for a, b in zip(self.by_process, ranked, strict=True)]
 
 
 def int_list(text: str) -> list[int]:
@@ -48,72 +60,100 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def start_gateway(processes: int, upstream: int) -> tuple[subprocess.Popen[bytes], int]:
-    port = fresh_port()
-    argv = [sys.executable, "-m", "service.cli", "--port", str(port)]
-    argv += ["--worker", f"http://127.0.0.1:{upstream}", "--log-level", "warning"]
-    argv += ["--processes", str(processes)]
-    # The stub shares the cores with the load generator: a slow /health must not mark it
-    # down (as in the peers bench).
-    env = {**os.environ, "DFLASH_GATEWAY_API_KEYS": "", "DFLASH_GATEWAY_HEALTH_TIMEOUT_S": "5"}
-    env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
-    process = subprocess.Popen(argv, env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT)
-    return process, port
+def listeners(port: int) -> int:
+    """Sockets listening on `port`: one per process of `--processes N` (SO_REUSEPORT)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            count += state == "0A" and int(local.rsplit(":", 1)[1], 16) == port  # 0A: LISTEN
+    return count
 
 
-async def measure(port: int, pid: int, args: argparse.Namespace) -> tuple[Sample, float]:
-    """A closed loop of unary requests; the sample and the gateway's CPU seconds over it."""
+def wait_listening(port: int, processes: int, gateway: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while listeners(port) < processes:
+        if gateway.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{processes} gateway processes did not all listen on {port}")
+        time.sleep(0.1)
+
+
+def serving_pids(gateway: subprocess.Popen[bytes], processes: int) -> list[int]:
+    """The processes that serve: the gateway itself, or its supervisor's children."""
+    pids = list(cpu_by_process(gateway.pid))
+    return pids if processes == 1 else [p for p in pids if p != gateway.pid]
+
+
+async def measure(
+    port: int, pids: list[int], gateway_pid: int, args: argparse.Namespace
+) -> tuple[Sample, dict[int, float]]:
+    """A closed loop of unary requests; the sample and each serving process's CPU seconds."""
     await closed_loop(port, body(False), 8, args.warmup, False)
-    before = cpu_seconds(pid)
+    before = cpu_by_process(gateway_pid)
     loop = closed_loop(port, body(False), args.concurrency, args.duration, False)
     sample = await without_collector(loop)
-    return sample, cpu_seconds(pid) - before
+    after = cpu_by_process(gateway_pid)
+    return sample, {p: after.get(p, 0.0) - before.get(p, 0.0) for p in pids}
 
 
 def one_slice(processes: int, upstream: int, args: argparse.Namespace, into: Totals) -> None:
     """A fresh gateway with this many processes, measured, stopped."""
-    process, port = start_gateway(processes, upstream)
+    port = fresh_port()
+    gateway = start_gateway(port, upstream, ["--processes", str(processes)], None)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/ready", process, 60)
-        sample, cpu_s = asyncio.run(measure(port, process.pid, args))
+        wait_healthy(f"http://127.0.0.1:{port}/ready", gateway, 60)
+        wait_listening(port, processes, gateway)
+        pids = serving_pids(gateway, processes)
+        sample, cpu = asyncio.run(measure(port, pids, gateway.pid, args))
     finally:
-        stop(process)
+        stop(gateway)
     into.completed += sample.completed
     into.errors += sample.errors
     into.elapsed_s += sample.elapsed_s
-    into.cpu_s += cpu_s
+    into.cpu_s += sum(cpu.values())
+    into.add_processes(list(cpu.values()))
 
 
 def row(processes: int, totals: Totals, one: Totals) -> dict[str, Any]:
     rate = totals.completed / totals.elapsed_s if totals.elapsed_s else 0.0
     one_rate = one.completed / one.elapsed_s if one.elapsed_s else 0.0
-    cores = totals.cpu_s / totals.elapsed_s if totals.elapsed_s else 0.0
+    cost = totals.cpu_s / totals.completed * 1e6 if totals.completed else None
+    one_cost = one.cpu_s / one.completed * 1e6 if one.completed else None
     return {
         "processes": processes,
         "requests_per_s": round(rate, 1),
         "vs_one_process": round(rate / one_rate, 2) if one_rate else None,
-        "gateway_cores_busy": round(cores, 2),
-        "cpu_us_per_request": round(totals.cpu_s / totals.completed * 1e6, 1)
-        if totals.completed
-        else None,
-        "requests_per_s_per_gateway_core": round(rate / cores, 1) if cores else None,
+        "gateway_cores_busy": round(totals.cpu_s / totals.elapsed_s, 2) if totals.elapsed_s else 0,
+        "cpu_us_per_request": round(cost, 1) if cost else None,
+        # one process's CPU per request over this one's: 1.0 = perfect scaling per core
+        "efficiency": round(one_cost / cost, 2) if cost and one_cost else None,
+        "process_cpu_shares": [round(s / totals.cpu_s, 2) for s in totals.by_process]
+        if totals.cpu_s
+        else [],
         "errors": totals.errors,
     }
 
 
+COLUMNS = (
+    "processes",
+    "requests_per_s",
+    "vs_one_process",
+    "gateway_cores_busy",
+    "cpu_us_per_request",
+    "efficiency",
+)
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    keys = (
-        "processes",
-        "requests_per_s",
-        "vs_one_process",
-        "gateway_cores_busy",
-        "cpu_us_per_request",
-        "requests_per_s_per_gateway_core",
-        "errors",
-    )
-    head = ("processes", "req/s", "x 1 process", "gateway cores", "CPU µs/req", "req/s/core")
-    lines: list[tuple[str, ...]] = [(*head, "errors")]
-    lines += [tuple(str(r[k]) for k in keys) for r in rows]
+    head = ("processes", "req/s", "x 1 process", "gateway cores", "CPU µs/req", "efficiency")
+    lines: list[tuple[str, ...]] = [(*head, "CPU shares", "errors")]
+    for r in rows:
+        shares = "/".join(str(s) for s in r["process_cpu_shares"])
+        lines.append((*(str(r[k]) for k in COLUMNS), shares, str(r["errors"])))
     return aligned(lines, " | ")
 
 

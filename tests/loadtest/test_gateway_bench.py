@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loadtest.bench import main as bench_main
 from loadtest.gateway_bench import PHASES
 
@@ -68,17 +70,26 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
     out = tmp_path / "scaling.json"
-    # 1 is measured although not asked for: the baseline of the ratios
+    # 1 is measured although not asked for: the baseline of the ratios. 16 clients: the
+    # kernel puts all of them on one of two processes with probability 2 / 2**16.
     argv = ["gateway", "--scaling", "--processes", "2", "--duration", "0.5", "--warmup", "0.1"]
-    argv += ["--rounds", "1", "--concurrency", "4", "--out", str(out)]
+    argv += ["--rounds", "1", "--concurrency", "16", "--out", str(out)]
     assert bench_main(argv) == 0
     rows = json.loads(out.read_text())["results"]
     assert [r["processes"] for r in rows] == [1, 2]
     for r in rows:
         assert r["errors"] == 0, r
         assert r["requests_per_s"] > 0 and r["gateway_cores_busy"] > 0
-        assert r["cpu_us_per_request"] > 0
-    assert rows[0]["vs_one_process"] == 1.0
+        assert r["cpu_us_per_request"] > 0 and r["efficiency"] > 0
+    assert rows[0]["process_cpu_shares"] == [1.0]
+    # both processes of the second gateway served requests, not just health checks
+    shares = rows[1]["process_cpu_shares"]
+    assert len(shares) == 2 and min(shares) > 0.02, shares
+
+
+def test_abbreviated_bench_flags_are_refused() -> None:
+    with pytest.raises(SystemExit):  # `--scal` must not run the plain bench instead
+        bench_main(["gateway", "--scal"])
 
 
 def test_timed_slices_run_without_the_collector() -> None:
