@@ -50,6 +50,7 @@ from loadtest.gateway_bench import (
     without_collector,
     write_report,
 )
+from service.http import package_version
 
 ROOT = Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"
@@ -182,6 +183,30 @@ def missing_peers(args: argparse.Namespace) -> dict[str, str]:
     if not shutil.which("taskset"):
         why["pinning"] = "taskset (util-linux) not found: proxies run unpinned"
     return why
+
+
+def peer_versions(peers: list[Peer]) -> dict[str, str]:
+    """The version of each peer that ran, as the peer itself reports it."""
+
+    def venv_package(binary: Path, package: str) -> str:
+        code = f"import importlib.metadata as m; print(m.version({package!r}))"
+        done = subprocess.run(
+            [str(binary.parent / "python"), "-c", code], capture_output=True, text=True
+        )
+        return done.stdout.strip() or "unknown"
+
+    versions: dict[str, str] = {}
+    for peer in peers:
+        if peer.name == "nginx":
+            done = subprocess.run([NGINX, "-v"], capture_output=True, text=True)
+            versions[peer.name] = done.stderr.strip().rsplit("/", 1)[-1] or "unknown"
+        elif peer.name == "vllm-router":
+            versions[peer.name] = venv_package(ROUTER, "vllm-router")
+        elif peer.name == "litellm":
+            versions[peer.name] = venv_package(LITELLM, "litellm")
+        else:
+            versions[peer.name] = package_version()
+    return versions
 
 
 def start_gateway(
@@ -344,6 +369,10 @@ def ms(values: list[float], q: float) -> float | None:
     return None if value is None else round(value * 1000, 2)
 
 
+def quantiles_ms(sample: Sample) -> dict[str, float | None]:
+    return {"p50": ms(sample.latencies_s, 50), "p99": ms(sample.latencies_s, 99)}
+
+
 def added_ms(through: Sample, direct: Sample) -> dict[str, float | None]:
     """Time to first byte through the proxy minus straight to the stub, at p50 and p99."""
     added: dict[str, float | None] = {}
@@ -358,7 +387,6 @@ def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[
     stream_us = (
         result.stream_cpu_s / result.stream.completed * 1e6 if result.stream.completed else 0
     )
-    b, d = result.burst.latencies_s, direct.burst.latencies_s
     return {
         "proxy": name,
         "unary_cpu_us_per_request": round(unary_us, 1),
@@ -372,9 +400,11 @@ def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[
         if result.stream.elapsed_s
         else 0,
         "stream_errors": result.stream.errors,
-        "burst_ttft_ms": {"p50": ms(b, 50), "p99": ms(b, 99)},
-        "burst_direct_ttft_ms": {"p50": ms(d, 50), "p99": ms(d, 99)},
+        "burst_ttft_ms": quantiles_ms(result.burst),
+        "burst_direct_ttft_ms": quantiles_ms(direct.burst),
         "burst_added_ttft_ms": added_ms(result.burst, direct.burst),
+        "first_burst_ttft_ms": quantiles_ms(result.first_burst),
+        "first_burst_direct_ttft_ms": quantiles_ms(direct.first_burst),
         "first_burst_added_ttft_ms": added_ms(result.first_burst, direct.first_burst),
         "burst_errors": result.burst.errors + result.first_burst.errors,
         "error_kinds": {
@@ -400,7 +430,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "CPU µs/event",
         "streams/s",
         f"burst {args.burst} added TTFT p50/p99 ms",
-        "first burst p50/p99 ms",
+        "first burst added TTFT p50/p99 ms",
         "RSS MB",
         "errors",
     )
@@ -483,7 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-cpus", default="0", help="cores of the stub and the load generator")
     p.add_argument("--baseline-src", type=Path, help="also run the gateway from this tree")
     p.add_argument(
-        "--litellm", action="store_true", help="also LiteLLM's proxy (~10 ms of CPU per request)"
+        "--litellm", action="store_true", help="also LiteLLM's proxy (~7 ms of CPU per request)"
     )
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway-peers.json"))
     return p
@@ -501,11 +531,12 @@ def main(argv: list[str] | None = None) -> int:
             for peer in peers:
                 wait_healthy(f"http://127.0.0.1:{peer.port}{peer.ready_path}", peer.process, 60)
             rows = asyncio.run(run(args, stub, peers))
+            versions = peer_versions(peers)
         finally:
             for peer in peers:
                 stop(peer.process)
     print(table(rows, args))
     for name, why in missing.items():
         print(f"missing {name}: {why}")
-    write_report("gateway-peers", args, missing=missing, results=rows)
+    write_report("gateway-peers", args, versions=versions, missing=missing, results=rows)
     return 0

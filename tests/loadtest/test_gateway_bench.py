@@ -58,6 +58,8 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
     report = json.loads(out.read_text())
     names = [row["proxy"] for row in report["results"]]
     assert names[0] == "dflash-gateway"
+    assert set(report["versions"]) == set(names)  # each as the peer itself reports it
+    assert "unknown" not in report["versions"].values(), report["versions"]
     for peer in ("nginx", "vllm-router", "litellm"):
         assert (peer in names) != (peer in report["missing"])  # run, or said why not
     for row in report["results"]:
