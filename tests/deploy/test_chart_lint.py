@@ -149,6 +149,10 @@ def test_schema_rejects_bad_values(item: str, message: str) -> None:
             "worker.requireApiKey needs gateway.apiKeys.enabled",
         ),
         (("gateway.httpRoute.enabled=true",), "gateway.httpRoute.parentRefs: name the Gateway"),
+        (
+            ("gateway.extraSettings.processes=4",),
+            "gateway.extraSettings.processes: set by the chart from gateway.processes",
+        ),
     ],
     ids=[
         "worker-grace",
@@ -160,9 +164,19 @@ def test_schema_rejects_bad_values(item: str, message: str) -> None:
         "hpa-to-zero",
         "worker-key-without-secret",
         "httproute-without-gateway",
+        "extra-setting-the-chart-renders",
     ],
 )
 def test_inconsistent_values_are_rejected(sets: tuple[str, ...], message: str) -> None:
     proc = helm(*template_args(sets=sets))
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr
+
+
+def test_extra_settings_the_chart_does_not_render_are_kept() -> None:
+    """With API keys off the chart renders no key file: a user's own one is no duplicate."""
+    sets = ("gateway.apiKeys.enabled=false", "worker.requireApiKey=false")
+    sets += ("gateway.extraSettings.api_key_file=/etc/keys/k",)
+    proc = helm(*template_args(sets=sets))
+    assert proc.returncode == 0, proc.stderr
+    assert 'DFLASH_GATEWAY_API_KEY_FILE: "/etc/keys/k"' in proc.stdout

@@ -33,6 +33,18 @@
 {{- if and $w.requireApiKey (not .Values.gateway.apiKeys.enabled) (not (include "dflash.embedded" .)) -}}
 {{- fail "worker.requireApiKey needs gateway.apiKeys.enabled (the worker key lives in the gateway's API-key Secret); set worker.requireApiKey=false to run workers without a key" -}}
 {{- end -}}
+{{- /* ConfigMap keys rendered from the chart's own values: an extraSettings entry with the
+same name would be a second, conflicting key. */ -}}
+{{- $owned := dict "HOST" "the chart (0.0.0.0)" "PORT" "gateway.port" "WORKER_DNS" "the worker Service" "ROUTING" "gateway.routingPolicy" "DNS_INTERVAL_S" "gateway.discoveryIntervalSeconds" "DRAIN_TIMEOUT_S" "gateway.drainTimeoutSeconds" "METRICS_AUTH" "gateway.metricsRequireAuth" "LOG_LEVEL" "gateway.logLevel" "PROCESSES" "gateway.processes" "UPSTREAM_KEEPALIVE_S" "worker.httpKeepAliveSeconds" -}}
+{{- if .Values.gateway.apiKeys.enabled -}}
+{{- $_ := set $owned "API_KEY_FILE" "gateway.apiKeys" -}}
+{{- end -}}
+{{- range $key, $_ := .Values.gateway.extraSettings -}}
+{{- $value := get $owned (upper $key) -}}
+{{- if $value -}}
+{{- fail (printf "gateway.extraSettings.%s: set by the chart from %s; set that instead" $key $value) -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq $w.modelCache.type "hostPath") (not $w.modelCache.hostPath) -}}
 {{- fail "worker.modelCache.hostPath is required with worker.modelCache.type=hostPath" -}}
 {{- end -}}
