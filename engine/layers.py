@@ -139,6 +139,14 @@ def _source_key(parts: list[Tensor]) -> tuple[object, ...]:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in parts)
 
 
+def _concatenated(parts: list[Tensor], dtype: torch.dtype | None) -> Tensor:
+    """The parts stacked along the output dim (cast to `dtype` when given), outside
+    autograd and inference mode: a plain tensor the caches may keep."""
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([p.detach() for p in parts], dim=0)
+        return weight.to(dtype or weight.dtype).contiguous()
+
+
 class FusedWeight:
     """Inference copy of one or more Linear weights, concatenated along the output dim,
     rebuilt when any source changes (in-place edits bump `_version`, `.to()` changes
@@ -174,10 +182,7 @@ class FusedWeight:
         key = _source_key(parts)
         entry = self._copies.get(dtype)
         if entry is None or entry[0] != key:
-            with torch.inference_mode(False), torch.no_grad():
-                weight = torch.cat([p.detach() for p in parts], dim=0)
-                weight = weight.to(dtype or weight.dtype).contiguous()
-            entry = self._copies[dtype] = (key, weight, None)
+            entry = self._copies[dtype] = (key, _concatenated(parts, dtype), None)
         return entry
 
     def linear(self, x: Tensor, parts: list[Tensor]) -> Tensor:
@@ -197,9 +202,7 @@ class FusedWeight:
     def _linear_int8(self, x: Tensor, parts: list[Tensor]) -> Tensor:
         key = _source_key(parts)
         if self._int8_packed is None or self._int8_packed[0] != key:
-            with torch.inference_mode(False), torch.no_grad():
-                weight = torch.cat([p.detach() for p in parts], dim=0).contiguous()
-                self._int8_packed = (key, _pack_int8(weight))
+            self._int8_packed = (key, _pack_int8(_concatenated(parts, None)))
         # reduce_range: 7-bit activations, so fbgemm's int16 accumulation cannot saturate
         out: Tensor = torch.ops.quantized.linear_dynamic(x, self._int8_packed[1], True)
         return out

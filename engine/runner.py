@@ -100,13 +100,14 @@ class ModelRunner:
         sampling = [self._sampling[id(s)] for s in seqs]
         if self.policy is None or self.acceptance is None:
             return spec_step(self._state, rows, sampling)
-        k = self.policy.choose(len(rows), self.acceptance)
         if any(_seeded_sampling(s) for s in seqs):
             # A seed promises the same text every time, and how many drafts a row verifies
             # decides how many random numbers it draws: with a seeded sampled row in the
             # batch the step verifies them all, as fixed mode does, whatever the live
             # acceptance says.
             k = self.policy.max_k
+        else:
+            k = self.policy.choose(len(rows), self.acceptance)
         start = time.perf_counter()
         results = spec_step(self._state, rows, sampling, num_draft=k)
         self.policy.observe_cost(len(rows), k, time.perf_counter() - start)
