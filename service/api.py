@@ -30,6 +30,10 @@ from service.upstream import Pool
 
 REQUEST_ID_KEY = "dflash.request_id"
 STARTED_KEY = "dflash.started"
+# The metrics label of the request's model, once the body named a served one: a refusal
+# after that point (no healthy worker, draining) is counted under that model.
+MODEL_LABEL_KEY = "dflash.model_label"
+MODELS_NAMED = 10  # a 404 for an unknown model names at most this many served ones
 
 
 @dataclass
@@ -83,7 +87,9 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     if not runtime.pool.routable():
         raise NoHealthyWorker("No healthy worker is available.", headers=retry_after)
     if not runtime.pool.knows_model(parsed.model):
-        raise ModelNotFound(f"The model `{parsed.model}` does not exist.", param="model")
+        raise unknown_model(parsed.model, runtime.pool)
+    label = parsed.model if runtime.pool.lists_model(parsed.model) else "unknown"
+    request.scope[MODEL_LABEL_KEY] = label
     options = parsed.stream_options
     call = ProxyCall(
         endpoint=endpoint,
@@ -91,7 +97,7 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
         stream=bool(parsed.stream),
         wants_usage=bool(options is not None and options.include_usage),
         model=parsed.model,
-        label=parsed.model if runtime.pool.lists_model(parsed.model) else "unknown",
+        label=label,
         affinity_key=(
             prompt_text(parsed, state.settings.affinity_prefix_chars)
             if state.settings.routing == "prefix_affinity"
@@ -102,6 +108,16 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
         started=request.scope.get(STARTED_KEY, time.perf_counter()),
     )
     return runtime.proxy.response(call)
+
+
+def unknown_model(model: str, pool: WorkerPool | None) -> ModelNotFound:
+    """404 naming the model asked for and the ones served (OpenAI's wording, plus the list
+    a newcomer needs: the name in their client rarely matches a served name at first)."""
+    served = [str(card.get("id")) for card in pool.models()] if pool is not None else []
+    shown = ", ".join(f"`{name}`" for name in served[:MODELS_NAMED])
+    more = f" and {len(served) - MODELS_NAMED} more" if len(served) > MODELS_NAMED else ""
+    where = f" Served models: {shown}{more}." if served else " No model is served right now."
+    return ModelNotFound(f"The model `{model}` does not exist.{where}", param="model")
 
 
 def _body_schema(name: str) -> dict[str, Any]:
@@ -159,7 +175,7 @@ async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
     for card in runtime.pool.models() if runtime is not None else []:
         if card.get("id") == model_id:
             return dict(card)
-    raise ModelNotFound(f"The model `{model_id}` does not exist.", param="model")
+    raise unknown_model(model_id, runtime.pool if runtime is not None else None)
 
 
 @router.get("/version", summary="The gateway's version")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import secrets
 import time
@@ -17,6 +18,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import (
+    MODEL_LABEL_KEY,
     PROXY_ENDPOINTS,
     REQUEST_ID_KEY,
     STARTED_KEY,
@@ -34,9 +36,9 @@ from service.errors import (
     render,
 )
 from service.http import client_request_id
-from service.metrics import GatewayMetrics
+from service.metrics import GatewayMetrics, code_label
 from service.pool import WorkerPool
-from service.proxy import Proxy
+from service.proxy import CLIENT_CLOSED, Proxy
 from service.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -48,6 +50,21 @@ from service.upstream import Pool
 
 log = logging.getLogger("dflash.gateway")
 
+# Probes, scrapes and the API docs are not client requests: they stay out of
+# dflash_requests_total (a kubelet's probes would outnumber the traffic of a quiet gateway).
+UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json"})
+COUNTED_PATHS = frozenset(
+    {path for path, _ in PROXY_ENDPOINTS} | {"/tokenize", "/detokenize", "/v1/models", "/version"}
+)
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded `endpoint` label: a route of the API, or "other" (a 404's path is the
+    client's to choose)."""
+    if path in COUNTED_PATHS:
+        return path
+    return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+
 
 class RequestContext:
     """Pure ASGI wrapper around the whole FastAPI app (outside its middleware, so the hot path
@@ -55,9 +72,15 @@ class RequestContext:
     direct path to the two proxy endpoints (FastAPI's router stays for everything else and
     for the OpenAPI schema)."""
 
-    def __init__(self, app: ASGIApp, auth: ApiKeyAuth) -> None:
-        self.app, self.auth = app, auth
+    def __init__(self, app: ASGIApp, auth: ApiKeyAuth, metrics: GatewayMetrics) -> None:
+        self.app, self.auth, self.metrics = app, auth, metrics
         self.fast = {path: schema for path, schema in PROXY_ENDPOINTS}
+
+    def count(self, scope: Scope, status: int, error: ApiError | None = None) -> None:
+        """A response the gateway answered itself (a proxied one counts itself)."""
+        code = code_label(error.code, error.error_type) if error is not None else None
+        model = scope.get(MODEL_LABEL_KEY, "unknown")
+        self.metrics.count_response(model, endpoint_label(scope["path"]), status, code)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,12 +100,38 @@ class RequestContext:
             error = AuthenticationFailed()
             response = render(error, extra={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send_with_id)
+            if scope["path"] not in UNCOUNTED_PATHS:
+                self.count(scope, error.status_code, error)
             return
         schema = self.fast.get(scope["path"])
         if schema is not None and scope["method"] == "POST":
             await self.proxy(schema, scope, receive, send, send_with_id)
             return
-        await self.app(scope, receive, send_with_id)
+        if scope["path"] in UNCOUNTED_PATHS:
+            await self.app(scope, receive, send_with_id)
+            return
+        await self.counted(scope, receive, send_with_id)
+
+    async def counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The rest of the API (models, tokenize, unknown paths, wrong methods), counted by
+        the status it sent; an error's code is read back from its OpenAI body."""
+        sent: dict[str, Any] = {}
+
+        async def watch(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                sent["status"] = message["status"]
+            elif message["type"] == "http.response.body" and sent.get("status", 200) >= 400:
+                sent["body"] = sent.get("body", b"") + message.get("body", b"")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            status = sent.get("status", CLIENT_CLOSED)
+            code = error_code(sent.get("body", b"")) if status >= 400 else None
+            self.metrics.count_response(
+                scope.get(MODEL_LABEL_KEY, "unknown"), endpoint_label(scope["path"]), status, code
+            )
 
     async def proxy(
         self, schema: type[Any], scope: Scope, receive: Receive, send: Send, send_with_id: Send
@@ -95,21 +144,31 @@ class RequestContext:
             )
         except ApiError as error:
             await render(error)(scope, receive, send_with_id)
+            self.count(scope, error.status_code, error)
             return
         except Exception:  # outside FastAPI's handlers here: the same 500 they would give
             log.exception("request %s: unexpected error", scope[REQUEST_ID_KEY])
-            await render(InternalError("internal error; see the server log"))(
-                scope, receive, send_with_id
-            )
+            internal = InternalError("internal error; see the server log")
+            await render(internal)(scope, receive, send_with_id)
+            self.count(scope, internal.status_code, internal)
             return
         await response(scope, receive, send)
 
 
-def outermost(app: FastAPI, auth: ApiKeyAuth) -> None:
+def error_code(body: bytes) -> str:
+    """The `code` (else `type`) of an OpenAI error body the app rendered, as a label."""
+    try:
+        error = json.loads(body)["error"]
+        return code_label(error.get("code"), str(error.get("type") or "error"))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return "other"
+
+
+def outermost(app: FastAPI, auth: ApiKeyAuth, metrics: GatewayMetrics) -> None:
     """Put RequestContext around FastAPI's whole middleware stack (add_middleware would put
     it inside the error and exception middleware, which then wrap every relayed chunk)."""
     build = app.build_middleware_stack
-    app.build_middleware_stack = lambda: RequestContext(build(), auth)  # type: ignore[method-assign]
+    app.build_middleware_stack = lambda: RequestContext(build(), auth, metrics)  # type: ignore[method-assign]
 
 
 def build_openapi(app: FastAPI) -> dict[str, Any]:
@@ -200,6 +259,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.gateway = state
     app.include_router(router)
     install_handlers(app, log)
-    outermost(app, auth)
+    outermost(app, auth, metrics)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 ACCEPT_LEN_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 16)
 RATE_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
+# An error code is a label value only when it looks like one of ours (they are all literals
+# in service/errors.py and service/proxy.py); anything else is counted as "other".
+_CODE = re.compile(r"[a-z0-9_]{1,48}")
+
+
+def code_label(code: str | None, error_type: str) -> str:
+    value = code or error_type
+    return value if _CODE.fullmatch(value) else "other"
 
 
 @dataclass(frozen=True)
@@ -134,7 +143,17 @@ class GatewayMetrics:
         self._pool: set[str] = set()  # workers in this process's pool (health series)
         r = self.registry
         self.requests = Counter(
-            "dflash_requests", "Requests answered", ["model", "endpoint", "status"], registry=r
+            "dflash_requests",
+            "Responses sent, by status: relayed from a worker or answered by the gateway itself",
+            ["model", "endpoint", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "dflash_gateway_errors",
+            "Error responses the gateway itself answered (not relayed from a worker), by "
+            "OpenAI error code",
+            ["endpoint", "status", "code"],
+            registry=r,
         )
         self.in_flight = Gauge(
             "dflash_requests_in_flight",
@@ -215,6 +234,15 @@ class GatewayMetrics:
         if found is None:
             found = self._children[key] = metric.labels(*values)
         return found
+
+    def count_response(
+        self, model: str, endpoint: str, status: int, code: str | None = None
+    ) -> None:
+        """One response sent to a client; `code`: the OpenAI error code of an error the
+        gateway answered itself (None for a relayed or successful response)."""
+        self.child(self.requests, model, endpoint, str(status)).inc()
+        if code is not None:
+            self.child(self.errors, endpoint, str(status), code).inc()
 
     def observe_usage(self, model: str, usage: Usage | None) -> None:
         if usage is not None:

@@ -23,7 +23,7 @@ from service.errors import (
     WorkersBusy,
     render,
 )
-from service.metrics import GatewayMetrics, parse_usage
+from service.metrics import GatewayMetrics, code_label, parse_usage
 from service.pool import Worker, WorkerPool
 from service.settings import GatewaySettings
 from service.sse import SseTap
@@ -116,8 +116,15 @@ async def send_body(
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-async def send_error(send: Send, error: ApiError, call: ProxyCall) -> None:
+@dataclass
+class Outcome:
+    status: int = CLIENT_CLOSED  # the status sent to the client, once sent
+    code: str | None = None  # the error code, when the gateway answered an error itself
+
+
+async def send_error(send: Send, error: ApiError, call: ProxyCall, outcome: Outcome) -> None:
     """The error as `render` writes it, straight onto the ASGI channel."""
+    outcome.status, outcome.code = error.status_code, code_label(error.code, error.error_type)
     response = render(error, call.request_id)
     await send(
         {
@@ -131,11 +138,6 @@ async def send_error(send: Send, error: ApiError, call: ProxyCall) -> None:
 
 def rid_header(call: ProxyCall) -> tuple[bytes, bytes]:
     return (b"x-request-id", call.request_id.encode())
-
-
-@dataclass
-class Outcome:
-    status: int = CLIENT_CLOSED  # the status sent to the client, once sent
 
 
 class Proxy:
@@ -175,8 +177,7 @@ class Proxy:
         if self.refusing:
             error = self._draining()
             error.headers["Connection"] = "close"  # the listener closes soon: reconnect
-            outcome.status = error.status_code
-            await send_error(send, error, call)
+            await send_error(send, error, call, outcome)
             return
         self.in_flight += 1
         try:
@@ -208,15 +209,11 @@ class Proxy:
                 self.pool.report_failure(worker, failure.kind, serial, counts=failure.counts)
                 last = failure
             except Draining:
-                refusal = self._draining()
-                outcome.status = refusal.status_code
-                await send_error(send, refusal, call)
+                await send_error(send, self._draining(), call, outcome)
                 return
             finally:
                 worker.outstanding -= 1
-        error = self._final_error(last)
-        outcome.status = error.status_code
-        await send_error(send, error, call)
+        await send_error(send, self._final_error(last), call, outcome)
 
     def _draining(self) -> Unavailable:
         return Unavailable(
@@ -449,7 +446,9 @@ class ProxyResponse(Response):
             watcher.cancel()
             status = outcome.status if complete else CLIENT_CLOSED
             in_flight.dec()
-            metrics.child(metrics.requests, call.label, call.endpoint, str(status)).inc()
+            metrics.count_response(
+                call.label, call.endpoint, status, outcome.code if complete else None
+            )
             elapsed = time.perf_counter() - call.started
             metrics.child(metrics.duration, call.label, call.endpoint).observe(elapsed)
 
