@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra argument for every dflash-worker (repeat), e.g. --worker-arg=--max-num-seqs=4 "
         "(a --speculative-config=... one is left out of plain pools)",
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require this bearer key on the gateway's /v1/* (repeat for several; default: "
+        "no key, or DFLASH_GATEWAY_API_KEYS)",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -128,19 +136,30 @@ def free_port() -> int:
 WORKER_KEEP_ALIVE_S = 61
 
 
-def worker_env(total_workers: int) -> dict[str, str]:
-    # Every worker would otherwise use every core: split them between the workers.
-    threads = max(1, (os.cpu_count() or 1) // max(1, total_workers))
-    defaults = {
-        "OMP_NUM_THREADS": str(threads),
-        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(WORKER_KEEP_ALIVE_S),
-    }
+def worker_env() -> dict[str, str]:
+    defaults = {"VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(WORKER_KEEP_ALIVE_S)}
     return {**defaults, **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def start_worker(pool: PoolSpec, env: dict[str, str], port: int) -> WorkerProcess:
+def shared_threads(pool: PoolSpec, total_workers: int, cpus: int) -> list[str]:
+    """`--threads` for an embedded worker that shares the machine with others: its share of
+    the CPUs less one for its HTTP side (the worker's own rule for a machine of its own).
+    Nothing for a lone worker, or when the user chose (`--worker-arg=--threads=N`, or
+    OMP_NUM_THREADS): the worker's default was measured faster than any override
+    (engine/threads.py)."""
+    chose = any(arg.startswith("--threads") for arg in pool.worker_args)
+    if pool.backend != "embedded" or total_workers <= 1 or chose:
+        return []
+    if "OMP_NUM_THREADS" in os.environ:
+        return []
+    return ["--threads", str(max(1, cpus // total_workers - 1))]
+
+
+def start_worker(
+    pool: PoolSpec, env: dict[str, str], port: int, threads: Sequence[str] = ()
+) -> WorkerProcess:
     argv = [sys.executable, "-m", "engine.worker.cli", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--backend", pool.backend]
+    argv += ["--backend", pool.backend, *threads]
     extra = list(pool.worker_args)
     if not pool.speculation:
         # The plain pool of --compare shares the worker args: drop the drafter there.
@@ -219,11 +238,17 @@ def sigterm_as_exit() -> Iterator[None]:
 
 
 def gateway_settings(
-    pool: PoolSpec, urls: list[str], log_level: str, worker_env: Mapping[str, str]
+    pool: PoolSpec,
+    urls: list[str],
+    log_level: str,
+    worker_env: Mapping[str, str],
+    api_keys: Sequence[str] = (),
 ) -> GatewaySettings:
     # Env (DFLASH_GATEWAY_*) still applies to everything not decided here.
     fixed: dict[str, Any] = {"host": "127.0.0.1", "port": pool.port, "workers": urls}
     fixed.update(log_level=log_level, drain_timeout_s=10)
+    if api_keys:
+        fixed["api_keys"] = list(api_keys)
     keep_alive = worker_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "")
     if "DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S" not in os.environ and keep_alive.isdigit():
         # (a malformed value is the workers' to report: they refuse to start)
@@ -249,19 +274,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     configure_logging(args.log_level)
     pools = plan(args)
-    env = worker_env(sum(pool.workers for pool in pools))
+    env = worker_env()
+    total = sum(pool.workers for pool in pools)
     started: list[WorkerProcess] = []
     try:
         with sigterm_as_exit():
             urls: dict[str, list[str]] = {}
-            ports = iter(worker_ports(args.worker_port, sum(p.workers for p in pools)))
+            ports = iter(worker_ports(args.worker_port, total))
             for pool in pools:
-                procs = [start_worker(pool, env, next(ports)) for _ in range(pool.workers)]
+                threads = shared_threads(pool, total, len(os.sched_getaffinity(0)))
+                procs = [start_worker(pool, env, next(ports), threads) for _ in range(pool.workers)]
                 started += procs
                 urls[pool.name] = [w.url for w in procs]
             wait_ready(started, args.startup_timeout)
             servers = [
-                GatewayServer(gateway_settings(p, urls[p.name], args.log_level, env)) for p in pools
+                GatewayServer(gateway_settings(p, urls[p.name], args.log_level, env, args.api_key))
+                for p in pools
             ]
         run_servers(servers, on_started=lambda: announce(pools))
     except (RuntimeError, TimeoutError) as exc:

@@ -76,10 +76,37 @@ def test_the_gateway_reuses_worker_connections_for_less_than_the_workers_keep_th
     monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
     monkeypatch.delenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", raising=False)
     pool = PoolSpec("dflash", 8000, 1, True, (), "embedded")
-    env = worker_env(1)
+    env = worker_env()
     assert env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "61"
     assert gateway_settings(pool, [], "info", env).upstream_keepalive_s == 60
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")  # the user's value wins
-    assert gateway_settings(pool, [], "info", worker_env(1)).upstream_keepalive_s == 4
+    assert gateway_settings(pool, [], "info", worker_env()).upstream_keepalive_s == 4
     monkeypatch.setenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", "2")
-    assert gateway_settings(pool, [], "info", worker_env(1)).upstream_keepalive_s == 2
+    assert gateway_settings(pool, [], "info", worker_env()).upstream_keepalive_s == 2
+
+
+def test_dflash_serve_leaves_a_lone_worker_its_own_thread_default(monkeypatch: Any) -> None:
+    from service.local_stack import PoolSpec, shared_threads, worker_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert "OMP_NUM_THREADS" not in worker_env()  # no override of the worker's measured default
+    one = PoolSpec("dflash", 8000, 1, True, (), "embedded")
+    assert shared_threads(one, 1, 2) == []
+    # Several workers share the CPUs: each its share less one for its HTTP side.
+    assert shared_threads(one, 2, 8) == ["--threads", "3"]
+    assert shared_threads(one, 2, 2) == ["--threads", "1"]
+    chosen = PoolSpec("dflash", 8000, 2, True, ("--threads=2",), "embedded")
+    assert shared_threads(chosen, 2, 8) == []  # the user's choice wins
+    assert shared_threads(PoolSpec("d", 8000, 2, True, (), "vllm"), 2, 8) == []  # embedded only
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert shared_threads(one, 2, 8) == []
+
+
+def test_dflash_serve_api_key_protects_the_gateway() -> None:
+    from service.local_stack import PoolSpec, build_parser, gateway_settings
+
+    args = build_parser().parse_args(["--api-key", "k1", "--api-key", "k2"])
+    pool = PoolSpec("dflash", 8000, 1, True, (), "embedded")
+    settings = gateway_settings(pool, [], "info", {}, args.api_key)
+    assert settings.load_api_keys() == ["k1", "k2"]
+    assert gateway_settings(pool, [], "info", {}, []).load_api_keys() == []
