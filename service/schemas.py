@@ -12,6 +12,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from service.errors import InvalidRequest, from_validation_errors
+from service.nested import STREAM_OPTIONS, check_chat_objects, check_messages, check_object
 
 _OPEN = ConfigDict(extra="allow", strict=True)
 
@@ -53,6 +54,13 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     user: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_options_shape(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_object(data.get("stream_options"), STREAM_OPTIONS, "stream_options")
+        return data
+
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
@@ -76,6 +84,13 @@ class ChatCompletionRequest(SamplingFields):
     )
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Count | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nested_shapes(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_chat_objects(data)
+        return data
 
 
 PromptItems = list[str] | list[TokenId] | list[list[TokenId]]
@@ -120,6 +135,13 @@ class TokenizeRequest(RoutedRequest):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # None: vLLM's default, true for a prompt only
     return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _message_shapes(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            check_messages(data.get("messages"))
+        return data
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:

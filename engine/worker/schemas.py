@@ -114,6 +114,23 @@ class ChatCompletionRequest(_WorkerFields, gateway.ChatCompletionRequest):
         return "max_tokens", self.max_tokens
 
 
+# Message keys the gateway passes to vLLM (service/nested.py) that the embedded worker cannot
+# honour: a 400 naming them, never dropped.
+_NO_TOOLS = "the embedded engine has no tool-call parser; the vLLM backend supports it"
+UNHONOURED_MESSAGE_KEYS = {
+    "name": "the bundled chat template has no participant names; the vLLM backend passes it "
+    "to the model's template",
+    "tool_calls": _NO_TOOLS,
+    "tool_call_id": _NO_TOOLS,
+    "function_call": _NO_TOOLS,
+    "tools": _NO_TOOLS,
+    "reasoning": "the bundled models do not reason",
+    "task": "the bundled models have no task markers",
+    "refusal": "the bundled chat template has no refusals",
+    "audio": "the bundled models are text-only",
+}
+
+
 def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
     where = f"messages[{index}]"
     if message.role not in CHAT_ROLES:
@@ -121,6 +138,10 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
             f"{where}.role: unsupported role {message.role!r} (use system, user or assistant)",
             param=f"{where}.role",
         )
+    for key in sorted(message.model_fields_set | set(message.model_extra or {})):
+        why = UNHONOURED_MESSAGE_KEYS.get(key)
+        if why is not None and getattr(message, key, None) is not None:
+            raise InvalidRequest(f"{where}.{key}: {why}", param=f"{where}.{key}")
     role = "system" if message.role == "developer" else message.role
     content = message.content
     if content is None:
@@ -129,13 +150,21 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
         return {"role": role, "content": content}
     texts: list[str] = []
     for j, part in enumerate(content):
-        text = part.get("text")
-        if part.get("type") != "text" or not isinstance(text, str):
+        # The gateway's shapes (service/nested.py) have checked each part's keys.
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            kind = part.get("type", "untyped")
             raise InvalidRequest(
-                f"{where}.content[{j}]: unsupported content part {part.get('type')!r} (text only)",
-                param=f"{where}.content",
+                f"{where}.content[{j}]: the bundled models are text-only: a {kind!r} part "
+                "cannot be read (send text parts or a string)",
+                param=f"{where}.content[{j}]",
             )
-        texts.append(text)
+        extra = sorted(set(part) - {"type", "text"})
+        if extra:  # e.g. OpenAI's prompt_cache_breakpoint: no prompt cache is kept here
+            raise InvalidRequest(
+                f"{where}.content[{j}].{extra[0]}: not supported by the embedded engine",
+                param=f"{where}.content[{j}].{extra[0]}",
+            )
+        texts.append(part["text"])
     return {"role": role, "content": "".join(texts)}
 
 

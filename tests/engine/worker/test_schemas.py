@@ -48,7 +48,7 @@ def test_messages_flatten_text_parts_and_refuse_others() -> None:
     req = chat(messages=[{"role": "developer", "content": parts}])
     assert req.template_messages() == [{"role": "system", "content": "ab"}]
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
-    with pytest.raises(InvalidRequest, match="unsupported content part"):
+    with pytest.raises(InvalidRequest, match="text-only"):
         chat(messages=[{"role": "user", "content": image}]).template_messages()
     with pytest.raises(InvalidRequest, match="unsupported role"):
         chat(messages=[{"role": "tool", "content": "x"}]).template_messages()
