@@ -57,8 +57,11 @@ $(VLLM_PARSER_STAMP): scripts/install-vllm-env.sh
 	rm -f .venv-vllm/.installed-*
 	touch $@
 
+# `make serve PORT=8080 SERVE_ARGS='--api-key sk-local --workers 2'`
+PORT ?= 8000
+SERVE_ARGS ?=
 serve: setup
-	$(VENV)/bin/dflash-serve
+	$(VENV)/bin/dflash-serve --port $(PORT) $(SERVE_ARGS)
 
 test: setup tools vllm-env
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest

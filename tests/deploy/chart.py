@@ -53,7 +53,7 @@ def helm_binary() -> str:
     return found
 
 
-def helm(*args: str) -> subprocess.CompletedProcess[str]:
+def helm(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "HELM_CACHE_HOME": "/tmp/dflash-helm-cache",
@@ -61,7 +61,13 @@ def helm(*args: str) -> subprocess.CompletedProcess[str]:
         "HELM_DATA_HOME": "/tmp/dflash-helm-data",
     }
     return subprocess.run(
-        [helm_binary(), *args], capture_output=True, text=True, timeout=60, env=env, check=False
+        [helm_binary(), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+        cwd=cwd,
     )
 
 

@@ -25,8 +25,13 @@ MODEL = "tiny-coder"
 
 
 def worker_args(checkpoint: Any, *extra: str) -> list[str]:
+    """A DFlash worker that verifies every draft each step (vLLM's policy): the gateway's tests
+    read its speculation metrics, which the adaptive default would leave empty whenever its
+    start-up cost model, measured on a busy machine, chose plain steps."""
     spec = {"method": "dflash", "model": str(checkpoint.drafter_dir), "num_speculative_tokens": 3}
     return [
+        "--speculation",
+        "fixed",
         str(checkpoint.target_dir),
         "--speculative-config",
         json.dumps(spec),

@@ -60,7 +60,7 @@ def test_malformed_chat_bodies(gateway: Gateway, content: bytes, status: int) ->
 def test_model_not_found_names_the_param(gateway: Gateway) -> None:
     reply = httpx.post(gateway.v1 + "/completions", json={"model": "gpt-9", "prompt": "x"})
     assert assert_openai_error(reply, 404) == {
-        "message": "The model `gpt-9` does not exist.",
+        "message": "The model `gpt-9` does not exist. Served models: `tiny-coder`.",
         "type": "invalid_request_error",
         "param": "model",
         "code": "model_not_found",

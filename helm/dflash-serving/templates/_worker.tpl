@@ -158,6 +158,11 @@
 {{- end -}}
 {{- if or $w.hfToken.existingSecret $w.hfToken.value -}}
 {{- $ref := dict "name" (include "dflash.worker.hfTokenSecret" .) "key" $w.hfToken.secretKey -}}
+{{- if not $w.hfToken.value -}}
+{{- /* A Secret made outside the chart may not exist yet: ungated models need none, so the
+     pod starts without it instead of waiting in CreateContainerConfigError. */ -}}
+{{- $_ := set $ref "optional" true -}}
+{{- end -}}
 {{- $env = append $env (dict "name" "HF_TOKEN" "valueFrom" (dict "secretKeyRef" $ref)) -}}
 {{- end -}}
 {{- end -}}

@@ -225,7 +225,7 @@ LONG_PROMPT = "word " * 2000
                 ]
             },
             400,
-            "messages[0].content",
+            "messages[0].content[0]",
         ),
         (CHAT, {"messages": [{"content": "no role"}]}, 400, "messages[0].role"),
         (CHAT, {"messages": HI, "temperature": -0.5}, 400, "temperature"),
