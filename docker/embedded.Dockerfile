@@ -1,6 +1,7 @@
 # The embedded worker: the pure-PyTorch DFlash engine on CPU with the bundled tiny-coder target
 # and drafter, for trying the stack anywhere. Build from the repository root:
-#   docker build -f docker/embedded.Dockerfile -t dflash-serving/embedded .
+#   docker build -f docker/embedded.Dockerfile -t ghcr.io/dflash-serving/embedded:<appVersion> .
+# `make images` does it with the names and tags the chart pulls (REGISTRY=... for yours).
 FROM python:3.11-slim AS build
 WORKDIR /src
 RUN python -m venv /opt/venv \

@@ -1,5 +1,6 @@
 # The gateway: torch-free, slim, non-root. Build from the repository root:
-#   docker build -f docker/gateway.Dockerfile -t dflash-serving/gateway .
+#   docker build -f docker/gateway.Dockerfile -t ghcr.io/dflash-serving/gateway:<appVersion> .
+# `make images` does it with the names and tags the chart pulls (REGISTRY=... for yours).
 FROM python:3.11-slim AS build
 WORKDIR /src
 # Only the gateway's sources: the core install has no torch and no engine dependencies.

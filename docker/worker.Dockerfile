@@ -1,6 +1,7 @@
 # The production worker: vLLM 0.33 (CUDA, DFlash support) plus our `dflash-worker` CLI, which
 # validates the settings and execs `vllm serve` with DFlash. Build from the repository root:
-#   docker build -f docker/worker.Dockerfile -t dflash-serving/worker .
+#   docker build -f docker/worker.Dockerfile -t ghcr.io/dflash-serving/worker:<appVersion> .
+# `make images` does it with the names and tags the chart pulls (REGISTRY=... for yours).
 FROM vllm/vllm-openai:v0.33.0
 WORKDIR /opt/dflash-serving
 COPY pyproject.toml README.md ./

@@ -229,3 +229,40 @@ def test_vllm_parser_accepts_the_rendered_commands(tmp_path: Path) -> None:
     assert (leader["nnodes"], leader["node_rank"], leader["headless"]) == (2, 0, False)
     assert (node["nnodes"], node["node_rank"], node["headless"]) == (2, 1, True)
     assert leader["pipeline_parallel_size"] == 2 and leader["tensor_parallel_size"] == 8
+
+
+DIRECT = ("worker.launcher=vllm",)
+DIRECT_CASES = [
+    *[(values, (), "single") for values in VLLM_PRESETS.values()],
+    (VLLM_PRESETS["b300"], TP4, "single"),
+    ((), ("model.speculative.enabled=false",), "single"),
+    (LWS, (), "leader"),
+    (LWS, (), "node"),
+]
+
+
+def comparable(argv: list[str]) -> list[str]:
+    """An argv with the worker key hidden and the speculative config's JSON normalised."""
+    out = ["<redacted>" if a == POD_ENV["DFLASH_WORKER_API_KEY"] else a for a in argv]
+    if "--speculative-config" in out:
+        i = out.index("--speculative-config") + 1
+        out[i] = json.dumps(json.loads(out[i]), sort_keys=True)
+    return out
+
+
+@pytest.mark.parametrize(("values", "sets", "role"), DIRECT_CASES)
+def test_vllms_own_image_runs_the_command_dflash_worker_would(
+    values: tuple[str, ...], sets: tuple[str, ...], role: str
+) -> None:
+    """worker.launcher: vllm renders exactly the `vllm serve` argv that `dflash-worker
+    --backend vllm` execs for the same values (its --dry-run), on vLLM's official image."""
+    c = pod_container(values, (*sets, *DIRECT), role)
+    assert c["command"] == ["vllm", "serve"]
+    assert c["image"] == "docker.io/vllm/vllm-openai:v0.33.0"
+    direct = ["vllm", "serve", *[expand(str(a)) for a in c["args"]]]
+    assert comparable(direct) == comparable(dry_run(values, sets, role))
+
+
+def test_the_embedded_mode_ignores_the_launcher() -> None:
+    c = pod_container(("values-embedded.yaml",), DIRECT, "single")
+    assert c["command"] == ["dflash-worker"] and "embedded" in c["image"]

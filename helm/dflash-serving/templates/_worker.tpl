@@ -60,8 +60,18 @@
 - --drain-timeout
 - {{ int $w.shutdownTimeoutSeconds | quote }}
 {{- if not (include "dflash.embedded" $) }}
+{{- include "dflash.worker.multiNodeArgs" . }}
+{{- range $w.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* vLLM's multi-node flags (none for a single pod); LWS sets LWS_LEADER_ADDRESS and
+     LWS_WORKER_INDEX in every pod of a group. Call with (dict "ctx" $ "role" ...). */}}
+{{- define "dflash.worker.multiNodeArgs" -}}
+{{- $w := .ctx.Values.worker -}}
 {{- if ne .role "single" }}
-{{- /* vLLM's multi-node flags; LWS sets LWS_LEADER_ADDRESS and LWS_WORKER_INDEX in every pod. */}}
 {{- if eq $w.multiNode.parallelism "pipeline" }}
 - --pipeline-parallel-size
 - {{ int $w.multiNode.nodes | quote }}
@@ -78,9 +88,58 @@
 - --headless
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/* "true" when the workers run vLLM's own image directly (worker.launcher: vllm). */}}
+{{- define "dflash.worker.direct" -}}
+{{- if and (not (include "dflash.embedded" .)) (eq .Values.worker.launcher "vllm") }}true{{ end -}}
+{{- end -}}
+
+{{/* `vllm serve`'s argv after `vllm serve`, for vLLM's official image: the command
+     `dflash-worker --backend vllm` would exec for the same values, in its order
+     (engine/worker/vllm_backend.py; tests/deploy/test_worker_argv.py keeps them equal).
+     Call with (dict "ctx" $ "role" "single|leader|node"). */}}
+{{- define "dflash.worker.vllmArgs" -}}
+{{- $ := .ctx -}}
+{{- $w := $.Values.worker -}}
+{{- $mn := $w.multiNode -}}
+{{- $tp := int $w.tensorParallelSize -}}
+{{- if and (ne .role "single") (eq $mn.parallelism "tensor") }}{{ $tp = mul $tp (int $mn.nodes) }}{{ end -}}
+- {{ $.Values.model.name | quote }}
+- --served-model-name
+- {{ $.Values.model.servedModelName | quote }}
+- --host
+- "0.0.0.0"
+- --port
+- {{ int $w.port | quote }}
+- --max-num-seqs
+- {{ int $w.maxNumSeqs | quote }}
+- --max-model-len
+- {{ int $w.maxModelLen | quote }}
+- --seed
+- {{ int $w.seed | quote }}
+- --dtype
+- {{ $w.dtype | quote }}
+- --tensor-parallel-size
+- {{ $tp | quote }}
+- --gpu-memory-utilization
+- {{ $w.gpuMemoryUtilization | quote }}
+{{- if include "dflash.worker.keyed" $ }}
+- --api-key
+- "$(DFLASH_WORKER_API_KEY)"
+{{- end }}
+{{- if $.Values.model.speculative.enabled }}
+- --speculative-config
+- {{ include "dflash.speculativeConfig" $ | quote }}
+- --per-request-spec-decode-metrics
+- {{ $w.perRequestSpecDecodeMetrics | quote }}
+{{- end }}
+- --enable-per-request-metrics
+- --shutdown-timeout
+- {{ int $w.shutdownTimeoutSeconds | quote }}
+{{- include "dflash.worker.multiNodeArgs" . }}
 {{- range $w.extraArgs }}
 - {{ . | quote }}
-{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -215,7 +274,8 @@
 {{- $w := $.Values.worker -}}
 {{- $embedded := include "dflash.embedded" $ -}}
 {{- $serves := ne .role "node" -}}
-{{- $image := ternary $.Values.embedded.image $w.image (not (empty $embedded)) -}}
+{{- $direct := include "dflash.worker.direct" $ -}}
+{{- $image := ternary $.Values.embedded.image (ternary $w.vllmImage $w.image (not (empty $direct))) (not (empty $embedded)) -}}
 {{- with $.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -240,9 +300,15 @@ containers:
   - name: worker
     image: {{ include "dflash.image" (dict "ctx" $ "image" $image) }}
     imagePullPolicy: {{ $image.pullPolicy }}
+    {{- if $direct }}
+    command: ["vllm", "serve"]
+    args:
+      {{- include "dflash.worker.vllmArgs" (dict "ctx" $ "role" .role) | nindent 6 }}
+    {{- else }}
     command: ["dflash-worker"]
     args:
       {{- include "dflash.worker.args" (dict "ctx" $ "role" .role) | nindent 6 }}
+    {{- end }}
     ports:
       - name: http
         containerPort: {{ $w.port }}
