@@ -34,6 +34,7 @@ CRD_KINDS = {
     "ScaledObject",
     "LeaderWorkerSet",
     "HTTPRoute",
+    "GCPBackendPolicy",  # GKE's networking.gke.io/v1, checked field by field below
 }
 PRESETS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -517,3 +518,56 @@ def test_prometheus_gets_a_bare_key_when_metrics_need_auth() -> None:
     assert auth["credentials"] == {"name": secret["metadata"]["name"], "key": "metrics-token"}
     env = find(docs, "ConfigMap", "-gateway")["data"]
     assert env["DFLASH_GATEWAY_METRICS_AUTH"] == "true"
+
+
+TEN_MINUTES = 600
+
+
+def gateway_request_timeout(docs: list[dict[str, Any]]) -> int:
+    return int(find(docs, "ConfigMap", "-gateway")["data"]["DFLASH_GATEWAY_REQUEST_TIMEOUT_S"])
+
+
+def test_gke_keeps_a_ten_minute_stream_open() -> None:
+    docs = render(("ci/gke-b200-values.yaml",))
+    limit = gateway_request_timeout(docs)
+    assert limit > TEN_MINUTES
+    policy = find(docs, "GCPBackendPolicy")
+    assert policy["apiVersion"] == "networking.gke.io/v1"
+    gateway_service = find(docs, "Service", "-gateway")["metadata"]["name"]
+    assert policy["spec"]["targetRef"] == {"group": "", "kind": "Service", "name": gateway_service}
+    assert policy["spec"]["default"]["timeoutSec"] == limit + 30
+    route = find(docs, "HTTPRoute")
+    assert route["spec"]["rules"][0]["timeouts"]["request"] == f"{limit + 30}s"
+
+
+def test_eks_alb_idle_timeout_outlasts_the_gateway() -> None:
+    docs = render(("ci/eks-b200-values.yaml",))
+    annotations = find(docs, "Ingress")["metadata"]["annotations"]
+    attributes = annotations["alb.ingress.kubernetes.io/load-balancer-attributes"]
+    idle = int(attributes.removeprefix("idle_timeout.timeout_seconds="))
+    assert idle == gateway_request_timeout(docs) + 30 and TEN_MINUTES < idle <= 4000
+    assert annotations["alb.ingress.kubernetes.io/scheme"] == "internal"  # the user's kept
+
+
+def test_nginx_read_and_send_timeouts_outlast_the_gateway() -> None:
+    docs = render(("ci/gpu-operator-b300-values.yaml",))
+    annotations = find(docs, "Ingress")["metadata"]["annotations"]
+    limit = gateway_request_timeout(docs)
+    for name in ("proxy-read-timeout", "proxy-send-timeout"):
+        assert int(annotations[f"nginx.ingress.kubernetes.io/{name}"]) == limit + 30
+    assert annotations["nginx.ingress.kubernetes.io/proxy-buffering"] == "off"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-body-size"] == "4m"  # the user's kept
+
+
+def test_the_users_own_timeout_annotation_wins_and_one_value_moves_them_all() -> None:
+    docs = render(
+        ("ci/gpu-operator-b300-values.yaml",),
+        ("gateway.requestTimeoutSeconds=1800",),
+        set_json=(
+            'gateway.ingress.annotations={"nginx.ingress.kubernetes.io/proxy-send-timeout": "99"}',
+        ),
+    )
+    annotations = find(docs, "Ingress")["metadata"]["annotations"]
+    assert annotations["nginx.ingress.kubernetes.io/proxy-read-timeout"] == "1830"
+    assert annotations["nginx.ingress.kubernetes.io/proxy-send-timeout"] == "99"
+    assert gateway_request_timeout(docs) == 1800

@@ -232,7 +232,7 @@ def test_ingress_and_httproute_reach_the_gateway_service() -> None:
         {"name": svc["metadata"]["name"], "port": svc["spec"]["ports"][0]["port"]}
     ]
     assert route["spec"]["parentRefs"] == [{"name": "llm-gateway", "namespace": "gateway-infra"}]
-    assert rule["timeouts"]["request"] == "600s"  # streams outlive a default 15 s timeout
+    assert rule["timeouts"]["request"] == "930s"  # streams outlive a default 15 s timeout
 
 
 def test_helm_test_hook_sends_one_chat_completion() -> None:

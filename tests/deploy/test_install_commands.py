@@ -19,8 +19,14 @@ def shell_commands(doc: Path) -> list[list[str]]:
     """The commands of a document's bash blocks: continuations joined, comments dropped."""
     commands: list[list[str]] = []
     for block in re.findall(r"^```bash\n(.*?)^```", doc.read_text(), flags=re.M | re.S):
+        pending = ""
         for line in block.replace("\\\n", " ").splitlines():
-            words = shlex.split(line, comments=True)
+            pending += line + "\n"
+            try:  # a quoted argument may span lines (the README's curl body)
+                words = shlex.split(pending, comments=True)
+            except ValueError:
+                continue
+            pending = ""
             if words:
                 commands.append(words)
     return commands

@@ -151,3 +151,24 @@ app.kubernetes.io/component: {{ .component }}
 {{- $seqs := ternary .Values.embedded.maxNumSeqs .Values.worker.maxNumSeqs (eq .Values.mode "embedded") -}}
 {{- if gt (float64 $a.targetRunningPerWorker) 0.0 }}{{ $a.targetRunningPerWorker }}{{ else }}{{ max 1 (div (mul (int $seqs) 8) 10) }}{{ end -}}
 {{- end -}}
+
+{{/* Seconds a load balancer in front must keep a request open: the gateway's own limit plus
+     30 s, so that the gateway's in-band timeout error reaches the client first. */}}
+{{- define "dflash.gateway.lbTimeoutSeconds" -}}
+{{- add (int .Values.gateway.requestTimeoutSeconds) 30 -}}
+{{- end -}}
+
+{{/* Ingress annotations: what the ingress class needs for long streams (ingress-nginx: read
+     and send timeouts, no buffering; AWS ALB: the idle timeout), under the user's own. */}}
+{{- define "dflash.gateway.ingressAnnotations" -}}
+{{- $i := .Values.gateway.ingress -}}
+{{- $t := include "dflash.gateway.lbTimeoutSeconds" . -}}
+{{- $defaults := dict -}}
+{{- if eq $i.className "nginx" -}}
+{{- $defaults = dict "nginx.ingress.kubernetes.io/proxy-read-timeout" $t "nginx.ingress.kubernetes.io/proxy-send-timeout" $t "nginx.ingress.kubernetes.io/proxy-buffering" "off" -}}
+{{- else if eq $i.className "alb" -}}
+{{- $defaults = dict "alb.ingress.kubernetes.io/load-balancer-attributes" (printf "idle_timeout.timeout_seconds=%s" $t) -}}
+{{- end -}}
+{{- $all := merge (deepCopy $i.annotations) $defaults -}}
+{{- if $all }}{{ toYaml $all }}{{ end -}}
+{{- end -}}
