@@ -54,6 +54,8 @@ def test_keda_scales_workers_on_queue_depth_and_wakes_from_zero(tmp_path: Path) 
     assert (
         'job="rel-dflash-serving-gateway"' in wake["query"] and wake["activationThreshold"] == "0"
     )
+    # The gateway counts its own refusals since issue 27: a 401 or 404 must not wake a GPU.
+    assert 'status!~"4.."' in wake["query"]
     for t in so["triggers"]:
         assert t["type"] == "prometheus"
         assert t["metadata"]["serverAddress"].startswith("http://kube-prometheus-stack")

@@ -51,6 +51,7 @@ _PLAIN = {
     "dflash_worker_healthy",
     "dflash_upstream_errors_total",
     "dflash_retries_total",
+    "dflash_gateway_errors_total",
 }
 DESIGN_METRICS = _PLAIN | {h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 
@@ -145,8 +146,34 @@ def test_variables_for_model_and_worker() -> None:
     for _, expr in dashboard_targets(DASHBOARD_FILE):
         if "vllm:" in expr:
             assert 'instance=~"$worker"' in expr, expr
-        elif "dflash_worker_healthy" not in expr and "dflash_upstream_errors" not in expr:
+        elif not any(
+            # per-worker series, and refusals made before a model is known
+            name in expr
+            for name in ("dflash_worker_healthy", "dflash_upstream_errors", "dflash_gateway_errors")
+        ):
             assert 'model=~"$model"' in expr, expr
+
+
+def test_every_query_is_scoped_to_one_release() -> None:
+    """Two releases serving one model name (loadtest/README.md suggests exactly that) are
+    never summed: gateway series are scoped by namespace and job, worker series by namespace
+    (and pod instance)."""
+    variables = [v["name"] for v in dashboard()["templating"]["list"]]
+    assert variables[:3] == ["datasource", "namespace", "job"]
+    for _, expr in dashboard_targets(DASHBOARD_FILE):
+        for selector in expr.split("{")[1:]:
+            assert 'namespace=~"$namespace"' in selector, expr
+        if "vllm:" not in expr:
+            assert 'job=~"$job"' in expr, expr
+
+
+def test_per_user_tokens_per_second_has_an_axis_of_its_own() -> None:
+    panel = next(p for p in dashboard()["panels"] if p.get("title") == "Tokens per second")
+    per_user = next(t["refId"] for t in panel["targets"] if "TPOT" in t["legendFormat"])
+    override = next(
+        o for o in panel["fieldConfig"]["overrides"] if o["matcher"]["options"] == per_user
+    )
+    assert {"id": "custom.axisPlacement", "value": "right"} in override["properties"]
 
 
 def test_dashboard_configmap_for_the_grafana_sidecar() -> None:
