@@ -127,11 +127,11 @@ class RequestContext:
         try:
             await self.app(scope, receive, watch)
         finally:
-            status = sent.get("status", CLIENT_CLOSED)
-            code = error_code(sent.get("body", b"")) if status >= 400 else None
-            self.metrics.count_response(
-                scope.get(MODEL_LABEL_KEY, "unknown"), endpoint_label(scope["path"]), status, code
-            )
+            # A request routed to a worker (/tokenize) was counted by the proxy.
+            if MODEL_LABEL_KEY not in scope:
+                status = sent.get("status", CLIENT_CLOSED)
+                code = error_code(sent.get("body", b"")) if status >= 400 else None
+                self.metrics.count_response("unknown", endpoint_label(scope["path"]), status, code)
 
     async def proxy(
         self, schema: type[Any], scope: Scope, receive: Receive, send: Send, send_with_id: Send

@@ -147,14 +147,23 @@ def test_readme_gateway_table_names_every_setting() -> None:
 def test_make_serve_takes_a_port_and_flags() -> None:
     """`make serve PORT=... SERVE_ARGS=...`, as the README says, reaches dflash-serve."""
     done = subprocess.run(
-        ["make", "-n", "serve", "PORT=8123", "SERVE_ARGS=--api-key sk-x --workers 2"],
+        [
+            "make",
+            "-n",
+            "--no-print-directory",
+            "serve",
+            "PORT=8123",
+            "SERVE_ARGS=--api-key sk-x --workers 2",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    last = done.stdout.strip().splitlines()[-1]
-    assert last.endswith("dflash-serve --port 8123 --api-key sk-x --workers 2"), last
+    serve = [line for line in done.stdout.splitlines() if "dflash-serve" in line]
+    assert serve and serve[-1].endswith("dflash-serve --port 8123 --api-key sk-x --workers 2"), (
+        serve
+    )
     readme = (ROOT / "README.md").read_text()
     assert "make serve PORT=8080" in readme and "SERVE_ARGS='--api-key sk-local'" in readme

@@ -33,6 +33,8 @@ GRAFANA_VARS = {
     "$__rate_interval": "1m",
     "$__interval": "15s",
     "$__range": "1h",
+    "$namespace": ".*",
+    "$job": ".*",
     "$model": ".*",
     "$worker": ".*",
     "${datasource}": "",

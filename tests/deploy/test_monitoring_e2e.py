@@ -180,6 +180,9 @@ def stack(
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(send, [client, client], [False, True]))
         traffic(client, streams=4, unary=2)
+        # One refusal of the gateway's own (a model nobody serves), for the errors panel.
+        refused = {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}
+        assert httpx.post(f"{gateway}/v1/chat/completions", json=refused).status_code == 404
         exported = exposition_names(httpx.get(f"{gateway}/metrics", timeout=10).text)
         exported |= exposition_names(httpx.get(f"{live.base_url}/metrics", timeout=10).text)
         wait_for_scrapes(prometheus, "gateway", time.time())
@@ -242,7 +245,7 @@ def test_variables_and_recording_rules_on_real_data(stack: Stack) -> None:
         params={"match[]": "dflash_requests_total"},
         timeout=10,
     ).json()["data"]
-    assert models == [MODEL]
+    assert models == sorted([MODEL, "unknown"])  # "unknown": the refusal, before any model
     workers = httpx.get(
         f"{stack.prometheus}/api/v1/label/instance/values",
         params={"match[]": "vllm:num_requests_running"},

@@ -117,3 +117,10 @@ def test_the_404_for_an_unknown_model_names_the_served_ones(gw: Gateway) -> None
     error = reply.json()["error"]
     assert error["param"] == "model" and error["code"] == "model_not_found"
     assert error["message"] == f"The model `gpt-4o` does not exist. Served models: `{MODEL}`."
+
+
+def test_a_routed_tokenize_is_counted_once(gw: Gateway) -> None:
+    labels = {"model": MODEL, "endpoint": "/tokenize"}
+    before = counted(gw, **labels)
+    httpx.post(gw.base_url + "/tokenize", json={"model": MODEL, "prompt": "x"}, headers=AUTH)
+    assert counted(gw, **labels) == before + 1
