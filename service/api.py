@@ -87,8 +87,13 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     if not runtime.pool.routable():
         raise NoHealthyWorker("No healthy worker is available.", headers=retry_after)
     if not runtime.pool.knows_model(parsed.model):
+        if runtime.pool.configures(parsed.model):
+            raise NoHealthyWorker(
+                f"No healthy worker serves `{parsed.model}` right now.", headers=retry_after
+            )
         raise unknown_model(parsed.model, runtime.pool)
-    label = parsed.model if runtime.pool.lists_model(parsed.model) else "unknown"
+    known = runtime.pool.configures(parsed.model) or runtime.pool.lists_model(parsed.model)
+    label = parsed.model if known else "unknown"
     request.scope[MODEL_LABEL_KEY] = label
     options = parsed.stream_options
     call = ProxyCall(
@@ -113,7 +118,7 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
 def unknown_model(model: str, pool: WorkerPool | None) -> ModelNotFound:
     """404 naming the model asked for and the ones served (OpenAI's wording, plus the list
     a newcomer needs: the name in their client rarely matches a served name at first)."""
-    served = [str(card.get("id")) for card in pool.models()] if pool is not None else []
+    served = pool.model_names() if pool is not None else []
     shown = ", ".join(f"`{name}`" for name in served[:MODELS_NAMED])
     more = f" and {len(served) - MODELS_NAMED} more" if len(served) > MODELS_NAMED else ""
     where = f" Served models: {shown}{more}." if served else " No model is served right now."

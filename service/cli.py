@@ -13,9 +13,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import uvicorn
+import yaml
 from pydantic import ValidationError
 
 from service.api import GatewayState
@@ -64,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--worker", dest="workers", action="append", metavar="URL", help="worker base URL (repeat)"
     )
     p.add_argument("--worker-dns", metavar="NAME:PORT", help="re-resolved DNS name of the workers")
+    p.add_argument(
+        "--pools",
+        type=read_pools,
+        metavar="FILE",
+        help="YAML (or JSON) list of pools: name, model, weight, workers and/or worker_dns "
+        "(instead of --worker/--worker-dns; env: DFLASH_GATEWAY_POOLS as JSON)",
+    )
     p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity"])
     p.add_argument("--api-key-file", metavar="PATH", help="file with one API key per line")
     p.add_argument("--metrics-auth", action="store_true", help="require the API key on /metrics")
@@ -87,6 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")
     return p
+
+
+def read_pools(path: str) -> list[Any]:
+    """The pools file: a list, or a mapping with a `pools` list (a chart-like layout)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read pools file {path}: {exc}") from None
+    if isinstance(loaded, dict):
+        loaded = loaded.get("pools")
+    if not isinstance(loaded, list):
+        raise argparse.ArgumentTypeError(f"pools file {path}: expected a list of pools")
+    return loaded
 
 
 def settings_from_args(argv: Sequence[str] | None) -> GatewaySettings:
@@ -191,9 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"dflash-gateway: invalid settings:\n{describe_invalid(exc)}", file=sys.stderr)
         return 2
-    if not settings.workers and not settings.worker_dns:
+    if not settings.pool_specs():
         print(
-            "dflash-gateway: give --worker URL (repeatable) or --worker-dns NAME:PORT",
+            "dflash-gateway: give --worker URL (repeatable), --worker-dns NAME:PORT or --pools",
             file=sys.stderr,
         )
         return 2

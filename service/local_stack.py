@@ -3,7 +3,8 @@
 Starts N `dflash-worker` subprocesses on the bundled model (the embedded engine, or real vLLM
 with `--backend vllm`) and a gateway in front of them on 127.0.0.1. `--compare` adds a second
 pool of plain-decoding workers behind a second gateway (port + 1), so DFlash and plain
-decoding can be load-tested side by side.
+decoding can be load-tested side by side. `--pools FILE` serves several pools behind one
+gateway instead: models, and weighted pools of one model (a drafter canary).
 Ctrl-C / SIGTERM: the gateways drain, then the workers are stopped.
 """
 
@@ -18,27 +19,63 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from service.cli import GatewayServer, configure_logging
+from service.cli import GatewayServer, configure_logging, describe_invalid
 from service.http import run_servers
-from service.settings import GatewaySettings
+from service.settings import POOL_NAME, GatewaySettings, PoolSpec, check_pools
+
+
+class LocalPool(BaseModel):
+    """Workers started alike: one engine, one drafter (or none), one served model name."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=POOL_NAME)
+    workers: int = Field(default=1, ge=1)
+    speculation: bool = True  # False: plain decoding, the baseline
+    worker_args: tuple[str, ...] = ()
+    engine: Literal["embedded", "vllm"] = "embedded"
+    # The name clients send (the workers' --served-model-name); None: the workers' own.
+    model: str | None = Field(default=None, min_length=1)
+    weight: float = Field(default=100.0, ge=0, allow_inf_nan=False)
+
+
+class PoolsFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    pools: list[LocalPool] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PoolsFile:
+        check_pools(self.pools)
+        return self
+
+
+def load_pools(path: Path) -> tuple[LocalPool, ...]:
+    """The pools of a YAML file (`pools:` list); ValueError naming what is wrong."""
+    try:
+        loaded = yaml.safe_load(path.read_text())
+        return tuple(PoolsFile.model_validate(loaded).pools)
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    except ValidationError as exc:
+        raise ValueError(f"invalid pools file {path}:\n{describe_invalid(exc)}") from None
 
 
 @dataclass(frozen=True)
-class PoolSpec:
-    """One gateway and the workers behind it."""
+class LocalGateway:
+    """One gateway and the pools behind it."""
 
-    name: str
     port: int
-    workers: int
-    speculation: bool
-    worker_args: tuple[str, ...] = ()
-    backend: str = "embedded"
+    pools: tuple[LocalPool, ...]
 
     @property
     def base_url(self) -> str:
@@ -51,20 +88,14 @@ class WorkerProcess:
     process: subprocess.Popen[bytes]
 
 
-@dataclass
-class Stack:
-    pools: list[PoolSpec]
-    workers: dict[str, list[WorkerProcess]] = field(default_factory=dict)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--port", type=int, default=8000, help="gateway port (default 8000)")
-    p.add_argument("--workers", type=int, default=1, help="workers per pool (default 1)")
+    p.add_argument("--workers", type=int, default=None, help="workers per pool (default 1)")
     p.add_argument(
         "--backend",
         choices=["embedded", "vllm"],
-        default="embedded",
+        default=None,
         help="embedded: the pure-PyTorch engine; vllm: real vLLM (`make vllm-env` installs a "
         "CPU build; add --worker-arg=--enforce-eager for a faster start on a CPU)",
     )
@@ -82,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve a plain-decoding pool on --compare-port, beside the DFlash one",
     )
     p.add_argument("--compare-port", type=int, default=None, help="default: --port + 1")
+    p.add_argument(
+        "--pools",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="YAML list of pools behind the one gateway: name, model, weight, engine, "
+        "workers, speculation, worker_args (examples/canary-pools.yaml)",
+    )
     p.add_argument(
         "--worker-arg",
         action="append",
@@ -103,16 +142,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def plan(args: argparse.Namespace) -> list[PoolSpec]:
-    """The pools to start: one, or DFlash and plain side by side with --compare."""
-    extra, backend = tuple(args.worker_arg), args.backend
+def plan(args: argparse.Namespace) -> list[LocalGateway]:
+    """The gateways to start: one over one pool, one over the pools of --pools FILE, or a
+    DFlash and a plain one side by side with --compare. --worker-arg applies to every pool."""
+    extra = tuple(args.worker_arg)
+
+    def pool(name: str, speculation: bool) -> LocalPool:
+        return LocalPool(
+            name=name,
+            workers=1 if args.workers is None else args.workers,
+            speculation=speculation,
+            worker_args=extra,
+            engine=args.backend or "embedded",
+        )
+
+    if args.pools is not None:
+        given = {
+            "--workers": args.workers is not None,
+            "--backend": args.backend is not None,
+            "--compare": args.compare,
+            "--no-speculation": args.no_speculation,
+        }
+        clash = [flag for flag, set_ in given.items() if set_]
+        if clash:
+            raise ValueError(
+                f"{', '.join(clash)}: set per pool in {args.pools} (workers, engine, "
+                "speculation) instead"
+            )
+        pools = tuple(
+            p.model_copy(update={"worker_args": (*p.worker_args, *extra)})
+            for p in load_pools(args.pools)
+        )
+        return [LocalGateway(args.port, pools)]
     if not args.compare:
         name = "plain" if args.no_speculation else "dflash"
-        return [PoolSpec(name, args.port, args.workers, not args.no_speculation, extra, backend)]
+        return [LocalGateway(args.port, (pool(name, not args.no_speculation),))]
     compare_port = args.compare_port if args.compare_port is not None else args.port + 1
     return [
-        PoolSpec("dflash", args.port, args.workers, True, extra, backend),
-        PoolSpec("plain", compare_port, args.workers, False, extra, backend),
+        LocalGateway(args.port, (pool("dflash", True),)),
+        LocalGateway(compare_port, (pool("plain", False),)),
     ]
 
 
@@ -141,14 +209,14 @@ def worker_env() -> dict[str, str]:
     return {**defaults, **os.environ, "PYTHONUNBUFFERED": "1"}
 
 
-def shared_threads(pool: PoolSpec, total_workers: int, cpus: int) -> list[str]:
+def shared_threads(pool: LocalPool, total_workers: int, cpus: int) -> list[str]:
     """`--threads` for an embedded worker that shares the machine with others: its share of
     the CPUs less one for its HTTP side (the worker's own rule for a machine of its own).
     Nothing for a lone worker, or when the user chose (`--worker-arg=--threads=N`, or
     OMP_NUM_THREADS): the worker's default was measured faster than any override
     (engine/threads.py)."""
     chose = any(arg.startswith("--threads") for arg in pool.worker_args)
-    if pool.backend != "embedded" or total_workers <= 1 or chose:
+    if pool.engine != "embedded" or total_workers <= 1 or chose:
         return []
     if "OMP_NUM_THREADS" in os.environ:
         return []
@@ -156,10 +224,12 @@ def shared_threads(pool: PoolSpec, total_workers: int, cpus: int) -> list[str]:
 
 
 def start_worker(
-    pool: PoolSpec, env: dict[str, str], port: int, threads: Sequence[str] = ()
+    pool: LocalPool, env: dict[str, str], port: int, threads: Sequence[str] = ()
 ) -> WorkerProcess:
     argv = [sys.executable, "-m", "engine.worker.cli", "--host", "127.0.0.1", "--port", str(port)]
-    argv += ["--backend", pool.backend, *threads]
+    argv += ["--backend", pool.engine, *threads]
+    if pool.model is not None:
+        argv += ["--served-model-name", pool.model]
     extra = list(pool.worker_args)
     if not pool.speculation:
         # The plain pool of --compare shares the worker args: drop the drafter there.
@@ -238,14 +308,19 @@ def sigterm_as_exit() -> Iterator[None]:
 
 
 def gateway_settings(
-    pool: PoolSpec,
-    urls: list[str],
+    gateway: LocalGateway,
+    urls: Mapping[str, list[str]],
     log_level: str,
     worker_env: Mapping[str, str],
     api_keys: Sequence[str] = (),
 ) -> GatewaySettings:
+    """The gateway over `gateway.pools`, whose workers are `urls[pool name]`."""
+    pools = [
+        PoolSpec(name=p.name, model=p.model, weight=p.weight, workers=urls[p.name])
+        for p in gateway.pools
+    ]
     # Env (DFLASH_GATEWAY_*) still applies to everything not decided here.
-    fixed: dict[str, Any] = {"host": "127.0.0.1", "port": pool.port, "workers": urls}
+    fixed: dict[str, Any] = {"host": "127.0.0.1", "port": gateway.port, "pools": pools}
     fixed.update(log_level=log_level, drain_timeout_s=10)
     if api_keys:
         fixed["api_keys"] = list(api_keys)
@@ -256,25 +331,33 @@ def gateway_settings(
     return GatewaySettings(**fixed)
 
 
-def announce(pools: Sequence[PoolSpec]) -> None:
-    for pool in pools:
-        kind = "DFlash speculative" if pool.speculation else "plain"
-        print(
-            f"dflash-serve: {pool.name} ({kind} decoding, {pool.workers} {pool.backend} "
-            "worker(s)) "
-            f"OpenAI base URL: {pool.base_url}",
-            flush=True,
-        )
+def announce(gateways: Sequence[LocalGateway]) -> None:
+    for gateway in gateways:
+        several = len(gateway.pools) > 1
+        for pool in gateway.pools:
+            kind = "DFlash speculative" if pool.speculation else "plain"
+            model = pool.model or "as served"
+            share = f", model {model}, weight {pool.weight:g}" if several else ""
+            print(
+                f"dflash-serve: {pool.name} ({kind} decoding, {pool.workers} {pool.engine} "
+                f"worker(s){share}) OpenAI base URL: {gateway.base_url}",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         print("dflash-serve: --workers must be at least 1", file=sys.stderr)
         return 2
+    try:
+        gateways = plan(args)
+    except ValueError as exc:
+        print(f"dflash-serve: {exc}", file=sys.stderr)
+        return 2
     configure_logging(args.log_level)
-    pools = plan(args)
     env = worker_env()
+    pools = [pool for gateway in gateways for pool in gateway.pools]
     total = sum(pool.workers for pool in pools)
     started: list[WorkerProcess] = []
     try:
@@ -288,10 +371,10 @@ def main(argv: list[str] | None = None) -> int:
                 urls[pool.name] = [w.url for w in procs]
             wait_ready(started, args.startup_timeout)
             servers = [
-                GatewayServer(gateway_settings(p, urls[p.name], args.log_level, env, args.api_key))
-                for p in pools
+                GatewayServer(gateway_settings(g, urls, args.log_level, env, args.api_key))
+                for g in gateways
             ]
-        run_servers(servers, on_started=lambda: announce(pools))
+        run_servers(servers, on_started=lambda: announce(gateways))
     except (RuntimeError, TimeoutError) as exc:
         print(f"dflash-serve: {exc}", file=sys.stderr)
         return 1

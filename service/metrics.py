@@ -22,6 +22,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 ACCEPT_LEN_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 16)
 RATE_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
+# The `pool` label of a response no worker was tried for (refused by the gateway itself).
+NO_POOL = "none"
 # An error code is a label value only when it looks like one of ours (they are all literals
 # in service/errors.py and service/proxy.py); anything else is counted as "other".
 _CODE = re.compile(r"[a-z0-9_]{1,48}")
@@ -145,7 +147,7 @@ class GatewayMetrics:
         self.requests = Counter(
             "dflash_requests",
             "Responses sent, by status: relayed from a worker or answered by the gateway itself",
-            ["model", "endpoint", "status"],
+            ["model", "pool", "endpoint", "status"],
             registry=r,
         )
         self.errors = Counter(
@@ -157,41 +159,43 @@ class GatewayMetrics:
         )
         self.in_flight = Gauge(
             "dflash_requests_in_flight",
-            "Requests in flight",
-            ["model"],
+            "Requests on a worker now",
+            ["model", "pool"],
             registry=r,
             multiprocess_mode="livesum",
         )
         self.duration = Histogram(
             "dflash_request_duration_seconds",
             "End-to-end latency, client view",
-            ["model", "endpoint"],
+            ["model", "pool", "endpoint"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "dflash_time_to_first_token_seconds",
             "Time to first token, client view (streaming)",
-            ["model"],
+            ["model", "pool"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.tpot = Histogram(
             "dflash_time_per_output_token_seconds",
             "(end - first token) / (tokens - 1) per request",
-            ["model"],
+            ["model", "pool"],
             buckets=TPOT_BUCKETS,
             registry=r,
         )
-        self.prompt_tokens = Counter("dflash_prompt_tokens", "Prompt tokens", ["model"], registry=r)
+        self.prompt_tokens = Counter(
+            "dflash_prompt_tokens", "Prompt tokens", ["model", "pool"], registry=r
+        )
         self.completion_tokens = Counter(
-            "dflash_completion_tokens", "Completion tokens", ["model"], registry=r
+            "dflash_completion_tokens", "Completion tokens", ["model", "pool"], registry=r
         )
         self._spec_series(r)
         self.worker_healthy = Gauge(
             "dflash_worker_healthy",
             "1 when the worker takes traffic",
-            ["worker"],
+            ["worker", "pool"],
             registry=r,
             multiprocess_mode="livemax",  # takes traffic from at least one process
         )
@@ -206,23 +210,25 @@ class GatewayMetrics:
         self.spec_length = Histogram(
             "dflash_spec_acceptance_length",
             "Per-request mean acceptance length (bonus included)",
-            ["model"],
+            ["model", "pool"],
             buckets=ACCEPT_LEN_BUCKETS,
             registry=r,
         )
         self.spec_rate = Histogram(
             "dflash_spec_draft_acceptance_rate",
             "Per-request accepted / drafted tokens",
-            ["model"],
+            ["model", "pool"],
             buckets=RATE_BUCKETS,
             registry=r,
         )
-        self.spec_steps = Counter("dflash_spec_steps", "Verify steps", ["model"], registry=r)
+        self.spec_steps = Counter(
+            "dflash_spec_steps", "Verify steps", ["model", "pool"], registry=r
+        )
         self.spec_drafted = Counter(
-            "dflash_spec_draft_tokens", "Draft tokens", ["model"], registry=r
+            "dflash_spec_draft_tokens", "Draft tokens", ["model", "pool"], registry=r
         )
         self.spec_accepted = Counter(
-            "dflash_spec_accepted_tokens", "Accepted draft tokens", ["model"], registry=r
+            "dflash_spec_accepted_tokens", "Accepted draft tokens", ["model", "pool"], registry=r
         )
 
     def child(self, metric: Any, *values: str) -> Any:
@@ -236,38 +242,39 @@ class GatewayMetrics:
         return found
 
     def count_response(
-        self, model: str, endpoint: str, status: int, code: str | None = None
+        self, model: str, endpoint: str, status: int, code: str | None = None, pool: str = NO_POOL
     ) -> None:
         """One response sent to a client; `code`: the OpenAI error code of an error the
-        gateway answered itself (None for a relayed or successful response)."""
-        self.child(self.requests, model, endpoint, str(status)).inc()
+        gateway answered itself (None for a relayed or successful response); `pool`: the
+        pool of the worker that answered (NO_POOL when none was tried)."""
+        self.child(self.requests, model, pool, endpoint, str(status)).inc()
         if code is not None:
             self.child(self.errors, endpoint, str(status), code).inc()
 
-    def observe_usage(self, model: str, usage: Usage | None) -> None:
+    def observe_usage(self, model: str, pool: str, usage: Usage | None) -> None:
         if usage is not None:
-            self.child(self.prompt_tokens, model).inc(usage.prompt_tokens)
-            self.child(self.completion_tokens, model).inc(usage.completion_tokens)
+            self.child(self.prompt_tokens, model, pool).inc(usage.prompt_tokens)
+            self.child(self.completion_tokens, model, pool).inc(usage.completion_tokens)
 
-    def observe_spec(self, model: str, body: Any) -> None:
+    def observe_spec(self, model: str, pool: str, body: Any) -> None:
         for stats in parse_spec(body):
-            self.child(self.spec_steps, model).inc(stats.steps)
-            self.child(self.spec_drafted, model).inc(stats.draft_tokens)
-            self.child(self.spec_accepted, model).inc(stats.accepted_tokens)
+            self.child(self.spec_steps, model, pool).inc(stats.steps)
+            self.child(self.spec_drafted, model, pool).inc(stats.draft_tokens)
+            self.child(self.spec_accepted, model, pool).inc(stats.accepted_tokens)
             if stats.acceptance_length is not None:
-                self.child(self.spec_length, model).observe(stats.acceptance_length)
+                self.child(self.spec_length, model, pool).observe(stats.acceptance_length)
             if stats.acceptance_rate is not None:
-                self.child(self.spec_rate, model).observe(stats.acceptance_rate)
+                self.child(self.spec_rate, model, pool).observe(stats.acceptance_rate)
 
-    def set_worker_health(self, worker: str, healthy: bool | None) -> None:
-        """healthy None: the worker left the pool, so its series goes too (bounded labels)."""
+    def set_worker_health(self, worker: str, pool: str, healthy: bool | None) -> None:
+        """healthy None: the worker left its pool, so its series goes too (bounded labels)."""
         if healthy is None:
             self._pool.discard(worker)
             with contextlib.suppress(KeyError):
-                self.worker_healthy.remove(worker)
+                self.worker_healthy.remove(worker, pool)
             return
         self._pool.add(worker)
-        self.worker_healthy.labels(worker).set(1 if healthy else 0)
+        self.worker_healthy.labels(worker, pool).set(1 if healthy else 0)
 
     def render(self) -> tuple[bytes, str]:
         if self.multiprocess_dir is None:

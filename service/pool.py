@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 
 from service.metrics import GatewayMetrics
-from service.settings import GatewaySettings
+from service.settings import DEFAULT_POOL, GatewaySettings, PoolSpec
+from service.split import SmoothWeighted, pool_of
 
 log = logging.getLogger("dflash.gateway.pool")
 
@@ -32,6 +33,8 @@ def worker_id(url: str) -> str:
 class Worker:
     url: str
     label: str = ""  # the `worker` label of its metrics: worker_id(url), or the URL itself
+    pool: str = DEFAULT_POOL  # the name of its pool (the `pool` label)
+    pool_model: str | None = None  # the one model its pool serves; None: what it lists
     healthy: bool = False
     outstanding: int = 0
     waiting: float = 0.0  # the worker's own vllm:num_requests_waiting, from its /metrics
@@ -50,7 +53,9 @@ class Worker:
         return self.healthy and now >= self.ejected_until
 
     def serves(self, model: str) -> bool:
-        # A worker whose model list is not known yet may serve anything.
+        # A worker whose model list is not known yet may serve anything its pool serves.
+        if self.pool_model is not None and model != self.pool_model:
+            return False
         return not self.model_ids or model in self.model_ids
 
 
@@ -95,6 +100,23 @@ def parse_waiting(exposition: str) -> float:
     return total
 
 
+async def lookup(target: str) -> set[str] | None:
+    """The worker URLs NAME:PORT resolves to; None when the lookup fails."""
+    host, _, port = target.rpartition(":")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM
+        )
+    except OSError as exc:
+        log.warning("DNS lookup of %s failed: %s (keeping the current pool)", host, exc)
+        return None
+    found = set()
+    for family, _, _, _, sockaddr in infos:
+        ip = str(sockaddr[0])
+        found.add(f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}")
+    return found
+
+
 class WorkerPool:
     """Tracks workers and picks one per attempt; background tasks keep membership and health."""
 
@@ -104,29 +126,34 @@ class WorkerPool:
         self._settings = settings
         self._client = client
         self._metrics = metrics
-        self.workers: dict[str, Worker] = {url: self._new_worker(url) for url in settings.workers}
+        self.specs = {spec.name: spec for spec in settings.pool_specs()}
+        self._weights = {name: spec.weight for name, spec in self.specs.items()}
+        self._configured = frozenset(spec.model for spec in self.specs.values() if spec.model)
+        self.workers: dict[str, Worker] = {
+            url: self._new_worker(url, spec) for spec in self.specs.values() for url in spec.workers
+        }
         self._tasks: list[asyncio.Task[None]] = []
-        self._ring: HashRing | None = None
+        self._rings: dict[str, HashRing] = {}  # per pool
+        self._turns: dict[str, SmoothWeighted] = {}  # per model: the weighted split's state
         self._turn = 0
         # routable() runs several times per request: cached until health changes
         # (`invalidate`) or the earliest ejection ends.
         self._routable: list[Worker] | None = None
         self._routable_until = 0.0
 
-    def _new_worker(self, url: str) -> Worker:
+    def _new_worker(self, url: str, spec: PoolSpec) -> Worker:
         label = url if self._settings.metrics_worker_label == "url" else worker_id(url)
-        log.info("worker %s is %s in metrics", url, label)
-        return Worker(url, label)
+        log.info("worker %s of pool %s is %s in metrics", url, spec.name, label)
+        return Worker(url, label, pool=spec.name, pool_model=spec.model)
 
     async def start(self) -> None:
         """First discovery and health round before serving, then the background loops."""
-        if self._settings.worker_dns:
-            await self.resolve_dns()
+        await self.resolve_dns()
         await self.check_all()
         self._tasks.append(
             asyncio.create_task(self._every(self._settings.health_interval_s, self.check_all))
         )
-        if self._settings.worker_dns:
+        if any(spec.worker_dns for spec in self.specs.values()):
             self._tasks.append(
                 asyncio.create_task(self._every(self._settings.dns_interval_s, self.resolve_dns))
             )
@@ -149,33 +176,26 @@ class WorkerPool:
 
     # -- membership ---------------------------------------------------------------------
     async def resolve_dns(self) -> None:
-        """Re-resolve NAME:PORT; addresses that appeared join, those that went leave."""
-        assert self._settings.worker_dns is not None
-        host, _, port = self._settings.worker_dns.rpartition(":")
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host, int(port), type=socket.SOCK_STREAM
-            )
-        except OSError as exc:
-            log.warning("DNS lookup of %s failed: %s (keeping the current pool)", host, exc)
-            return
-        found = set()
-        for family, _, _, _, sockaddr in infos:
-            ip = str(sockaddr[0])
-            found.add(
-                f"http://[{ip}]:{port}" if family == socket.AF_INET6 else f"http://{ip}:{port}"
-            )
-        found |= set(self._settings.workers)
+        """Re-resolve each pool's NAME:PORT; addresses that appeared join, those that went
+        leave. A lookup that fails keeps that pool as it is."""
+        for spec in self.specs.values():
+            if spec.worker_dns:
+                found = await lookup(spec.worker_dns)
+                if found is not None:
+                    await self._settle(spec, found | set(spec.workers))
+
+    async def _settle(self, spec: PoolSpec, found: set[str]) -> None:
+        mine = {url for url, w in self.workers.items() if w.pool == spec.name}
         for url in found - self.workers.keys():
-            log.info("worker %s joined the pool", url)
-            self.workers[url] = self._new_worker(url)
+            log.info("worker %s joined pool %s", url, spec.name)
+            self.workers[url] = self._new_worker(url, spec)
             self.invalidate()
             await self.check(self.workers[url])
-        for url in self.workers.keys() - found:
-            log.info("worker %s left the pool", url)
+        for url in mine - found:
+            log.info("worker %s left pool %s", url, spec.name)
             gone = self.workers.pop(url)
             self.invalidate()
-            self._metrics.set_worker_health(gone.label, None)
+            self._metrics.set_worker_health(gone.label, gone.pool, None)
 
     # -- health -------------------------------------------------------------------------
     async def check_all(self) -> None:
@@ -223,7 +243,8 @@ class WorkerPool:
 
     def _publish(self, worker: Worker) -> None:
         if worker.url in self.workers:
-            self._metrics.set_worker_health(worker.label, worker.routable(time.monotonic()))
+            healthy = worker.routable(time.monotonic())
+            self._metrics.set_worker_health(worker.label, worker.pool, healthy)
 
     # -- passive health -----------------------------------------------------------------
     def report_success(self, worker: Worker) -> None:
@@ -244,10 +265,11 @@ class WorkerPool:
         if worker.failures < self._settings.eject_after_failures:
             return
         now = time.monotonic()
-        if not any(w is not worker and w.routable(now) for w in self.workers.values()):
+        stand_ins = (w for w in self.workers.values() if w is not worker and w.routable(now))
+        if not any(self._stands_in(w, worker) for w in stand_ins):
             log.warning(
                 "not ejecting worker %s after %d failed requests (%s): it is the last "
-                "routable worker",
+                "routable worker of its model",
                 worker.url,
                 worker.failures,
                 kind,
@@ -261,6 +283,12 @@ class WorkerPool:
         worker.ejected_until = now + self._settings.eject_cooldown_s
         self.invalidate()
         self._publish(worker)
+
+    def _stands_in(self, other: Worker, worker: Worker) -> bool:
+        """`other` can take `worker`'s requests: same pool, or a pool of the same model."""
+        return other.pool == worker.pool or (
+            worker.pool_model is not None and other.pool_model == worker.pool_model
+        )
 
     # -- routing ------------------------------------------------------------------------
     def invalidate(self) -> None:
@@ -284,6 +312,16 @@ class WorkerPool:
                 seen.setdefault(model["id"], model)
         return list(seen.values())
 
+    def model_names(self) -> list[str]:
+        """What a client may ask for: the models served now, then configured ones that are
+        down (a pool's model is a name from configuration, so also a bounded label)."""
+        names = [str(card["id"]) for card in self.models()]
+        names += sorted(self._configured)
+        return list(dict.fromkeys(names))
+
+    def configures(self, model: str) -> bool:
+        return model in self._configured
+
     def knows_model(self, model: str) -> bool:
         return any(w.serves(model) for w in self.routable())
 
@@ -296,9 +334,20 @@ class WorkerPool:
         candidates = [w for w in self.routable() if w.url not in exclude and w.serves(model)]
         if not candidates:
             return None
+        if len(self.specs) > 1:
+            candidates = self._one_pool(model, candidates, key)
         if self._settings.routing == "prefix_affinity" and key is not None:
             return self._by_affinity(candidates, key)
         return self._least_outstanding(candidates)
+
+    def _one_pool(self, model: str, candidates: list[Worker], key: str | None) -> list[Worker]:
+        """The candidates of the pool the weighted split picks among those offered."""
+        offered = list(dict.fromkeys(w.pool for w in candidates))
+        if len(offered) == 1:
+            return candidates
+        affinity = key if self._settings.routing == "prefix_affinity" else None
+        chosen = pool_of(model, offered, self._weights, affinity, self._turns)
+        return [w for w in candidates if w.pool == chosen]
 
     def _least_outstanding(self, candidates: list[Worker]) -> Worker:
         # Rotate the start so that exact ties (an idle pool) still spread requests.
@@ -311,11 +360,13 @@ class WorkerPool:
         """First worker clockwise from the key whose load stays under the bound:
         ceil(load_factor * (in flight + 1) / workers) (consistent hashing, bounded loads)."""
         by_url = {w.url: w for w in candidates}
-        if self._ring is None or self._ring.urls != tuple(sorted(by_url)):
-            self._ring = HashRing(by_url, self._settings.affinity_replicas)
+        pool = candidates[0].pool
+        ring = self._rings.get(pool)
+        if ring is None or ring.urls != tuple(sorted(by_url)):
+            ring = self._rings[pool] = HashRing(by_url, self._settings.affinity_replicas)
         total = sum(w.outstanding for w in candidates) + 1
         bound = math.ceil(self._settings.affinity_load_factor * total / len(candidates))
-        order = [by_url[url] for url in self._ring.walk(key)]
+        order = [by_url[url] for url in ring.walk(key)]
         for worker in order:
             if worker.outstanding + 1 <= bound:
                 return worker

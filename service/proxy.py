@@ -23,7 +23,7 @@ from service.errors import (
     WorkersBusy,
     render,
 )
-from service.metrics import GatewayMetrics, code_label, parse_usage
+from service.metrics import NO_POOL, GatewayMetrics, code_label, parse_usage
 from service.pool import Worker, WorkerPool
 from service.settings import GatewaySettings
 from service.sse import SseTap
@@ -120,6 +120,7 @@ async def send_body(
 class Outcome:
     status: int = CLIENT_CLOSED  # the status sent to the client, once sent
     code: str | None = None  # the error code, when the gateway answered an error itself
+    pool: str = NO_POOL  # the pool of the last worker tried
 
 
 async def send_error(send: Send, error: ApiError, call: ProxyCall, outcome: Outcome) -> None:
@@ -175,7 +176,7 @@ class Proxy:
 
     async def run(self, call: ProxyCall, send: Send, outcome: Outcome) -> None:
         if self.refusing:
-            error = self._draining()
+            error = draining(self.settings)
             error.headers["Connection"] = "close"  # the listener closes soon: reconnect
             await send_error(send, error, call, outcome)
             return
@@ -198,6 +199,9 @@ class Proxy:
                 self.metrics.child(self.metrics.retries, call.label).inc()
             tried.add(worker.url)
             worker.outstanding += 1
+            outcome.pool = worker.pool
+            in_flight = self.metrics.child(self.metrics.in_flight, call.label, worker.pool)
+            in_flight.inc()
             try:
                 attempt_fn = self._stream if call.stream else self._unary
                 await attempt_fn(worker, call, send, outcome, deadline)
@@ -209,28 +213,12 @@ class Proxy:
                 self.pool.report_failure(worker, failure.kind, serial, counts=failure.counts)
                 last = failure
             except Draining:
-                await send_error(send, self._draining(), call, outcome)
+                await send_error(send, draining(self.settings), call, outcome)
                 return
             finally:
                 worker.outstanding -= 1
-        await send_error(send, self._final_error(last), call, outcome)
-
-    def _draining(self) -> Unavailable:
-        return Unavailable(
-            "The gateway is shutting down; retry the request.",
-            code="draining",
-            retry_after=self.settings.retry_after_s,
-        )
-
-    def _final_error(self, last: UpstreamFailure | None) -> ApiError:
-        retry_after = {"Retry-After": str(self.settings.retry_after_s)}
-        if last is None:
-            return NoHealthyWorker("No healthy worker is available.", headers=retry_after)
-        if last.kind == "overloaded" or last.kind == "pool":
-            return WorkersBusy("Every worker is at capacity; retry later.", headers=retry_after)
-        if last.kind == "timeout":
-            return UpstreamTimeout(f"Upstream timeout: {last.message}.")
-        return UpstreamError(f"Upstream failure: {last.message}.")
+                in_flight.dec()
+        await send_error(send, final_error(last, self.settings), call, outcome)
 
     async def _post(self, worker: Worker, call: ProxyCall, watch: Watch) -> UpstreamResponse:
         """Send the request; the watch follows the connection it goes out on (its first-byte
@@ -282,8 +270,8 @@ class Proxy:
                 raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
         self.pool.report_success(worker)
         if parsed is not None:
-            self.metrics.observe_usage(call.label, parse_usage(parsed))
-            self.metrics.observe_spec(call.label, parsed)
+            self.metrics.observe_usage(call.label, worker.pool, parse_usage(parsed))
+            self.metrics.observe_spec(call.label, worker.pool, parsed)
         outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
         await send_body(
@@ -386,22 +374,44 @@ class Proxy:
         else:
             self.pool.report_success(worker)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-        self._observe_stream(call, tap)
+        observe_stream(self.metrics, call, worker.pool, tap)
         return failure is None and not drained
 
-    def _observe_stream(self, call: ProxyCall, tap: SseTap) -> None:
-        end = time.perf_counter()
-        usage = parse_usage(tap.final)
-        self.metrics.observe_usage(call.label, usage)
-        if tap.final is not None:
-            self.metrics.observe_spec(call.label, tap.final)
-        first = tap.first_token_at
-        if first is None:
-            return
-        self.metrics.child(self.metrics.ttft, call.label).observe(first - call.started)
-        if usage is not None and call.single_choice and usage.completion_tokens > 1:
-            tpot = (end - first) / (usage.completion_tokens - 1)
-            self.metrics.child(self.metrics.tpot, call.label).observe(tpot)
+
+def draining(settings: GatewaySettings) -> Unavailable:
+    return Unavailable(
+        "The gateway is shutting down; retry the request.",
+        code="draining",
+        retry_after=settings.retry_after_s,
+    )
+
+
+def final_error(last: UpstreamFailure | None, settings: GatewaySettings) -> ApiError:
+    """What the client gets when no attempt succeeded; `last` is the last attempt's failure."""
+    retry_after = {"Retry-After": str(settings.retry_after_s)}
+    if last is None:
+        return NoHealthyWorker("No healthy worker is available.", headers=retry_after)
+    if last.kind == "overloaded" or last.kind == "pool":
+        return WorkersBusy("Every worker is at capacity; retry later.", headers=retry_after)
+    if last.kind == "timeout":
+        return UpstreamTimeout(f"Upstream timeout: {last.message}.")
+    return UpstreamError(f"Upstream failure: {last.message}.")
+
+
+def observe_stream(metrics: GatewayMetrics, call: ProxyCall, pool: str, tap: SseTap) -> None:
+    """A relayed stream's usage, speculation summary, TTFT and TPOT."""
+    end = time.perf_counter()
+    usage = parse_usage(tap.final)
+    metrics.observe_usage(call.label, pool, usage)
+    if tap.final is not None:
+        metrics.observe_spec(call.label, pool, tap.final)
+    first = tap.first_token_at
+    if first is None:
+        return
+    metrics.child(metrics.ttft, call.label, pool).observe(first - call.started)
+    if usage is not None and call.single_choice and usage.completion_tokens > 1:
+        tpot = (end - first) / (usage.completion_tokens - 1)
+        metrics.child(metrics.tpot, call.label, pool).observe(tpot)
 
 
 def not_sse(response: UpstreamResponse) -> UpstreamFailure | None:
@@ -430,8 +440,6 @@ class ProxyResponse(Response):
         metrics, call = self.proxy.metrics, self.call
         outcome = Outcome()
         complete = False
-        in_flight = metrics.child(metrics.in_flight, call.label)
-        in_flight.inc()
         task = asyncio.current_task()
         assert task is not None
         gone = Gone(task)
@@ -445,12 +453,11 @@ class ProxyResponse(Response):
         finally:
             watcher.cancel()
             status = outcome.status if complete else CLIENT_CLOSED
-            in_flight.dec()
-            metrics.count_response(
-                call.label, call.endpoint, status, outcome.code if complete else None
-            )
+            code = outcome.code if complete else None
+            metrics.count_response(call.label, call.endpoint, status, code, outcome.pool)
             elapsed = time.perf_counter() - call.started
-            metrics.child(metrics.duration, call.label, call.endpoint).observe(elapsed)
+            duration = metrics.child(metrics.duration, call.label, outcome.pool, call.endpoint)
+            duration.observe(elapsed)
 
 
 class Gone:

@@ -2,13 +2,93 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
+# The name of the one pool of a gateway configured with plain `workers`/`worker_dns`.
+DEFAULT_POOL = "default"
+# A pool's name is a metrics label and part of Kubernetes object names: a DNS label.
+POOL_NAME = r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"
+
+
+def worker_urls(value: list[str]) -> list[str]:
+    for url in value:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
+    return [url.rstrip("/") for url in value]
+
+
+def dns_target(value: str | None) -> str | None:
+    if value is not None:
+        host, _, port = value.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"worker_dns must be NAME:PORT, got {value!r}")
+    return value
+
+
+class PoolSpec(BaseModel):
+    """Workers that serve one model the same way (one engine, one drafter), and the share of
+    that model's traffic they get. Several pools of one model split it by `weight`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=POOL_NAME)
+    # The served model name requests ask for; None: whatever the workers list (one pool).
+    model: str | None = Field(default=None, min_length=1)
+    # Relative share among the pools of its model. 0: no traffic while a weighted pool of the
+    # model has a healthy worker (a drained canary that still takes over as a fallback).
+    weight: float = Field(default=100.0, ge=0, allow_inf_nan=False)
+    workers: list[str] = Field(default_factory=list)
+    worker_dns: str | None = None
+
+    @field_validator("workers")
+    @classmethod
+    def _check_urls(cls, value: list[str]) -> list[str]:
+        return worker_urls(value)
+
+    @field_validator("worker_dns")
+    @classmethod
+    def _check_dns(cls, value: str | None) -> str | None:
+        return dns_target(value)
+
+    @model_validator(mode="after")
+    def _has_workers(self) -> PoolSpec:
+        if not self.workers and not self.worker_dns:
+            raise ValueError(f"pool {self.name!r} needs workers or worker_dns")
+        return self
+
+
+class PoolLike(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def weight(self) -> float: ...
+
+
+def check_pools(pools: Sequence[PoolLike]) -> None:
+    """What no single pool can see: duplicate names, a model whose pools all have weight 0,
+    a pool without `model` beside others (dflash-serve checks its pools file with it too)."""
+    names = [pool.name for pool in pools]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate pool names: {', '.join(duplicates)}")
+    if len(pools) > 1:
+        unnamed = [pool.name for pool in pools if pool.model is None]
+        if unnamed:
+            raise ValueError(f"with several pools each needs a model: {', '.join(unnamed)}")
+    weights: dict[str | None, float] = {}
+    for pool in pools:
+        weights[pool.model] = weights.get(pool.model, 0.0) + pool.weight
+    idle = sorted(str(model) for model, total in weights.items() if total == 0)
+    if idle:
+        raise ValueError(f"every pool of model {', '.join(idle)} has weight 0")
 
 
 class GatewaySettings(BaseSettings):
@@ -22,6 +102,8 @@ class GatewaySettings(BaseSettings):
     # interval (the headless Service of the worker StatefulSet), as NAME:PORT.
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     worker_dns: str | None = None
+    # Several pools instead (JSON in env): models, and weighted pools of one model (canaries).
+    pools: list[PoolSpec] = Field(default_factory=list)
     dns_interval_s: float = Field(default=5.0, gt=0)
     # Auth: keys from env (comma-separated) and/or a file (one per line, `#` comments).
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list, repr=False)
@@ -80,19 +162,33 @@ class GatewaySettings(BaseSettings):
     @field_validator("workers")
     @classmethod
     def _check_urls(cls, value: list[str]) -> list[str]:
-        for url in value:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"worker URL must start with http:// or https://: {url!r}")
-        return [url.rstrip("/") for url in value]
+        return worker_urls(value)
 
     @field_validator("worker_dns")
     @classmethod
     def _check_dns(cls, value: str | None) -> str | None:
-        if value is not None:
-            host, _, port = value.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"worker_dns must be NAME:PORT, got {value!r}")
-        return value
+        return dns_target(value)
+
+    @model_validator(mode="after")
+    def _check_pools(self) -> GatewaySettings:
+        if self.pools and (self.workers or self.worker_dns):
+            raise ValueError("give pools, or workers/worker_dns (one pool), not both")
+        check_pools(self.pools)
+        owner: dict[str, str] = {}
+        for pool in self.pools:
+            for url in pool.workers:
+                if url in owner:
+                    raise ValueError(f"worker {url} is in pools {owner[url]!r} and {pool.name!r}")
+                owner[url] = pool.name
+        return self
+
+    def pool_specs(self) -> list[PoolSpec]:
+        """The configured pools; plain workers/worker_dns are one pool serving what they list."""
+        if self.pools:
+            return list(self.pools)
+        if not self.workers and not self.worker_dns:
+            return []
+        return [PoolSpec(name=DEFAULT_POOL, workers=self.workers, worker_dns=self.worker_dns)]
 
     def load_api_keys(self) -> list[str]:
         """Keys from env plus the key file; empty means auth is disabled."""

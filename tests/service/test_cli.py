@@ -44,14 +44,11 @@ def test_bad_settings_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_serve_plans_one_pool_or_two_side_by_side() -> None:
     (one,) = plan(build_parser().parse_args(["--workers", "2", "--no-speculation"]))
-    assert (one.port, one.workers, one.speculation) == (8000, 2, False)
+    (pool,) = one.pools
+    assert (one.port, pool.workers, pool.speculation, pool.name) == (8000, 2, False, "plain")
     dflash, plain = plan(build_parser().parse_args(["--port", "9000", "--compare"]))
-    assert (dflash.port, dflash.speculation, plain.port, plain.speculation) == (
-        9000,
-        True,
-        9001,
-        False,
-    )
+    assert (dflash.port, dflash.pools[0].speculation) == (9000, True)
+    assert (plain.port, plain.pools[0].speculation) == (9001, False)
     assert plain.base_url == "http://127.0.0.1:9001/v1"
 
 

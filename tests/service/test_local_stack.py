@@ -15,6 +15,14 @@ import openai
 from tests.fixtures.worker import free_port
 from tests.service.conftest import MODEL
 
+URLS = {"dflash": ["http://127.0.0.1:1"]}
+
+
+def one_pool() -> Any:
+    from service.local_stack import LocalGateway, LocalPool
+
+    return LocalGateway(8000, (LocalPool(name="dflash"),))
+
 
 def test_compare_serves_dflash_and_plain_side_by_side(tiny_checkpoint: Any) -> None:
     port = free_port()
@@ -71,42 +79,43 @@ def test_compare_serves_dflash_and_plain_side_by_side(tiny_checkpoint: Any) -> N
 def test_the_gateway_reuses_worker_connections_for_less_than_the_workers_keep_them(
     monkeypatch: Any,
 ) -> None:
-    from service.local_stack import PoolSpec, gateway_settings, worker_env
+    from service.local_stack import gateway_settings, worker_env
 
     monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
     monkeypatch.delenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", raising=False)
-    pool = PoolSpec("dflash", 8000, 1, True, (), "embedded")
+    pool = one_pool()
     env = worker_env()
     assert env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "61"
-    assert gateway_settings(pool, [], "info", env).upstream_keepalive_s == 60
+    assert gateway_settings(pool, URLS, "info", env).upstream_keepalive_s == 60
     monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")  # the user's value wins
-    assert gateway_settings(pool, [], "info", worker_env()).upstream_keepalive_s == 4
+    assert gateway_settings(pool, URLS, "info", worker_env()).upstream_keepalive_s == 4
     monkeypatch.setenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", "2")
-    assert gateway_settings(pool, [], "info", worker_env()).upstream_keepalive_s == 2
+    assert gateway_settings(pool, URLS, "info", worker_env()).upstream_keepalive_s == 2
 
 
 def test_dflash_serve_leaves_a_lone_worker_its_own_thread_default(monkeypatch: Any) -> None:
-    from service.local_stack import PoolSpec, shared_threads, worker_env
+    from service.local_stack import LocalPool, shared_threads, worker_env
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert "OMP_NUM_THREADS" not in worker_env()  # no override of the worker's measured default
-    one = PoolSpec("dflash", 8000, 1, True, (), "embedded")
+    one = LocalPool(name="dflash")
     assert shared_threads(one, 1, 2) == []
     # Several workers share the CPUs: each its share less one for its HTTP side.
     assert shared_threads(one, 2, 8) == ["--threads", "3"]
     assert shared_threads(one, 2, 2) == ["--threads", "1"]
-    chosen = PoolSpec("dflash", 8000, 2, True, ("--threads=2",), "embedded")
+    chosen = LocalPool(name="dflash", workers=2, worker_args=("--threads=2",))
     assert shared_threads(chosen, 2, 8) == []  # the user's choice wins
-    assert shared_threads(PoolSpec("d", 8000, 2, True, (), "vllm"), 2, 8) == []  # embedded only
+    vllm = LocalPool(name="d", workers=2, engine="vllm")
+    assert shared_threads(vllm, 2, 8) == []  # embedded only
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert shared_threads(one, 2, 8) == []
 
 
 def test_dflash_serve_api_key_protects_the_gateway() -> None:
-    from service.local_stack import PoolSpec, build_parser, gateway_settings
+    from service.local_stack import build_parser, gateway_settings
 
     args = build_parser().parse_args(["--api-key", "k1", "--api-key", "k2"])
-    pool = PoolSpec("dflash", 8000, 1, True, (), "embedded")
-    settings = gateway_settings(pool, [], "info", {}, args.api_key)
+    pool = one_pool()
+    settings = gateway_settings(pool, URLS, "info", {}, args.api_key)
     assert settings.load_api_keys() == ["k1", "k2"]
-    assert gateway_settings(pool, [], "info", {}, []).load_api_keys() == []
+    assert gateway_settings(pool, URLS, "info", {}, []).load_api_keys() == []

@@ -95,22 +95,22 @@ def test_malformed_numbers_are_skipped_not_raised() -> None:
 
 def test_exposition_has_the_design_names() -> None:
     metrics = GatewayMetrics()
-    metrics.observe_spec("m", {"metrics": {"speculative_decoding": SPEC}})
-    metrics.observe_usage("m", Usage(3, 7))
-    metrics.set_worker_health("http://w:1", True)
+    metrics.observe_spec("m", "p", {"metrics": {"speculative_decoding": SPEC}})
+    metrics.observe_usage("m", "p", Usage(3, 7))
+    metrics.set_worker_health("http://w:1", "p", True)
     text = metrics.render()[0].decode()
     for line in (
-        'dflash_spec_steps_total{model="m"} 2.0',
-        'dflash_spec_draft_tokens_total{model="m"} 6.0',
-        'dflash_spec_accepted_tokens_total{model="m"} 2.0',
-        'dflash_spec_acceptance_length_sum{model="m"} 2.5',
-        'dflash_spec_draft_acceptance_rate_count{model="m"} 1.0',
-        'dflash_prompt_tokens_total{model="m"} 3.0',
-        'dflash_completion_tokens_total{model="m"} 7.0',
-        'dflash_worker_healthy{worker="http://w:1"} 1.0',
+        'dflash_spec_steps_total{model="m",pool="p"} 2.0',
+        'dflash_spec_draft_tokens_total{model="m",pool="p"} 6.0',
+        'dflash_spec_accepted_tokens_total{model="m",pool="p"} 2.0',
+        'dflash_spec_acceptance_length_sum{model="m",pool="p"} 2.5',
+        'dflash_spec_draft_acceptance_rate_count{model="m",pool="p"} 1.0',
+        'dflash_prompt_tokens_total{model="m",pool="p"} 3.0',
+        'dflash_completion_tokens_total{model="m",pool="p"} 7.0',
+        'dflash_worker_healthy{pool="p",worker="http://w:1"} 1.0',
     ):
         assert line in text
-    metrics.set_worker_health("http://w:1", None)
+    metrics.set_worker_health("http://w:1", "p", None)
     assert "http://w:1" not in metrics.render()[0].decode()
 
 
@@ -120,16 +120,16 @@ def test_multiprocess_metrics_drop_workers_that_left_the_pool(tmp_path: Path) ->
     code = (
         "from service.metrics import GatewayMetrics\n"
         "m = GatewayMetrics()\n"
-        "m.set_worker_health('w-a', True)\n"
-        "m.set_worker_health('w-b', False)\n"
-        "m.set_worker_health('w-a', None)\n"
-        "m.requests.labels('m', 'chat', '200').inc()\n"
+        "m.set_worker_health('w-a', 'p', True)\n"
+        "m.set_worker_health('w-b', 'p', False)\n"
+        "m.set_worker_health('w-a', 'p', None)\n"
+        "m.requests.labels('m', 'p', 'chat', '200').inc()\n"
         "print(m.render()[0].decode())\n"
     )
     env = {**os.environ, MULTIPROC_ENV: str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     ).stdout
-    assert 'dflash_worker_healthy{worker="w-b"} 0.0' in out
+    assert 'dflash_worker_healthy{pool="p",worker="w-b"} 0.0' in out
     assert "w-a" not in out
-    assert 'dflash_requests_total{endpoint="chat",model="m",status="200"} 1.0' in out
+    assert 'dflash_requests_total{endpoint="chat",model="m",pool="p",status="200"} 1.0' in out

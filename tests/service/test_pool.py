@@ -98,7 +98,7 @@ def test_metrics_name_workers_by_an_opaque_stable_id() -> None:
     text = pool._metrics.render()[0].decode()
     assert "10.0.0." not in text
     label = worker_id(URLS[0])
-    assert f'dflash_worker_healthy{{worker="{label}"}} 1.0' in text
+    assert f'dflash_worker_healthy{{pool="default",worker="{label}"}} 1.0' in text
     assert label == make_pool().workers[URLS[0]].label  # the same on every replica
     settings = GatewaySettings(workers=URLS, metrics_worker_label="url")
     assert (
@@ -161,3 +161,68 @@ def test_models_are_the_union_over_routable_workers() -> None:
     assert [m["id"] for m in pool.models()] == ["a", "b", "c"]
     assert pool.lists_model("b") and not pool.lists_model("d")
     assert not pool.knows_model("d")
+
+
+def pools_of(*specs: dict[str, object], routing: str = "least_outstanding") -> WorkerPool:
+    settings = GatewaySettings(pools=list(specs), routing=routing)  # type: ignore[arg-type]
+    pool = WorkerPool(settings, httpx.AsyncClient(), GatewayMetrics())
+    for worker in pool.workers.values():
+        worker.healthy = True
+    return pool
+
+
+CANARY = (
+    {"name": "main", "model": "m", "weight": 90, "workers": URLS[:2]},
+    {"name": "canary", "model": "m", "weight": 10, "workers": URLS[2:3]},
+    {"name": "other", "model": "o", "workers": URLS[3:]},
+)
+
+
+def test_requests_go_to_the_pools_of_their_model_split_by_weight() -> None:
+    pool = pools_of(*CANARY)
+    picks = Counter(pool.pick("m", None, set()).pool for _ in range(1000))  # type: ignore[union-attr]
+    assert picks == {"main": 900, "canary": 100}
+    assert {pool.pick("o", None, set()).url for _ in range(10)} == {URLS[3]}  # type: ignore[union-attr]
+    assert pool.pick("nope", None, set()) is None
+    assert pool.configures("o") and not pool.configures("nope")
+    assert pool.model_names() == ["m", "o"]  # configured, though no worker listed a model yet
+
+
+def test_a_pool_without_a_healthy_worker_gives_its_share_away() -> None:
+    pool = pools_of(*CANARY)
+    pool.workers[URLS[2]].healthy = False
+    pool.invalidate()
+    assert {pool.pick("m", None, set()).pool for _ in range(50)} == {"main"}  # type: ignore[union-attr]
+    # A retry that excluded the main pool's workers lands on the canary once it is back.
+    pool.workers[URLS[2]].healthy = True
+    pool.invalidate()
+    retry = pool.pick("m", None, set(URLS[:2]))
+    assert retry is not None and retry.pool == "canary"
+
+
+def test_prefix_affinity_keeps_a_conversation_on_one_pool() -> None:
+    pool = pools_of(*CANARY, routing="prefix_affinity")
+    keys = [f"user {i}: hello" for i in range(600)]
+    chosen = {key: pool.pick("m", key, set()).pool for key in keys}  # type: ignore[union-attr]
+    assert chosen == {key: pool.pick("m", key, set()).pool for key in keys}  # type: ignore[union-attr]
+    assert Counter(chosen.values())["canary"] / len(keys) == pytest.approx(0.10, abs=0.04)
+
+
+def test_the_last_worker_of_a_model_is_not_ejected_for_another_models_sake() -> None:
+    pool = pools_of(*CANARY)
+    only = pool.workers[URLS[3]]  # model "o" has one worker; model "m" has three
+    for request in range(10):
+        pool.report_failure(only, "status_5xx", request)
+    assert only.healthy
+    canary = pool.workers[URLS[2]]  # the main pool stands in for the canary
+    for request in range(10):
+        pool.report_failure(canary, "status_5xx", request)
+    assert not canary.healthy
+
+
+def test_worker_health_series_carry_the_pool() -> None:
+    pool = pools_of(*CANARY)
+    for worker in pool.workers.values():
+        pool._publish(worker)
+    text = pool._metrics.render()[0].decode()
+    assert f'dflash_worker_healthy{{pool="canary",worker="{worker_id(URLS[2])}"}} 1.0' in text

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -35,3 +37,40 @@ def test_keys_are_not_in_the_repr(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_values_are_refused(field: str, value: object) -> None:
     with pytest.raises(ValidationError):
         GatewaySettings(**{field: value})  # type: ignore[arg-type]
+
+
+POOL = {"name": "a", "model": "m", "workers": ["http://w:1"]}
+
+
+@pytest.mark.parametrize(
+    ("pools", "named"),
+    [
+        ([POOL, {**POOL, "workers": ["http://w:2"]}], "duplicate pool names: a"),
+        ([{**POOL, "weight": 0}, {**POOL, "name": "b", "weight": 0, "workers": []}], "workers"),
+        (
+            [{**POOL, "weight": 0}, {**POOL, "name": "b", "weight": 0, "workers": ["http://w:2"]}],
+            "every pool of model m has weight 0",
+        ),
+        ([POOL, {**POOL, "name": "b"}], "worker http://w:1 is in pools 'a' and 'b'"),
+        ([POOL, {"name": "b", "workers": ["http://w:2"]}], "each needs a model: b"),
+        ([{**POOL, "name": "Bad_Name"}], "pools.0.name"),
+        ([{**POOL, "weight": -1}], "pools.0.weight"),
+        ([{**POOL, "engine": "vllm"}], "pools.0.engine"),
+    ],
+)
+def test_bad_pools_are_refused_naming_the_value(pools: list[Any], named: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        GatewaySettings(pools=pools)
+    where = [".".join(map(str, e["loc"])) + ": " + e["msg"] for e in caught.value.errors()]
+    assert any(named in line for line in where), where
+
+
+def test_pools_come_as_json_in_env_and_exclude_plain_workers(monkeypatch: Any) -> None:
+    monkeypatch.setenv("DFLASH_GATEWAY_POOLS", json.dumps([POOL]))
+    (spec,) = GatewaySettings().pool_specs()
+    assert (spec.name, spec.model, spec.weight, spec.workers) == ("a", "m", 100, ["http://w:1"])
+    with pytest.raises(ValidationError, match="not both"):
+        GatewaySettings(workers=["http://w:9"])
+    monkeypatch.delenv("DFLASH_GATEWAY_POOLS")
+    (legacy,) = GatewaySettings(worker_dns="w:8000").pool_specs()
+    assert (legacy.name, legacy.model, legacy.worker_dns) == ("default", None, "w:8000")
