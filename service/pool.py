@@ -45,6 +45,9 @@ class Worker:
     models: list[dict[str, Any]] = field(default_factory=list)
     model_ids: frozenset[str] = frozenset()
 
+    def __post_init__(self) -> None:
+        self.pool_header = (b"x-dflash-pool", self.pool.encode())
+
     @property
     def failures(self) -> int:
         return len(self.failed_requests)

@@ -137,8 +137,10 @@ async def send_error(send: Send, error: ApiError, call: ProxyCall, outcome: Outc
     await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
-def rid_header(call: ProxyCall) -> tuple[bytes, bytes]:
-    return (b"x-request-id", call.request_id.encode())
+def ids(call: ProxyCall, worker: Worker) -> tuple[tuple[bytes, bytes], ...]:
+    """X-Request-Id, and X-DFlash-Pool: which pool answered (a canary's answers can be told
+    apart, though they are the same tokens)."""
+    return (b"x-request-id", call.request_id.encode()), worker.pool_header
 
 
 class Proxy:
@@ -275,7 +277,7 @@ class Proxy:
         outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
         await send_body(
-            send, response.status, body, [(b"content-type", content_type), rid_header(call)]
+            send, response.status, body, [(b"content-type", content_type), *ids(call, worker)]
         )
 
     async def _stream(
@@ -307,9 +309,8 @@ class Proxy:
                 self.pool.report_success(worker)
                 outcome.status = response.status
                 content_type = response.headers.get("content-type", "application/json").encode()
-                await send_body(
-                    send, response.status, body, [(b"content-type", content_type), rid_header(call)]
-                )
+                headers = [(b"content-type", content_type), *ids(call, worker)]
+                await send_body(send, response.status, body, headers)
                 return
             if not first:
                 raise UpstreamFailure("read", "the worker closed the stream at once")
@@ -335,7 +336,7 @@ class Proxy:
         True when the upstream stream ended cleanly."""
         tap = SseTap(strip_usage_chunk=not call.wants_usage)
         outcome.status = 200
-        headers = [*SSE_HEADERS, rid_header(call)]
+        headers = [*SSE_HEADERS, *ids(call, worker)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         failure: UpstreamFailure | None = None
         drained = False

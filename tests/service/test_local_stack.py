@@ -3,16 +3,23 @@ gateway, and Ctrl-C stops all of it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import pytest
+import yaml
 
-from tests.fixtures.worker import free_port
+from tests.fixtures.worker import ROOT, free_port, metric, scrape
 from tests.service.conftest import MODEL
 
 URLS = {"dflash": ["http://127.0.0.1:1"]}
@@ -119,3 +126,145 @@ def test_dflash_serve_api_key_protects_the_gateway() -> None:
     settings = gateway_settings(pool, URLS, "info", {}, args.api_key)
     assert settings.load_api_keys() == ["k1", "k2"]
     assert gateway_settings(pool, URLS, "info", {}, []).load_api_keys() == []
+
+
+BUNDLED_DRAFTER = ROOT / "engine" / "assets" / "tiny-coder" / "dflash"
+PROMPTS = [
+    "def fibonacci(n):",
+    "def is_prime(n):",
+    "class Stack:\n    def __init__(self):",
+    "def reverse_words(text):",
+]
+
+
+def canary_pools(tmp_path: Path) -> Path:
+    """The bundled pair drafting 15 tokens per step (weight 75) and a canary drafting 1
+    (weight 25) for one model, and the same target under a second model name."""
+    one = {"method": "dflash", "model": str(BUNDLED_DRAFTER), "num_speculative_tokens": 1}
+    pools = [
+        {"name": "b16", "model": "tiny-coder", "weight": 75},
+        {
+            "name": "k1",
+            "model": "tiny-coder",
+            "weight": 25,
+            "worker_args": [f"--speculative-config={json.dumps(one)}"],
+        },
+        {"name": "second", "model": "tiny-coder-2", "speculation": False},
+    ]
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump({"pools": pools}))
+    return path
+
+
+def listening_pid(port: int) -> int:
+    """The dflash-worker process started with --port PORT."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"engine.worker.cli" in argv and str(port).encode() in argv:
+                    return int(entry.name)
+    raise AssertionError(f"no worker on port {port}")
+
+
+def test_pools_split_a_model_by_weight_losslessly_and_survive_a_dead_pool(
+    tmp_path: Path,
+) -> None:
+    port, first_worker = free_port(), free_port()
+    argv = [sys.executable, "-m", "service.local_stack", "--pools", str(canary_pools(tmp_path))]
+    argv += ["--port", str(port), "--worker-port", str(first_worker), "--log-level", "warning"]
+    argv += ["--worker-arg=--speculation=fixed"]  # acceptance as configured, for the comparison
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while len(lines) < 3:
+            line = proc.stdout.readline()
+            assert line, "dflash-serve ended before announcing its pools"
+            if "still loading" not in line:
+                lines.append(line)
+        assert (
+            "b16 (DFlash speculative decoding, 1 embedded worker(s), model tiny-coder, "
+            "weight 75)" in lines[0]
+        )
+        base = f"http://127.0.0.1:{port}"
+        client = httpx.Client(base_url=base, timeout=60)
+
+        # Two models behind one gateway, each listed once; an unknown one is a 404 naming it.
+        listed = [card["id"] for card in client.get("/v1/models").json()["data"]]
+        assert sorted(listed) == ["tiny-coder", "tiny-coder-2"]
+        other = client.post(
+            "/v1/completions", json={"model": "tiny-coder-2", "prompt": "x", "max_tokens": 1}
+        )
+        assert other.status_code == 200 and other.headers["x-dflash-pool"] == "second"
+        missing = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404 and "`nope`" in missing.json()["error"]["message"]
+
+        # The split: 300 requests, each pool within a few percent of its weight.
+        pools = Counter()
+        for i in range(300):
+            body = {"model": "tiny-coder", "prompt": PROMPTS[i % 4], "max_tokens": 1}
+            reply = client.post("/v1/completions", json=body)
+            assert reply.status_code == 200
+            pools[reply.headers["x-dflash-pool"]] += 1
+        assert abs(pools["b16"] / 300 - 0.75) < 0.03 and pools["b16"] + pools["k1"] == 300
+
+        # Lossless: greedy answers are the same tokens on both pools; acceptance differs.
+        answers: dict[str, dict[str, str]] = {"b16": {}, "k1": {}}
+        for prompt in [p for p in PROMPTS for _ in range(4)]:  # 4 in a row: both pools
+            body = {"model": "tiny-coder", "prompt": prompt, "max_tokens": 48, "temperature": 0}
+            reply = client.post("/v1/completions", json=body)
+            answers[reply.headers["x-dflash-pool"]][prompt] = reply.json()["choices"][0]["text"]
+        both = answers["b16"].keys() & answers["k1"].keys()
+        assert len(both) == 4 and all(answers["b16"][p] == answers["k1"][p] for p in both)
+        samples = scrape(base)
+        length = {
+            pool: 1
+            + metric(samples, "dflash_spec_accepted_tokens_total", pool=pool)
+            / metric(samples, "dflash_spec_steps_total", pool=pool)
+            for pool in ("b16", "k1")
+        }
+        assert length["k1"] <= 2.0 < length["b16"], length  # k=1 accepts at most 1 per step
+        assert metric(samples, "dflash_spec_acceptance_length_count", pool="k1") > 0
+
+        # The canary's worker dies: its share moves to b16 with no client error.
+        os.kill(listening_pid(first_worker + 1), signal.SIGKILL)
+        served = Counter()
+        for i in range(40):
+            body = {"model": "tiny-coder", "prompt": PROMPTS[i % 4], "max_tokens": 1}
+            reply = client.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            served[reply.headers["x-dflash-pool"]] += 1
+        assert served == {"b16": 40}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_the_example_pools_file_loads_and_bad_files_are_refused(tmp_path: Path) -> None:
+    from service.local_stack import load_pools, main
+
+    b16, k3 = load_pools(ROOT / "examples" / "canary-pools.yaml")
+    assert (b16.weight, k3.weight, b16.model, k3.model) == (90, 10, "tiny-coder", "tiny-coder")
+    bad = tmp_path / "bad.yaml"
+    for text, named in (
+        ("pools: [{name: a, engine: trtllm}]", "pools.0.engine"),
+        ("pools: [{name: a, model: m}, {name: a, model: m}]", "duplicate pool names: a"),
+        ("pools: [{name: a, model: m, weight: 0}]", "every pool of model m has weight 0"),
+        ("pools: [{name: a, colour: red}]", "pools.0.colour"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(named)):
+            load_pools(bad)
+    bad.write_text("pools: [{name: a}]")
+    assert main(["--pools", str(bad), "--workers", "2"]) == 2  # set per pool, not ignored
