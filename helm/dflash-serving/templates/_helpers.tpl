@@ -23,8 +23,27 @@
 {{- printf "%s-gateway" (include "dflash.fullname" .) -}}
 {{- end -}}
 
+{{/* A pool's workers are "<fullname>-worker-<pool>" (the fullname shortened to keep 63
+     characters); the release's own, or one pool with no `pools:` list, "<fullname>-worker".
+     Call with the root or a pool context (dflash.poolContexts). */}}
 {{- define "dflash.worker.fullname" -}}
+{{- $pool := include "dflash.poolName" . -}}
+{{- if $pool -}}
+{{- $base := include "dflash.fullname" . | trunc (int (sub 55 (len $pool))) | trimSuffix "-" -}}
+{{- printf "%s-worker-%s" $base $pool -}}
+{{- else -}}
+{{- include "dflash.worker.basename" . -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What all pools share: the HF-token Secret, the model cache, the PodMonitor. */}}
+{{- define "dflash.worker.basename" -}}
 {{- printf "%s-worker" (include "dflash.fullname" .) -}}
+{{- end -}}
+
+{{/* The pool of a context: "" for the root (and for 0.2.0-style values: one unnamed pool). */}}
+{{- define "dflash.poolName" -}}
+{{- with (index . "pool") }}{{ .name }}{{ end -}}
 {{- end -}}
 
 {{/* Labels of every object's metadata; call with (dict "ctx" $ "component" "gateway").
@@ -49,6 +68,10 @@ app.kubernetes.io/part-of: dflash-serving
 app.kubernetes.io/name: {{ include "dflash.name" .ctx }}
 app.kubernetes.io/instance: {{ .ctx.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
+{{- $pool := include "dflash.poolName" .ctx }}
+{{- if and $pool (hasPrefix "worker" .component) }}
+dflash-serving/pool: {{ $pool }}
+{{- end }}
 {{- end -}}
 
 {{/* "repo:tag", the tag defaulting to the chart's appVersion. */}}
@@ -79,7 +102,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "dflash.worker.hfTokenSecret" -}}
-{{- default (printf "%s-hf-token" (include "dflash.worker.fullname" .)) .Values.worker.hfToken.existingSecret -}}
+{{- default (printf "%s-hf-token" (include "dflash.worker.basename" .)) .Values.worker.hfToken.existingSecret -}}
 {{- end -}}
 
 {{/* ServiceAccount name of a component; call with (dict "ctx" $ "component" "worker"). */}}
@@ -113,7 +136,13 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "dflash.workerSelector" -}}
-{{- default (printf "namespace=\"%s\",job=\"%s/%s\"" .Release.Namespace .Release.Namespace (include "dflash.worker.fullname" .)) .Values.monitoring.alerts.workerSelector -}}
+{{- default (printf "namespace=\"%s\",job=\"%s/%s\"" .Release.Namespace .Release.Namespace (include "dflash.worker.basename" .)) .Values.monitoring.alerts.workerSelector -}}
+{{- end -}}
+
+{{/* The worker series of one pool (the PodMonitor copies the pod's pool label to `pool`). */}}
+{{- define "dflash.poolWorkerSelector" -}}
+{{- include "dflash.workerSelector" . -}}
+{{- with include "dflash.poolName" . }},pool="{{ . }}"{{ end -}}
 {{- end -}}
 
 {{/* The speculative config JSON exactly as `vllm serve --speculative-config` takes it. */}}

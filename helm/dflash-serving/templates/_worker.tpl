@@ -239,7 +239,7 @@
 - name: model-cache
 {{- if eq $c.type "shared" }}
   persistentVolumeClaim:
-    claimName: {{ default (printf "%s-model-cache" (include "dflash.worker.fullname" .)) $c.existingClaim }}
+    claimName: {{ default (printf "%s-model-cache" (include "dflash.worker.basename" .)) $c.existingClaim }}
     {{- if $c.readOnly }}
     readOnly: true
     {{- end }}
