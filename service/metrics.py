@@ -199,6 +199,20 @@ class GatewayMetrics:
             registry=r,
             multiprocess_mode="livemax",  # takes traffic from at least one process
         )
+        self.pool_weight = Gauge(
+            "dflash_pool_weight",
+            "Configured share of its model's traffic (the model's heaviest pool is its baseline)",
+            ["model", "pool"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.pool_gpus = Gauge(
+            "dflash_pool_gpus_per_worker",
+            "GPUs behind one worker of the pool (tokens/s per GPU divides by it)",
+            ["model", "pool"],
+            registry=r,
+            multiprocess_mode="max",
+        )
         self.upstream_errors = Counter(
             "dflash_upstream_errors", "Failed upstream attempts", ["worker", "kind"], registry=r
         )
@@ -275,6 +289,11 @@ class GatewayMetrics:
             return
         self._pool.add(worker)
         self.worker_healthy.labels(worker, pool).set(1 if healthy else 0)
+
+    def describe_pool(self, model: str, pool: str, weight: float, gpus_per_worker: int) -> None:
+        """A configured pool (model "" for a pool serving whatever its workers list)."""
+        self.pool_weight.labels(model, pool).set(weight)
+        self.pool_gpus.labels(model, pool).set(gpus_per_worker)
 
     def render(self) -> tuple[bytes, str]:
         if self.multiprocess_dir is None:

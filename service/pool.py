@@ -132,6 +132,8 @@ class WorkerPool:
         self.specs = {spec.name: spec for spec in settings.pool_specs()}
         self._weights = {name: spec.weight for name, spec in self.specs.items()}
         self._configured = frozenset(spec.model for spec in self.specs.values() if spec.model)
+        for spec in self.specs.values():
+            metrics.describe_pool(spec.model or "", spec.name, spec.weight, spec.gpus_per_worker)
         self.workers: dict[str, Worker] = {
             url: self._new_worker(url, spec) for spec in self.specs.values() for url in spec.workers
         }

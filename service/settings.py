@@ -45,6 +45,9 @@ class PoolSpec(BaseModel):
     weight: float = Field(default=100.0, ge=0, allow_inf_nan=False)
     workers: list[str] = Field(default_factory=list)
     worker_dns: str | None = None
+    # GPUs behind one worker (tensor x pipeline parallel, x nodes): the denominator of the
+    # pool's tokens/s per GPU. A CPU worker counts 1 (the series is then per worker).
+    gpus_per_worker: int = Field(default=1, ge=1)
 
     @field_validator("workers")
     @classmethod
@@ -102,6 +105,8 @@ class GatewaySettings(BaseSettings):
     # interval (the headless Service of the worker StatefulSet), as NAME:PORT.
     workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
     worker_dns: str | None = None
+    # GPUs behind each of those workers (see PoolSpec.gpus_per_worker).
+    gpus_per_worker: int = Field(default=1, ge=1)
     # Several pools instead (JSON in env): models, and weighted pools of one model (canaries).
     pools: list[PoolSpec] = Field(default_factory=list)
     dns_interval_s: float = Field(default=5.0, gt=0)
@@ -171,8 +176,11 @@ class GatewaySettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_pools(self) -> GatewaySettings:
-        if self.pools and (self.workers or self.worker_dns):
-            raise ValueError("give pools, or workers/worker_dns (one pool), not both")
+        plain = self.workers or self.worker_dns or "gpus_per_worker" in self.model_fields_set
+        if self.pools and plain:
+            raise ValueError(
+                "give pools, or workers/worker_dns/gpus_per_worker (one pool), not both"
+            )
         check_pools(self.pools)
         owner: dict[str, str] = {}
         for pool in self.pools:
@@ -188,7 +196,14 @@ class GatewaySettings(BaseSettings):
             return list(self.pools)
         if not self.workers and not self.worker_dns:
             return []
-        return [PoolSpec(name=DEFAULT_POOL, workers=self.workers, worker_dns=self.worker_dns)]
+        return [
+            PoolSpec(
+                name=DEFAULT_POOL,
+                workers=self.workers,
+                worker_dns=self.worker_dns,
+                gpus_per_worker=self.gpus_per_worker,
+            )
+        ]
 
     def load_api_keys(self) -> list[str]:
         """Keys from env plus the key file; empty means auth is disabled."""

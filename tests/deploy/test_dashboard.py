@@ -52,6 +52,8 @@ _PLAIN = {
     "dflash_upstream_errors_total",
     "dflash_retries_total",
     "dflash_gateway_errors_total",
+    "dflash_pool_weight",
+    "dflash_pool_gpus_per_worker",
 }
 DESIGN_METRICS = _PLAIN | {h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 

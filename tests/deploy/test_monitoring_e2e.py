@@ -1,5 +1,6 @@
 """End to end: a real Prometheus scrapes a real gateway and two real embedded workers while
-the OpenAI SDK sends traffic (one worker is killed mid-way, so errors and retries happen too);
+the OpenAI SDK sends traffic to two pools of one model (the canary's worker is killed mid-way,
+so errors and retries happen too, and its share moves to the baseline);
 then every metric the dashboard and the alerts read is in the components' real /metrics, and
 the dashboard's acceptance and latency queries return data."""
 
@@ -53,6 +54,12 @@ MUST_HAVE_DATA = {
     "Requests in flight and waiting",
     "KV cache usage",
     "Requests per second by status",
+    # The pools row: the two workers are two pools of one model (a canary and its baseline).
+    "Acceptance length by pool",
+    "Time per output token by pool",
+    "Traffic share by pool",
+    "Output tokens per second by pool",
+    "Output tokens per second per GPU by pool",
 }
 
 
@@ -155,9 +162,19 @@ def stack(
     workdir = tmp_path_factory.mktemp("stack")
     with contextlib.ExitStack() as es:
         live, doomed = start_both(es, running_worker(*args), running_worker(*args))
-        # Active health checks are rare here, so the killed worker is found by a request.
+        # Two pools of one model, one worker each: requests alternate between them. Active
+        # health checks are rare here, so the killed worker is found by a request.
+        pools = workdir / "pools.yaml"
+        pools.write_text(
+            json.dumps(
+                [
+                    {"name": "baseline", "model": MODEL, "weight": 1, "workers": [live.base_url]},
+                    {"name": "canary", "model": MODEL, "weight": 1, "workers": [doomed.base_url]},
+                ]
+            )
+        )
         gateway = es.enter_context(
-            running_gateway([live.base_url, doomed.base_url], workdir, "--health-interval-s", "300")
+            running_gateway([], workdir, "--pools", str(pools), "--health-interval-s", "300")
         )
         prometheus = es.enter_context(
             running_prometheus(
@@ -255,3 +272,18 @@ def test_variables_and_recording_rules_on_real_data(stack: Stack) -> None:
     length = finite_values(query(stack.prometheus, "model:dflash_spec_acceptance_length:mean15m"))
     assert length and 1.0 <= length[0] <= 4.0
     assert finite_values(query(stack.prometheus, "model:dflash_time_to_first_token_seconds:p95_5m"))
+
+
+def test_both_pools_show_side_by_side(stack: Stack) -> None:
+    panels = {t: e for t, e in dashboard_targets(DASHBOARD_FILE)}
+    for title in ("Acceptance length by pool", "Output tokens per second by pool"):
+        result = query(stack.prometheus, substitute_grafana_vars(panels[title]))
+        assert {r["metric"]["pool"] for r in result} == {"baseline", "canary"}, title
+    # Only the baseline has a healthy worker left: only it has GPUs to divide by.
+    per_gpu = query(
+        stack.prometheus, substitute_grafana_vars(panels["Output tokens per second per GPU by pool"])
+    )
+    assert {r["metric"]["pool"] for r in per_gpu} == {"baseline"}
+    length = query(stack.prometheus, "pool:dflash_spec_acceptance_length:mean15m")
+    assert {r["metric"]["pool"] for r in length} == {"baseline", "canary"}
+    assert all(1.0 <= v <= 4.0 for v in finite_values(length))

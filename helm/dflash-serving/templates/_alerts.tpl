@@ -13,6 +13,7 @@ groups:
 {{- define "dflash.rules.recording" -}}
 {{- $g := include "dflash.gatewaySelector" . -}}
 {{- $by := "sum by (namespace, job, model)" -}}
+{{- $pool := "sum by (namespace, job, model, pool)" -}}
   - name: dflash-serving.recording
     rules:
       # Mean acceptance length = tokens committed per verify step = 1 + accepted / steps.
@@ -26,6 +27,19 @@ groups:
         expr: histogram_quantile(0.95, sum by (namespace, job, model, le) (rate(dflash_time_per_output_token_seconds_bucket{ {{- $g -}} }[5m])))
       - record: model:dflash_requests_5xx:ratio5m
         expr: {{ $by }} (rate(dflash_requests_total{ {{- $g -}} ,status=~"5.."}[5m])) / {{ $by }} (rate(dflash_requests_total{ {{- $g -}} }[5m]))
+      # Per pool (several pools of one model: drafter canaries). Rules of a group run in order,
+      # so the later ones read the earlier ones' fresh values.
+      - record: pool:dflash_spec_acceptance_length:mean15m
+        expr: 1 + {{ $pool }} (rate(dflash_spec_accepted_tokens_total{ {{- $g -}} }[15m])) / {{ $pool }} (rate(dflash_spec_steps_total{ {{- $g -}} }[15m]))
+      - record: pool:dflash_spec_acceptance_length:mean1h
+        expr: 1 + {{ $pool }} (rate(dflash_spec_accepted_tokens_total{ {{- $g -}} }[1h])) / {{ $pool }} (rate(dflash_spec_steps_total{ {{- $g -}} }[1h]))
+      - record: pool:dflash_completion_tokens:rate5m
+        expr: {{ $pool }} (rate(dflash_completion_tokens_total{ {{- $g -}} }[5m]))
+      # GPUs of the pool's healthy workers (each gateway replica reports every worker: max).
+      - record: pool:dflash_healthy_gpus:sum
+        expr: sum by (namespace, job, pool) (max by (namespace, job, pool, worker) (dflash_worker_healthy{ {{- $g -}} })) * on (namespace, job, pool) max by (namespace, job, pool) (dflash_pool_gpus_per_worker{ {{- $g -}} })
+      - record: pool:dflash_completion_tokens_per_gpu:rate5m
+        expr: pool:dflash_completion_tokens:rate5m / on (namespace, job, pool) group_left () (pool:dflash_healthy_gpus:sum > 0)
 {{- end -}}
 
 {{/* Alerts on the gateway's and the workers' own metrics (DESIGN §3, §3b). */}}
@@ -47,6 +61,21 @@ groups:
           summary: DFlash acceptance length far below the drafter's expected value
           description: >-
             {{`Model {{ $labels.model }} commits {{ $value | printf "%.2f" }} tokens per verify step over 1 h`}}, below {{ $a.acceptanceLowRatio }} × the expected {{ $spec.expectedAcceptanceLength }} (model.speculative.expectedAcceptanceLength). A traffic-mix shift moves it less; check sampling defaults, the drafter revision and the prompts.
+      # A model's baseline pool is its heaviest (dflash_pool_weight); every other pool of the
+      # model is a canary, compared on the same hour of live traffic.
+      - alert: DFlashCanaryAcceptanceBelowBaseline
+        expr: >-
+          pool:dflash_spec_acceptance_length:mean1h
+          < on (namespace, job, model) group_left ()
+          ({{ $a.canaryAcceptanceRatio }} * max by (namespace, job, model) (pool:dflash_spec_acceptance_length:mean1h
+          and on (namespace, job, model, pool) topk by (namespace, job, model) (1, max by (namespace, job, model, pool) (dflash_pool_weight{ {{- $g -}} }))))
+        for: 30m
+        labels:
+          severity: warning
+        annotations:
+          summary: A canary pool's drafter accepts clearly less than its model's baseline pool
+          description: >-
+            {{`Pool {{ $labels.pool }} of model {{ $labels.model }} commits {{ $value | printf "%.2f" }} tokens per verify step over 1 h`}}, below {{ $a.canaryAcceptanceRatio }} × its model's baseline pool (the pool with the highest weight) on the same traffic. Outputs are unaffected (DFlash is lossless), but the canary is slower: compare the pools row of the dashboard, and lower the canary's weight or roll its drafter back.
       - alert: DFlashDrafterMismatch
         expr: >-
           (1 + sum by ({{ $pod }}) (rate(vllm:spec_decode_num_accepted_tokens_total{ {{- $w -}} }[5m]))

@@ -35,7 +35,7 @@
 {{- end -}}
 {{- /* ConfigMap keys rendered from the chart's own values: an extraSettings entry with the
 same name would be a second, conflicting key. */ -}}
-{{- $owned := dict "HOST" "the chart (0.0.0.0)" "PORT" "gateway.port" "WORKER_DNS" "the worker Service" "POOLS" "pools" "ROUTING" "gateway.routingPolicy" "DNS_INTERVAL_S" "gateway.discoveryIntervalSeconds" "DRAIN_TIMEOUT_S" "gateway.drainTimeoutSeconds" "METRICS_AUTH" "gateway.metricsRequireAuth" "LOG_LEVEL" "gateway.logLevel" "PROCESSES" "gateway.processes" "REQUEST_TIMEOUT_S" "gateway.requestTimeoutSeconds" "UPSTREAM_KEEPALIVE_S" "worker.httpKeepAliveSeconds" -}}
+{{- $owned := dict "HOST" "the chart (0.0.0.0)" "PORT" "gateway.port" "WORKER_DNS" "the worker Service" "POOLS" "pools" "GPUS_PER_WORKER" "worker.tensorParallelSize" "ROUTING" "gateway.routingPolicy" "DNS_INTERVAL_S" "gateway.discoveryIntervalSeconds" "DRAIN_TIMEOUT_S" "gateway.drainTimeoutSeconds" "METRICS_AUTH" "gateway.metricsRequireAuth" "LOG_LEVEL" "gateway.logLevel" "PROCESSES" "gateway.processes" "REQUEST_TIMEOUT_S" "gateway.requestTimeoutSeconds" "UPSTREAM_KEEPALIVE_S" "worker.httpKeepAliveSeconds" -}}
 {{- if .Values.gateway.apiKeys.enabled -}}
 {{- $_ := set $owned "API_KEY_FILE" "gateway.apiKeys" -}}
 {{- end -}}

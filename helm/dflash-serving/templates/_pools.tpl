@@ -68,7 +68,18 @@
 {{- $_ := include "dflash.poolContexts" (dict "root" . "out" $pools) -}}
 {{- $out := list -}}
 {{- range $ctx := $pools.list -}}
-{{- $out = append $out (dict "name" $ctx.pool.name "model" $ctx.pool.model "weight" $ctx.pool.weight "worker_dns" (include "dflash.worker.dns" $ctx)) -}}
+{{- $gpus := include "dflash.worker.gpusPerWorker" $ctx | int -}}
+{{- $out = append $out (dict "name" $ctx.pool.name "model" $ctx.pool.model "weight" $ctx.pool.weight "worker_dns" (include "dflash.worker.dns" $ctx) "gpus_per_worker" $gpus) -}}
 {{- end -}}
 {{- toJson $out -}}
+{{- end -}}
+
+{{/* GPUs behind one worker: tensor parallel size, times the nodes of a multi-node group; a
+     CPU (embedded) worker counts 1. The gateway divides a pool's tokens/s by it. */}}
+{{- define "dflash.worker.gpusPerWorker" -}}
+{{- $w := .Values.worker -}}
+{{- if include "dflash.embedded" . -}}1
+{{- else if include "dflash.multiNode" . -}}{{ mul (int $w.tensorParallelSize) (int $w.multiNode.nodes) }}
+{{- else -}}{{ int $w.tensorParallelSize }}
+{{- end -}}
 {{- end -}}
