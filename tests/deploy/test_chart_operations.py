@@ -4,6 +4,7 @@ Ingress/HTTPRoute, the `helm test` hook, and what NOTES.txt tells about monitori
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -309,3 +310,18 @@ def test_release_label_reaches_every_monitoring_object() -> None:
     docs = render(("ci/gke-b200-values.yaml",))
     for kind in ("ServiceMonitor", "PodMonitor", "PrometheusRule"):
         assert find(docs, kind)["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+
+
+def test_notes_and_helm_test_name_the_pools(tmp_path: Path) -> None:
+    pools = [
+        {"name": "chat", "weight": 90},
+        {"name": "coder", "model": {"servedModelName": "qwen3-coder"}, "worker": {"replicas": 3}},
+    ]
+    text = notes(tmp_path, "--set-json", f"pools={json.dumps(pools)}")
+    assert 'chat: "qwen3-8b-dflash" at weight 90, 1 × dflash-worker-chat (vllm, 1 GPU(s)' in text
+    assert 'coder: "qwen3-coder" at weight 100, 3 × dflash-worker-coder' in text
+    assert '"model": "qwen3-8b-dflash"' in text  # the example request names a served model
+    docs = render(set_json=(f"pools={json.dumps(list(reversed(pools)))}",))
+    pod = find(docs, "Pod", "-test-chat")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["MODEL"] == "qwen3-coder"

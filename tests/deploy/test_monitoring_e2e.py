@@ -281,7 +281,8 @@ def test_both_pools_show_side_by_side(stack: Stack) -> None:
         assert {r["metric"]["pool"] for r in result} == {"baseline", "canary"}, title
     # Only the baseline has a healthy worker left: only it has GPUs to divide by.
     per_gpu = query(
-        stack.prometheus, substitute_grafana_vars(panels["Output tokens per second per GPU by pool"])
+        stack.prometheus,
+        substitute_grafana_vars(panels["Output tokens per second per GPU by pool"]),
     )
     assert {r["metric"]["pool"] for r in per_gpu} == {"baseline"}
     length = query(stack.prometheus, "pool:dflash_spec_acceptance_length:mean15m")

@@ -83,3 +83,11 @@
 {{- else -}}{{ int $w.tensorParallelSize }}
 {{- end -}}
 {{- end -}}
+
+{{/* A model clients can ask for: the first pool's (NOTES.txt's example, `helm test`). */}}
+{{- define "dflash.firstModel" -}}
+{{- $pools := dict -}}
+{{- $_ := include "dflash.poolContexts" (dict "root" . "out" $pools) -}}
+{{- $first := first $pools.list -}}
+{{- include "dflash.servedModelName" $first -}}
+{{- end -}}
