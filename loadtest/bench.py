@@ -17,10 +17,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("loadtest.backends_bench", "embedded worker vs real vLLM, plain and DFlash"),
 }
 
+# Variants of a benchmark that live in modules of their own, chosen by a flag (they import
+# the benchmark's helpers; the benchmark never imports them).
+VARIANTS: dict[str, dict[str, str]] = {
+    "gateway": {"--peers": "loadtest.gateway_peers", "--scaling": "loadtest.gateway_scaling"},
+}
+
 
 def _usage() -> str:
     lines = ["usage: dflash-bench {" + ",".join(SUBCOMMANDS) + "} [options]", ""]
     lines += [f"  {name:<8} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    for name, variants in VARIANTS.items():
+        lines.append(f"  {name} {' | '.join(variants)}: see {', '.join(variants.values())}")
     return "\n".join(lines)
 
 
@@ -33,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"dflash-bench: unknown benchmark {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    chosen = [module for flag, module in VARIANTS.get(name, {}).items() if flag in rest]
+    module = importlib.import_module(chosen[0] if chosen else SUBCOMMANDS[name][0])
     result: int = module.main(rest)
     return result
 

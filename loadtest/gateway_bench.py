@@ -360,7 +360,12 @@ def aligned(rows: Sequence[Sequence[str]], sep: str = "  ") -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dflash-bench gateway", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="dflash-bench gateway",
+        description=__doc__.split("\n")[0],
+        epilog="Instead: --peers (side by side with nginx and vllm-router, loadtest/"
+        "gateway_peers.py), --scaling (requests/s with --processes 1, 2, ..., loadtest/"
+        "gateway_scaling.py).",
+        allow_abbrev=False,
     )
     p.add_argument("--duration", type=float, default=8.0, help="seconds per phase and target")
     p.add_argument("--warmup", type=float, default=1.0)
@@ -371,30 +376,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap-ms", type=float, default=50.0, help="gap between events (stream phase)")
     p.add_argument("--rps-concurrency", type=int, default=64)
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway.json"))
-    p.add_argument(
-        "--peers",
-        action="store_true",
-        help="instead: side by side with nginx and vllm-router (see loadtest/gateway_peers.py)",
-    )
-    p.add_argument(
-        "--scaling",
-        action="store_true",
-        help="instead: requests/s with --processes 1, 2, ... (see loadtest/gateway_scaling.py)",
-    )
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--peers" in argv:
-        from loadtest import gateway_peers  # side by side with nginx and vllm-router
-
-        return gateway_peers.main(argv)
-    if "--scaling" in argv:
-        from loadtest import gateway_scaling  # --processes 1, 2, ...
-
-        return gateway_scaling.main(argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     with subprocesses(args.events) as (stub_port, gw_port):
         results = asyncio.run(run_all(stub_port, gw_port, args))
     print(table(results, args))

@@ -103,6 +103,28 @@ def parse_waiting(exposition: str) -> float:
     return total
 
 
+async def scrape_load(client: httpx.AsyncClient, worker: Worker, limit_s: float) -> None:
+    """The worker's queue (vllm:num_requests_waiting): a tie-breaker of routing only."""
+    try:
+        reply = await client.get(f"{worker.url}/metrics", timeout=limit_s)
+        if reply.status_code == 200:
+            worker.waiting = parse_waiting(reply.text)
+    except httpx.HTTPError:
+        pass  # /health decides health
+
+
+async def scrape_models(client: httpx.AsyncClient, worker: Worker, limit_s: float) -> None:
+    """The models the worker lists (its /v1/models cards, passed on by the gateway's)."""
+    try:
+        reply = await client.get(f"{worker.url}/v1/models", timeout=limit_s)
+        data = reply.json().get("data") if reply.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return
+    if isinstance(data, list):
+        worker.models = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        worker.model_ids = frozenset(m["id"] for m in worker.models)
+
+
 async def lookup(target: str) -> set[str] | None:
     """The worker URLs NAME:PORT resolves to; None when the lookup fails."""
     host, _, port = target.rpartition(":")
@@ -215,36 +237,15 @@ class WorkerPool:
         except httpx.HTTPError:
             healthy = False
         if healthy:
-            await asyncio.gather(self._scrape_load(worker), self._scrape_models(worker))
+            await asyncio.gather(
+                scrape_load(self._client, worker, timeout),
+                scrape_models(self._client, worker, timeout),
+            )
         if healthy != worker.healthy:
             log.info("worker %s is %s", worker.url, "healthy" if healthy else "unhealthy")
             self.invalidate()
         worker.healthy = healthy
         self._publish(worker)
-
-    async def _scrape_load(self, worker: Worker) -> None:
-        try:
-            reply = await self._client.get(
-                f"{worker.url}/metrics", timeout=self._settings.health_timeout_s
-            )
-            if reply.status_code == 200:
-                worker.waiting = parse_waiting(reply.text)
-        except httpx.HTTPError:
-            pass  # load is a tie-breaker only; /health decides health
-
-    async def _scrape_models(self, worker: Worker) -> None:
-        try:
-            reply = await self._client.get(
-                f"{worker.url}/v1/models", timeout=self._settings.health_timeout_s
-            )
-            data = reply.json().get("data") if reply.status_code == 200 else None
-        except (httpx.HTTPError, ValueError, AttributeError):
-            return
-        if isinstance(data, list):
-            worker.models = [
-                m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)
-            ]
-            worker.model_ids = frozenset(m["id"] for m in worker.models)
 
     def _publish(self, worker: Worker) -> None:
         if worker.url in self.workers:

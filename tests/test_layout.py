@@ -77,3 +77,43 @@ def test_every_module_has_a_same_named_test_module(path: Path) -> None:
     rel = path.relative_to(ROOT)
     expected = ROOT / "tests" / rel.parent / f"test_{rel.name}"
     assert expected.exists(), f"{rel} has no {expected.relative_to(ROOT)}"
+
+
+def _project_modules() -> dict[str, Path]:
+    found = {}
+    for package in ("service", "engine", "loadtest"):
+        for path in _modules(package):
+            found[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
+    return found
+
+
+def _imported(path: Path) -> set[str]:
+    """_imports, plus `from package import module` as package.module."""
+    names = _imports(path)
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_no_module_imports_itself_back() -> None:
+    """No import cycles among the project's modules, lazy and TYPE_CHECKING imports included:
+    a cycle means two modules that cannot be read (or tested) one without the other."""
+    modules = _project_modules()
+    graph = {name: _imported(path) & modules.keys() for name, path in modules.items()}
+    cycles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert cycles == []

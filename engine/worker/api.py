@@ -49,7 +49,7 @@ from service.http import client_request_id, package_version, read_json
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
-    from engine.worker.app import WorkerState
+    from engine.worker.state import WorkerState
 
 router = APIRouter()
 

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from engine.worker.app import build_engine
 from engine.worker.settings import load_settings
+from engine.worker.state import build_engine
 from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import AppHandle, metric, scrape, serving_app
 

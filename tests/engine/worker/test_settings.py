@@ -159,8 +159,8 @@ def test_settings_are_frozen(ckpt: TinyCheckpoint) -> None:
 def test_drafter_int8_reaches_the_engine_and_is_the_embedded_engines(
     ckpt: TinyCheckpoint,
 ) -> None:
-    from engine.worker.app import engine_config
     from engine.worker.cli import settings_from_args
+    from engine.worker.state import engine_config
 
     s, _ = settings_from_args(
         [
@@ -199,7 +199,7 @@ def test_http_keep_alive_comes_from_vllms_env_variable(
 def test_speculation_is_adaptive_on_the_embedded_backend_unless_fixed(
     ckpt: TinyCheckpoint,
 ) -> None:
-    from engine.worker.app import engine_config
+    from engine.worker.state import engine_config
 
     dflash = {"model": str(ckpt.target_dir), "speculative_config": spec(ckpt.drafter_dir)}
     assert engine_config(load_settings(**dflash)).adaptive
