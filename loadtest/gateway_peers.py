@@ -3,8 +3,9 @@ upstream, with the same load generator, in interleaved rounds.
 
 Peers: `dflash-gateway` (one process), nginx (the Debian package: `scripts/install-tools.sh`),
 vllm-router (PyPI, a Rust router: `scripts/install-vllm-router.sh`), optionally LiteLLM's
-proxy (`--litellm`; PyPI: `scripts/install-litellm-proxy.sh`) and a second gateway from
-another source tree (`--baseline-src`, e.g. a checkout of main) to compare a change. A peer
+proxy (`--litellm`; PyPI: `scripts/install-litellm-proxy.sh`), a second gateway from
+another source tree (`--baseline-src`, e.g. a checkout of main) to compare a change, and the
+gateway configured with pools (`--pools`: routing by model, then by weight, on every request). A peer
 that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -210,9 +212,15 @@ def peer_versions(peers: list[Peer]) -> dict[str, str]:
 
 
 def start_gateway(
-    port: int, upstream: int, extra: list[str], cpus: str | None, src: Path = ROOT
+    port: int,
+    upstream: int,
+    extra: list[str],
+    cpus: str | None,
+    src: Path = ROOT,
+    pools: Path | None = None,
 ) -> subprocess.Popen[bytes]:
-    """`dflash-gateway` from source tree `src` in front of the stub, without API keys."""
+    """`dflash-gateway` from source tree `src` in front of the stub, without API keys; with
+    `pools`, configured by that pools file instead of one --worker."""
     # The stub shares its core with the load generator: under a closed loop its /health can
     # take longer than the default 1 s, and a gateway would then mark it down (503s that
     # measure the bench, not the proxy); nginx has no active checks to trip.
@@ -229,7 +237,8 @@ def start_gateway(
     }
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
     argv = [sys.executable, "-m", "service.cli", "--port", str(port)]
-    argv += ["--worker", f"http://127.0.0.1:{upstream}", "--log-level", "warning", *extra]
+    argv += ["--pools", str(pools)] if pools else ["--worker", f"http://127.0.0.1:{upstream}"]
+    argv += ["--log-level", "warning", *extra]
     return subprocess.Popen(pinned(cpus, argv), env=env, cwd=src)
 
 
@@ -244,6 +253,11 @@ def start_peers(
         port = fresh_port()
         process = start_gateway(port, upstream, [], args.proxy_cpu, src)
         peers.append(Peer(name, port, process, "/ready"))
+    if args.pools:
+        port, pools = fresh_port(), workdir / "pools.yaml"
+        pools.write_text(json.dumps(canary_pools(upstream)))
+        process = start_gateway(port, upstream, [], args.proxy_cpu, ROOT, pools)
+        peers.append(Peer("dflash-gateway (pools)", port, process, "/ready"))
     if "nginx" not in missing:
         port = fresh_port()
         conf = workdir / "nginx.conf"
@@ -264,6 +278,26 @@ def start_peers(
     if args.litellm and "litellm" not in missing:
         peers.append(start_litellm(args, upstream, workdir))
     return peers
+
+
+def canary_pools(upstream: int) -> list[dict[str, Any]]:
+    """The stub's model split 90/10 between two pools (the same stub under two URLs), and a
+    second model's pool: routing by model, then by weight, on every request."""
+    return [
+        {
+            "name": "main",
+            "model": "stub",
+            "weight": 90,
+            "workers": [f"http://127.0.0.1:{upstream}"],
+        },
+        {
+            "name": "canary",
+            "model": "stub",
+            "weight": 10,
+            "workers": [f"http://localhost:{upstream}"],
+        },
+        {"name": "other", "model": "other", "workers": [f"http://127.0.0.1:{upstream}/v2"]},
+    ]
 
 
 def start_litellm(args: argparse.Namespace, upstream: int, workdir: Path) -> Peer:
@@ -512,6 +546,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--proxy-cpu", default="1", help="core(s) every proxy is pinned to")
     p.add_argument("--aux-cpus", default="0", help="cores of the stub and the load generator")
     p.add_argument("--baseline-src", type=Path, help="also run the gateway from this tree")
+    p.add_argument(
+        "--pools",
+        action="store_true",
+        help="also the gateway with pools (two of the stub's model at 90/10, and another model)",
+    )
     p.add_argument(
         "--litellm", action="store_true", help="also LiteLLM's proxy (~7 ms of CPU per request)"
     )

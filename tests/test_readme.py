@@ -167,3 +167,49 @@ def test_make_serve_takes_a_port_and_flags() -> None:
     )
     readme = (ROOT / "README.md").read_text()
     assert "make serve PORT=8080" in readme and "SERVE_ARGS='--api-key sk-local'" in readme
+
+
+def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
+    (block,) = [b for b in code_blocks("bash") if "dflash-serve --pools examples/" in b]
+    serve_line, metrics_line = block.strip().splitlines()
+    port = free_port()
+    serve = Path(sys.executable).parent / serve_line.split()[0]
+    argv = [str(serve), *serve_line.split()[1:], "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        announced = []
+        while len(announced) < 2:
+            line = proc.stdout.readline()
+            assert line, "dflash-serve ended before announcing its pools"
+            if "still loading" not in line:
+                announced.append(line)
+        assert "weight 90" in announced[0] and "weight 10" in announced[1]
+        pools = set()
+        for i in range(20):
+            body = {
+                "model": "tiny-coder",
+                "messages": [{"role": "user", "content": f"def f{i}(n):"}],
+                "max_tokens": 16,
+                "temperature": 0,
+            }
+            reply = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=60
+            )
+            assert reply.status_code == 200, reply.text
+            pools.add(reply.headers["x-dflash-pool"])
+        assert pools == {"b16", "k3"}
+        command = metrics_line.replace(README_PORT, f"127.0.0.1:{port}")
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        for pool in ("b16", "k3"):
+            assert f'dflash_spec_steps_total{{model="tiny-coder",pool="{pool}"}}' in done.stdout
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

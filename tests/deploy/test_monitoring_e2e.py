@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import signal
 import time
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -288,3 +290,11 @@ def test_both_pools_show_side_by_side(stack: Stack) -> None:
     length = query(stack.prometheus, "pool:dflash_spec_acceptance_length:mean15m")
     assert {r["metric"]["pool"] for r in length} == {"baseline", "canary"}
     assert all(1.0 <= v <= 4.0 for v in finite_values(length))
+
+
+def test_the_readmes_pool_comparison_query_returns_both_pools(stack: Stack) -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (promql,) = re.findall(r"^```promql\n(.*?)^```", readme, flags=re.M | re.S)
+    result = query(stack.prometheus, promql.replace('"tiny-coder"', f'"{MODEL}"'))
+    assert {r["metric"]["pool"] for r in result} == {"baseline", "canary"}
+    assert all(1.0 <= v <= 4.0 for v in finite_values(result))
