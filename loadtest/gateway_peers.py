@@ -5,8 +5,8 @@ Peers: `dflash-gateway` (one process), nginx (the Debian package: `scripts/insta
 vllm-router (PyPI, a Rust router: `scripts/install-vllm-router.sh`), optionally LiteLLM's
 proxy (`--litellm`; PyPI: `scripts/install-litellm-proxy.sh`), a second gateway from
 another source tree (`--baseline-src`, e.g. a checkout of main) to compare a change, and the
-gateway configured with pools (`--pools`: routing by model, then by weight, on every request). A peer
-that is not installed is reported as missing, with why, and skipped.
+gateway configured with pools (`--pools`: routing by model, then by weight, on every
+request). A peer that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
 others (`--aux-cpus`); each round runs every phase against every proxy in turn, so that the

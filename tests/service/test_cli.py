@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -173,3 +174,32 @@ def test_processes_share_the_port_and_metrics_add_up() -> None:
         assert len(children) == 2
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+def test_a_bad_pools_file_is_refused_at_startup_naming_the_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pools = tmp_path / "pools.yaml"
+    cases = {
+        "- {name: a, model: m, workers: ['http://w:1']}\n"
+        "- {name: a, model: m, workers: ['http://w:2']}\n": "duplicate pool names: a",
+        "pools:\n- {name: a, model: m, weight: 0, workers: ['http://w:1']}\n": (
+            "every pool of model m has weight 0"
+        ),
+        "- {name: a, model: m, engine: sglang, workers: ['http://w:1']}\n": "pools.0.engine",
+        "name: a\n": "expected a list of pools",
+        "[unclosed\n": "cannot read pools file",
+    }
+    for text, named in cases.items():
+        pools.write_text(text)
+        try:
+            code = gateway_main(["--pools", str(pools)])
+        except SystemExit as exc:  # argparse's own exit for a file it cannot read
+            code = exc.code  # type: ignore[assignment]
+        assert code == 2
+        assert named in capsys.readouterr().err, text
+    pools.write_text("- {name: a, model: m, workers: ['http://w:1']}\n")
+    assert gateway_main(["--pools", str(pools), "--worker", "http://w:9"]) == 2
+    assert "not both" in capsys.readouterr().err
+    (spec,) = settings_from_args(["--pools", str(pools)]).pool_specs()
+    assert (spec.name, spec.model, spec.workers) == ("a", "m", ["http://w:1"])
