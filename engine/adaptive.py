@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 Measure = Callable[[int, int], float]  # (batch size, num drafts k) -> seconds per step
@@ -40,6 +40,9 @@ class CostModel:
     batch_sizes: tuple[int, ...]
     num_drafts: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]  # [batch index][k index]
+    # Seconds per position of drafter context put off by plain steps and projected in one
+    # batched pass when speculation resumes (speculative.catch_up); 0 = not measured.
+    catch_up_per_position: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or not self.num_drafts:
@@ -54,6 +57,8 @@ class CostModel:
             raise ValueError("seconds must be [batch sizes][draft counts]")
         if any(s <= 0 for row in self.seconds for s in row):
             raise ValueError("step costs must be positive")
+        if self.catch_up_per_position < 0:
+            raise ValueError("the catch-up cost cannot be negative")
 
     def cost(self, batch_size: int, k: int) -> float:
         """Seconds of one step verifying k drafts for batch_size rows (interpolated)."""
@@ -80,13 +85,15 @@ class CostModel:
             column = list(_running_max([row[j] for row in rows]))
             for i, value in enumerate(column):
                 rows[i][j] = value
-        return CostModel(self.batch_sizes, self.num_drafts, tuple(tuple(r) for r in rows))
+        grid = tuple(tuple(r) for r in rows)
+        return replace(self, seconds=grid)
 
     def to_json(self) -> dict[str, object]:
         return {
             "batch_sizes": list(self.batch_sizes),
             "num_drafts": list(self.num_drafts),
             "seconds": [list(row) for row in self.seconds],
+            "catch_up_per_position": self.catch_up_per_position,
         }
 
     @classmethod
@@ -97,9 +104,10 @@ class CostModel:
             ks = tuple(int(k) for k in raw["num_drafts"])  # type: ignore[attr-defined]
             rows = raw["seconds"]
             seconds = tuple(tuple(float(x) for x in row) for row in rows)  # type: ignore[attr-defined]
+            catch_up = float(raw.get("catch_up_per_position", 0.0))  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc}") from exc
-        return cls(bs, ks, seconds)
+        return cls(bs, ks, seconds, catch_up)
 
 
 def _running_max(values: Iterable[float]) -> Iterable[float]:
@@ -119,7 +127,11 @@ def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
 
 
 def calibrate(
-    measure: Measure, batch_sizes: Iterable[int], num_drafts: Iterable[int], passes: int = 1
+    measure: Measure,
+    batch_sizes: Iterable[int],
+    num_drafts: Iterable[int],
+    passes: int = 1,
+    catch_up_per_position: float = 0.0,
 ) -> CostModel:
     """Measure the grid `passes` times, a whole pass at a time (so a burst of load on a
     shared machine spoils one value per cell, not one cell), take each cell's minimum
@@ -131,7 +143,7 @@ def calibrate(
             for k in ks:
                 samples[(b, k)].append(measure(b, k))
     seconds = tuple(tuple(min(samples[(b, k)]) for k in ks) for b in bs)
-    return CostModel(bs, ks, seconds).monotone()
+    return CostModel(bs, ks, seconds, catch_up_per_position).monotone()
 
 
 def default_grid(max_num_seqs: int, max_k: int) -> tuple[list[int], list[int]]:
@@ -159,7 +171,12 @@ class AcceptanceStats:
             self.accepted = [0.0] * self.max_k
 
     def observe(self, rows: Iterable[tuple[int, int]]) -> None:
-        """One step's results: (num_drafted, num_accepted) per row."""
+        """One step's results: (num_drafted, num_accepted) per row. A step that drafted
+        nothing is no observation: forgetting goes by drafting steps, so estimates made
+        before a stretch of plain steps are still there when speculation is weighed again."""
+        rows = list(rows)
+        if not any(num_drafted for num_drafted, _ in rows):
+            return
         keep = 0.5 ** (1.0 / self.halflife_steps)
         self.tried = [t * keep for t in self.tried]
         self.accepted = [a * keep for a in self.accepted]
@@ -187,6 +204,10 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
     return total
 
 
+# The most catch-up (in plain steps at the same batch size) an exploring step may pay.
+EXPLORE_CATCH_UP = 0.25
+
+
 @dataclass
 class SpecPolicy:
     """Picks k per step; `mode="fixed"` always verifies max_k (the old behaviour).
@@ -200,6 +221,9 @@ class SpecPolicy:
     max_k: int
     mode: Literal["adaptive", "fixed"] = "adaptive"
     explore_every: int = 16  # steps; 0 = never explore
+    # Drafting steps over which the catch-up of context put off by plain steps is spread
+    # when weighing whether to draft again (the caught-up context serves them all).
+    catch_up_horizon: int = 16
     feedback_weight: float = 0.1  # EWMA weight of one observed step time
     _steps: int = 0
     _overall: float | None = None  # EWMA of log(observed / model), all steps
@@ -230,24 +254,33 @@ class SpecPolicy:
     def _nearest(self, k: int) -> int:
         return min(self.costs.num_drafts, key=lambda g: (abs(g - k), g))
 
-    def best(self, batch_size: int, rates: Sequence[float]) -> int:
-        """argmax_k tokens per second at this batch size (ties: the smaller k)."""
+    def best(self, batch_size: int, rates: Sequence[float], extra: float = 0.0) -> int:
+        """argmax_k tokens per second at this batch size (ties: the smaller k); `extra`:
+        seconds added to every drafting step (k > 0)."""
         costs = self.curve(batch_size)
         tokens, survive, scores = 1.0, 1.0, []
         for k in range(self.max_k + 1):
             if k:
                 survive *= rates[k - 1]
                 tokens += survive
-            scores.append(tokens / costs[k])
+            scores.append(tokens / (costs[k] + (extra if k else 0.0)))
         return max(range(len(scores)), key=lambda k: (scores[k], -k))
 
-    def choose(self, batch_size: int, stats: AcceptanceStats) -> int:
+    def choose(self, batch_size: int, stats: AcceptanceStats, pending: int = 0) -> int:
+        """k for the next step of `batch_size` rows; `pending`: positions of drafter
+        context those rows lack (put off by plain steps), which drafting must project
+        first. Exploring from k = 0 pays that whole catch-up, so it is skipped unless the
+        catch-up costs at most `EXPLORE_CATCH_UP` of a plain step (a busy server stays
+        plain; a quiet one still looks again now and then)."""
         if self.mode == "fixed" or self.max_k == 0:
             return self.max_k
-        k = self.best(batch_size, stats.rates())
+        catch_up = pending * self.costs.catch_up_per_position
+        k = self.best(batch_size, stats.rates(), catch_up / max(1, self.catch_up_horizon))
         self._steps += 1
         if self.explore_every and self._steps % self.explore_every == 0:
-            k = min(self.max_k, k + max(2, k // 2))
+            cheap = catch_up <= EXPLORE_CATCH_UP * self.curve(batch_size)[0]
+            if k > 0 or cheap:
+                k = min(self.max_k, k + max(2, k // 2))
         return k
 
 

@@ -7,7 +7,9 @@ of load from another process lands on one sample of many cells rather than on al
 samples of one; each cell keeps its fastest sample (other processes only ever add time,
 and the policy needs the steps' relative costs). The rows do not advance between steps
 (same positions each time: what a step writes past a row's length is dead), so every
-cell sees the same context.
+cell sees the same context. After the grid, the drafter context of the rows' prompts is
+dropped and projected again (`catch_up`) a few times: the per-position cost of catching
+up context that plain steps put off.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from engine.speculative import (
     PrefillRow,
     RowSampling,
     SpecState,
+    catch_up,
     max_draft_tokens,
     prefill,
     release,
@@ -37,9 +40,10 @@ def measure_grid(
     context_tokens: int = 128,
     passes: int = 6,
     vocab: int = 256,
-) -> dict[tuple[int, int], float]:
+) -> tuple[dict[tuple[int, int], float], float]:
     """Fastest wall seconds of a step per (batch size, k), over `passes` interleaved passes
-    (after one warm-up pass)."""
+    (after one warm-up pass), and the fastest seconds per position of a catch-up of every
+    row's prompt context (0.0 without a drafter)."""
     top_b = max(batch_sizes)
     if top_b > state.caches.target.num_slots:
         slots = state.caches.target.num_slots
@@ -59,10 +63,27 @@ def measure_grid(
                     seconds = time.perf_counter() - start
                     if n:  # pass 0 warms up
                         best[(b, k)] = min(seconds, best.get((b, k), seconds))
+        per_position = _catch_up_seconds(state, rows, passes) / (top_b * context)
     finally:
         for i in range(top_b):
             release(state, i)
-    return best
+    return best, per_position
+
+
+def _catch_up_seconds(state: SpecState, rows: list[DecodeRow], passes: int) -> float:
+    """Fastest seconds to project the drafter context of every row's prompt in one pass
+    (the prompts' features stay pending: steps only ever write past them)."""
+    drafter_cache = state.caches.drafter
+    if drafter_cache is None:
+        return 0.0
+    fastest = float("inf")
+    for _ in range(max(1, passes)):
+        for row in rows:
+            drafter_cache.set_length(row.slot, 0)
+        start = time.perf_counter()
+        catch_up(state, rows)
+        fastest = min(fastest, time.perf_counter() - start)
+    return fastest
 
 
 def calibrate_state(
@@ -76,8 +97,8 @@ def calibrate_state(
     tiny-coder with 16 slots on a busy 2-core machine), made monotone."""
     seqs = state.caches.target.num_slots if max_num_seqs is None else max_num_seqs
     batch_sizes, num_drafts = default_grid(seqs, max_draft_tokens(state))
-    best = measure_grid(
+    best, per_position = measure_grid(
         state, batch_sizes, num_drafts, context_tokens=context_tokens, passes=passes
     )
     seconds = tuple(tuple(best[(b, k)] for k in num_drafts) for b in batch_sizes)
-    return CostModel(tuple(batch_sizes), tuple(num_drafts), seconds).monotone()
+    return CostModel(tuple(batch_sizes), tuple(num_drafts), seconds, per_position).monotone()

@@ -151,18 +151,68 @@ class KVCache:
         return sum(self.lengths) / float(self.num_slots * self.capacity)
 
 
-class SlotCaches:
-    """The caches one engine step touches: the target's and (optionally) the drafter's."""
+class PendingFeatures:
+    """Target features [slots, capacity, n*hidden] the drafter has not projected yet.
 
-    def __init__(self, target: KVCache, drafter: KVCache | None) -> None:
+    Projecting them into the drafter's context K/V is work only speculation needs, so it
+    is put off (prefill and plain steps store the features here) and done in one batched
+    pass when a row speculates again (`speculative.catch_up`). A slot's pending span is
+    [drafter context length, target length); entries outside it are dead."""
+
+    def __init__(
+        self,
+        num_slots: int,
+        capacity: int,
+        width: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.features = torch.zeros(num_slots, capacity, width, device=device, dtype=dtype)
+
+    def write_at(self, index: CacheIndex, features: Tensor) -> None:
+        """Store features [b, t, width] where `index` says (the target's write index)."""
+        if index.block is not None:
+            slot, start = index.block
+            self.features[slot, start : start + features.shape[1]] = features[0]
+            return
+        assert index.rows is not None and index.pos is not None
+        flat = features.reshape(-1, features.shape[-1])  # [b*t, width]
+        if index.select is not None:
+            flat = flat.index_select(0, index.select)
+        self.features[index.rows, index.pos] = flat.to(self.features.dtype)
+
+    def gather(self, rows: Tensor, pos: Tensor) -> Tensor:
+        """Features at (rows[i], pos[i]) -> [n, width]."""
+        return self.features[rows, pos]
+
+
+class SlotCaches:
+    """The caches one engine step touches: the target's and (optionally) the drafter's
+    context K/V with the features it has yet to project.
+
+    A slot's drafter context may lag its target length (never exceed it): positions in
+    between have their features in `pending`."""
+
+    def __init__(
+        self, target: KVCache, drafter: KVCache | None, pending: PendingFeatures | None = None
+    ) -> None:
+        if (drafter is None) != (pending is None):
+            raise ValueError("a drafter cache comes with its pending features, and only then")
         self.target = target
         self.drafter = drafter
+        self.pending = pending
 
-    def set_length(self, slot: int, length: int) -> None:
-        """Commit/rollback a slot: target and drafter context always hold the same length."""
+    def set_length(self, slot: int, length: int, *, drafted: bool = False) -> None:
+        """Commit/rollback a slot to `length` target positions. `drafted`: the drafter's
+        context covers them too; otherwise it keeps what it had, cut back to `length`."""
         self.target.set_length(slot, length)
         if self.drafter is not None:
-            self.drafter.set_length(slot, length)
+            kept = length if drafted else min(self.drafter.length(slot), length)
+            self.drafter.set_length(slot, kept)
+
+    def lag(self, slot: int, position: int) -> int:
+        """First position before `position` whose drafter context is missing."""
+        return position if self.drafter is None else min(self.drafter.length(slot), position)
 
     def release(self, slot: int) -> None:
         self.set_length(slot, 0)

@@ -24,7 +24,9 @@ from engine.speculative import (
     RowResult,
     RowSampling,
     SpecState,
+    catch_up,
     max_draft_tokens,
+    pending_context,
     prefill,
     release,
     spec_step,
@@ -92,7 +94,9 @@ class ModelRunner:
 
     def decode(self, seqs: list[Sequence]) -> list[RowResult]:
         """One speculative step over every running sequence; adaptive: with the k the
-        policy picks for this batch, whose cost and acceptance then feed the policy."""
+        policy picks for this batch, whose cost and acceptance then feed the policy (the
+        step's cost without the catch-up of context put off by plain steps: that is
+        counted by the policy from its own measure, not charged to this k)."""
         rows = [
             DecodeRow(_slot(s), s.last_token, s.position, s.prompt_token_ids, s.output_token_ids)
             for s in seqs
@@ -107,7 +111,10 @@ class ModelRunner:
             # acceptance says.
             k = self.policy.max_k
         else:
-            k = self.policy.choose(len(rows), self.acceptance)
+            pending = pending_context(self._state, rows)
+            k = self.policy.choose(len(rows), self.acceptance, pending)
+        if k > 0:
+            catch_up(self._state, rows)
         start = time.perf_counter()
         results = spec_step(self._state, rows, sampling, num_draft=k)
         self.policy.observe_cost(len(rows), k, time.perf_counter() - start)

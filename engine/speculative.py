@@ -16,8 +16,15 @@ A step over rows (one running request each, in its own cache slot):
    context (K/V in its cache); rollback: both caches' slot lengths are set back.
 block_size 1 (or no drafter) runs the same code as plain decoding.
 
-Invariant between steps: for a running slot, target length == drafter context length ==
-position of `last_token`, which is committed but not yet in any cache.
+Drafter context is work only speculation needs, so prefill and plain steps (k = 0) do not
+project it: they store the target's features at the drafter's layers (`PendingFeatures`)
+and the next step that drafts for the row first projects every missing position of every
+row in one batched pass (`catch_up`). A row that ran plain steps for a while then drafts
+from exactly the context it would have had.
+
+Invariant between steps: for a running slot, target length == position of `last_token`,
+which is committed but not yet in any cache; the drafter context covers a prefix of it
+and the pending features the rest.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import torch
 from torch import Tensor
 
 from engine.drafter import DFlashDrafter
-from engine.kv_cache import CacheIndex, SlotCaches
+from engine.kv_cache import CacheIndex, PendingFeatures, SlotCaches
 from engine.logits_processors import process_block
 from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model import Qwen3Target
@@ -46,7 +53,9 @@ __all__ = [
     "TokenLogprob",
     "accept_greedy",
     "accept_sampled",
+    "catch_up",
     "max_draft_tokens",
+    "pending_context",
     "prefill",
     "release",
     "row_probabilities",
@@ -108,15 +117,15 @@ class SpecState:
         capacity = max_model_len + size  # a step near the limit never overflows
         target_cache = target.new_cache(max_num_seqs, capacity, device, dtype)
         # the drafter's context cache is in the drafter's own dtype (may differ: see .dtype)
-        draft_cache = (
-            None
-            if active is None
-            else active.new_cache(max_num_seqs, capacity, device, active.dtype)
-        )
+        draft_cache, pending = None, None
+        if active is not None:
+            draft_cache = active.new_cache(max_num_seqs, capacity, device, active.dtype)
+            width = len(active.config.target_layer_ids) * target.config.hidden_size
+            pending = PendingFeatures(max_num_seqs, capacity, width, device, dtype)
         return cls(
             target=target,
             drafter=active,
-            caches=SlotCaches(target_cache, draft_cache),
+            caches=SlotCaches(target_cache, draft_cache, pending),
             block_size=size,
             device=torch.device(device),
         )
@@ -174,13 +183,14 @@ def prefill(
     state: SpecState, rows: list[PrefillRow], sampling: list[RowSampling]
 ) -> list[RowResult]:
     """Run the target over each prompt (appended after whatever the slot already holds),
-    fill target + drafter context caches, and return the first token per row."""
+    fill the target cache and the drafter's pending features, and return the first token
+    per row."""
     if not rows:
         return []
     dev = state.device
     starts = [state.caches.target.length(r.slot) for r in rows]
     ids, positions, valid, last = (t.to(dev) for t in _prompt_batch(rows, starts))
-    slots = torch.tensor([r.slot for r in rows], device=dev)
+    index = CacheIndex.build([r.slot for r in rows], starts, positions, valid, dev)
     # Prompt logprobs need the logits at every prompt position, not only the last.
     every = any(s.prompt_logprobs is not None for s in sampling)
     out = state.target(
@@ -188,12 +198,12 @@ def prefill(
         positions,
         valid,
         state.caches.target,
-        slots,
+        index.slots,
         state.layer_ids(),
         logit_index=None if every else last,
+        index=index,
     )
-    if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
-        state.drafter.append_context(out.hidden, positions, valid, state.caches.drafter, slots)
+    _keep_pending(state, index, out.hidden)
     for row, start in zip(rows, starts, strict=True):
         state.caches.set_length(row.slot, start + len(row.token_ids))
     results = []
@@ -205,6 +215,52 @@ def prefill(
             first = replace(first, prompt_logprobs=scored)
         results.append(first)
     return results
+
+
+def _keep_pending(state: SpecState, index: CacheIndex, hidden: Tensor | None) -> None:
+    """Store the target's features at the drafter's layers for a later `catch_up`."""
+    if state.caches.pending is not None and hidden is not None:
+        state.caches.pending.write_at(index, hidden)
+
+
+def pending_context(state: SpecState, rows: Sequence[DecodeRow]) -> int:
+    """Positions of these rows whose drafter context a drafting step must project first."""
+    return sum(r.position - state.caches.lag(r.slot, r.position) for r in rows)
+
+
+@torch.inference_mode()
+def catch_up(state: SpecState, rows: Sequence[DecodeRow]) -> int:
+    """Project every row's pending features into the drafter's context, all rows in one
+    flat pass (the projection is per position: no padding). Returns positions projected."""
+    caches = state.caches
+    if state.drafter is None or caches.drafter is None or caches.pending is None:
+        return 0
+    spans = [(r.slot, caches.lag(r.slot, r.position), r.position) for r in rows]
+    spans = [span for span in spans if span[1] < span[2]]
+    if not spans:
+        return 0
+    dev = state.device
+    if len(spans) == 1:  # one row: slices, no gather
+        slot, start, end = spans[0]
+        positions = torch.arange(start, end, device=dev)[None, :]  # [1, n]
+        index = CacheIndex.build([slot], [start], positions, None, dev)
+        features = caches.pending.features[slot, start:end][None]  # [1, n, width]
+    else:
+        slots = torch.tensor([slot for slot, _, _ in spans], device=dev)
+        counts = torch.tensor([end - start for _, start, end in spans], device=dev)
+        firsts = torch.tensor([start for _, start, _ in spans], device=dev)
+        flat_rows = slots.repeat_interleave(counts)  # [n] slot of each missing position
+        offsets = (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+        pos = firsts.repeat_interleave(counts) + torch.arange(len(flat_rows), device=dev) - offsets
+        index = CacheIndex(slots, None, None, flat_rows, pos, None)
+        positions, features = pos[None, :], caches.pending.gather(flat_rows, pos)[None]
+    top = max(end for _, _, end in spans) - 1
+    state.drafter.append_context(
+        features, positions, None, caches.drafter, index.slots, index=index, max_position=top
+    )
+    for slot, _, end in spans:
+        caches.drafter.set_length(slot, end)
+    return sum(end - start for _, start, end in spans)
 
 
 def _propose(
@@ -293,14 +349,16 @@ class StepTimings:
     accept: float = 0.0  # argmax / probabilities, acceptance, one host transfer
     context: float = 0.0  # drafter context K/V for the committed positions
     commit: float = 0.0  # slot lengths (commit + rollback), results
+    catch_up: float = 0.0  # drafter context put off by earlier plain steps (and prefill)
 
     def add(self, other: StepTimings) -> None:
-        for name in ("prepare", "draft", "verify", "accept", "context", "commit"):
+        for name in ("prepare", "draft", "verify", "accept", "context", "commit", "catch_up"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
     def total(self) -> float:
-        return self.prepare + self.draft + self.verify + self.accept + self.context + self.commit
+        phases = (self.prepare, self.draft, self.verify, self.accept, self.context, self.commit)
+        return sum(phases) + self.catch_up
 
 
 def max_draft_tokens(state: SpecState) -> int:
@@ -319,8 +377,8 @@ def spec_step(
     """One decoding step for every row: draft, verify, accept, commit, roll back.
 
     `num_draft`: draft tokens to verify this step, 0..max_draft_tokens(state) (None = the
-    most). 0 is plain decoding through the same path (the drafter context still grows by
-    the committed token, so speculation can resume on the next step)."""
+    most). 0 is plain decoding through the same path, at plain decoding's cost: the drafter
+    context is not projected, its features are kept for the next drafting step."""
     if not rows:
         return []
     top = max_draft_tokens(state)
@@ -328,6 +386,9 @@ def spec_step(
     if not 0 <= k <= top:
         raise ValueError(f"num_draft must be in [0, {top}], got {num_draft}")
     clock = time.perf_counter if timings is not None else None
+    tc = clock() if clock else 0.0
+    if k > 0:
+        catch_up(state, rows)
     t0 = clock() if clock else 0.0
     size, dev = k + 1, state.device
     hosts = [r.position for r in rows]
@@ -360,18 +421,24 @@ def spec_step(
     decisions = _decide(_processed(out.logits, rows, drafts, sampling), drafts, sampling)
     t4 = clock() if clock else 0.0
     accepted = [n for n, _ in decisions]
-    if state.drafter is not None and state.caches.drafter is not None and out.hidden is not None:
+    drafted = size > 1 and out.hidden is not None
+    if drafted:
+        assert out.hidden is not None
         _append_committed(state, out.hidden, positions, index, hosts, accepted)
+    else:
+        _keep_pending(state, index, out.hidden)
     t5 = clock() if clock else 0.0
     results = []
     for i, (row, draft, (n, bonus)) in enumerate(zip(rows, drafts, decisions, strict=True)):
-        state.caches.set_length(row.slot, row.position + n + 1)  # commit + roll back
+        # commit + roll back
+        state.caches.set_length(row.slot, row.position + n + 1, drafted=drafted)
         tokens = [*draft[:n], bonus]
         logprobs = _logprobs(out.logits[i], tokens, sampling[i])
         results.append(RowResult(tokens, num_drafted=k, num_accepted=n, logprobs=logprobs))
     if timings is not None and clock is not None:
         t6 = clock()
-        timings.add(StepTimings(t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5))
+        phases = (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5)
+        timings.add(StepTimings(*phases, catch_up=t0 - tc))
     return results
 
 

@@ -80,6 +80,18 @@ def test_acceptance_counts_only_the_positions_tried() -> None:
     assert stats.tried == pytest.approx([2.0, 2.0, 0.0, 0.0])
 
 
+def test_plain_steps_do_not_age_the_estimates() -> None:
+    """Forgetting goes by drafting steps: a long plain stretch (a busy server) leaves the
+    last estimates in place instead of sliding back to the optimistic prior."""
+    stats = AcceptanceStats(max_k=2, halflife_steps=4.0, prior_weight=1.0)
+    for _ in range(20):
+        stats.observe([(2, 0)])
+    before = stats.rates()
+    for _ in range(100):
+        stats.observe([(0, 0), (0, 0)])
+    assert stats.rates() == before and before[0] < 0.2
+
+
 def test_unexplored_positions_keep_the_prior_and_old_news_fades() -> None:
     stats = AcceptanceStats(max_k=3, halflife_steps=8.0, prior_rate=0.8, prior_weight=1.0)
     assert stats.rates() == pytest.approx([0.8] * 3)
@@ -120,6 +132,22 @@ def test_exploration_verifies_a_few_more_drafts_now_and_then() -> None:
     assert ks == [0, 0, 0, 2, 0, 0, 0, 2]
 
 
+def test_context_put_off_by_plain_steps_is_weighed_before_drafting_again() -> None:
+    """Drafting again first projects the context plain steps left out; its cost, spread
+    over `catch_up_horizon` steps, can keep a marginal batch plain."""
+    base = _linear_costs(per_token=0.02)
+    costs = CostModel(base.batch_sizes, base.num_drafts, base.seconds, 1e-3)
+    stats = AcceptanceStats(max_k=15, prior_rate=0.5, prior_weight=1e9)
+    policy = SpecPolicy(costs, 15, explore_every=0)
+    assert policy.choose(4, stats, pending=0) > 0
+    assert policy.choose(4, stats, pending=100_000) == 0
+    # exploring from plain: only when the catch-up costs little next to a plain step
+    low = AcceptanceStats(max_k=15, prior_rate=0.01, prior_weight=1e9)
+    explorer = SpecPolicy(costs, 15, explore_every=2)
+    assert [explorer.choose(1, low, pending=10) for _ in range(4)] == [0, 2, 0, 2]
+    assert [explorer.choose(1, low, pending=10_000) for _ in range(4)] == [0, 0, 0, 0]
+
+
 def test_vllm_table_shrinks_k_as_the_batch_grows() -> None:
     table = speculative_tokens_per_batch_size(
         _linear_costs(per_token=0.05), [0.8] * 15, [16, 1, 4], 15
@@ -150,6 +178,9 @@ def test_observed_step_times_repair_a_wrong_calibration() -> None:
 def test_cost_model_json_round_trip_and_counter_rates() -> None:
     costs = _linear_costs()
     assert CostModel.from_json(costs.to_json()) == costs
+    measured = CostModel(costs.batch_sizes, costs.num_drafts, costs.seconds, 2e-6)
+    assert CostModel.from_json(measured.to_json()) == measured
+    assert measured.monotone().catch_up_per_position == 2e-6
     with pytest.raises(ValueError):
         CostModel.from_json({"batch_sizes": [1]})
     assert conditional_rates([80, 40, 0], 100) == pytest.approx([0.8, 0.5, 0.0])

@@ -5,11 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import CacheIndex, KVCache, SlotCaches
+from engine.kv_cache import CacheIndex, KVCache, PendingFeatures, SlotCaches
 
 
 def _cache() -> KVCache:
     return KVCache(num_layers=2, num_slots=3, num_kv_heads=2, capacity=8, head_dim=4)
+
+
+def _caches() -> SlotCaches:
+    return SlotCaches(_cache(), _cache(), PendingFeatures(3, 8, 5, "cpu", torch.float32))
 
 
 def test_write_then_read_per_slot_and_position() -> None:
@@ -29,17 +33,41 @@ def test_write_then_read_per_slot_and_position() -> None:
 
 
 def test_rollback_is_setting_the_length_back_without_copying() -> None:
-    caches = SlotCaches(_cache(), _cache())
+    caches = _caches()
     storage = caches.target.k[0].data_ptr()
-    caches.set_length(1, 7)
+    caches.set_length(1, 7, drafted=True)
     assert caches.target.length(1) == caches.drafter.length(1) == 7  # type: ignore[union-attr]
     assert caches.usage() == pytest.approx(7 / 24)
-    caches.set_length(1, 4)  # reject three draft tokens
+    caches.set_length(1, 4, drafted=True)  # reject three draft tokens
     assert caches.target.length(1) == 4 and caches.target.k[0].data_ptr() == storage
     caches.release(1)
     assert caches.target.lengths == [0, 0, 0] and caches.usage() == 0.0
     with pytest.raises(ValueError, match="outside"):
         caches.set_length(0, 9)
+
+
+def test_drafter_context_may_lag_never_lead() -> None:
+    caches = _caches()
+    assert caches.drafter is not None
+    caches.set_length(0, 5, drafted=True)
+    caches.set_length(0, 7)  # plain steps: the drafter context stays at 5
+    assert (caches.target.length(0), caches.drafter.length(0), caches.lag(0, 7)) == (7, 5, 5)
+    caches.set_length(0, 3)  # a rollback below it cuts it too
+    assert caches.drafter.length(0) == 3 and caches.lag(0, 3) == 3
+    with pytest.raises(ValueError, match="pending"):
+        SlotCaches(_cache(), _cache())
+
+
+@pytest.mark.parametrize("slots", [[1], [2, 0]])
+def test_pending_features_are_stored_where_the_index_says(slots: list[int]) -> None:
+    pending = PendingFeatures(3, 8, 5, "cpu", torch.float32)
+    features = torch.randn(len(slots), 3, 5)
+    positions = torch.tensor([[2, 3, 4]] * len(slots))
+    index = CacheIndex.build(slots, [2] * len(slots), positions, None, "cpu")
+    pending.write_at(index, features)
+    for i, slot in enumerate(slots):
+        rows, pos = torch.tensor([slot] * 3), torch.tensor([2, 3, 4])
+        assert torch.equal(pending.gather(rows, pos), features[i])
 
 
 @pytest.mark.parametrize(

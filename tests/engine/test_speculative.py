@@ -21,6 +21,8 @@ from engine.speculative import (
     RowSampling,
     SpecState,
     StepTimings,
+    catch_up,
+    pending_context,
     prefill,
     release,
     spec_step,
@@ -194,12 +196,94 @@ def test_step_timings_cover_the_phases(agreeable: Models) -> None:
     timings = StepTimings()
     spec_step(state, [DecodeRow(0, first, 3)], [GREEDY], timings=timings)
     assert timings.draft > 0 and timings.verify > 0 and timings.context > 0
-    assert timings.total == pytest.approx(
-        sum(
-            getattr(timings, p)
-            for p in ("prepare", "draft", "verify", "accept", "context", "commit")
-        )
-    )
+    phases = ("prepare", "draft", "verify", "accept", "context", "commit", "catch_up")
+    assert timings.catch_up > 0  # the prompt's drafter context, put off by prefill
+    assert timings.total == pytest.approx(sum(getattr(timings, p) for p in phases))
+
+
+def test_plain_steps_do_no_drafter_work_and_keep_what_catching_up_needs(
+    monkeypatch: pytest.MonkeyPatch, agreeable: Models
+) -> None:
+    target, drafters = agreeable
+    drafter = drafters[8]
+    state = SpecState.create(target, drafter, 2, MAX_LEN, 8, "cpu", torch.float32)
+    rows = [DecodeRow(s, t.token_ids[0], 3) for s, t in enumerate(_prefill_two(state))]
+
+    def forbidden(*_: object, **__: object) -> None:
+        raise AssertionError("drafter work in prefill or a plain step")
+
+    with monkeypatch.context() as patch:
+        for name in ("append_context", "draft_hidden"):
+            patch.setattr(drafter, name, forbidden)
+        prefill(state, [PrefillRow(1, [4, 5])], [GREEDY])  # appended to slot 1's prompt
+        rows[1] = DecodeRow(1, rows[1].last_token, 5)
+        for _ in range(3):
+            step = spec_step(state, rows, [GREEDY] * 2, num_draft=0)
+            rows = [
+                DecodeRow(r.slot, res.token_ids[0], r.position + 1)
+                for r, res in zip(rows, step, strict=True)
+            ]
+    assert state.caches.drafter is not None and state.caches.drafter.lengths[:2] == [0, 0]
+    assert pending_context(state, rows) == (3 + 3) + (5 + 3)
+    assert catch_up(state, rows) == 14 and pending_context(state, rows) == 0
+    assert state.caches.drafter.lengths[:2] == [6, 8]
+    assert catch_up(state, rows) == 0  # nothing left: a no-op
+
+
+def _prefill_two(state: SpecState) -> list[RowResult]:
+    return prefill(state, [PrefillRow(0, [1, 2, 3]), PrefillRow(1, [7, 8, 9])], [GREEDY] * 2)
+
+
+def _history(state: SpecState, prompt: list[int], ks: list[int]) -> tuple[list[int], DecodeRow]:
+    """Generate in slot 0 with these draft counts; (committed tokens, the row after)."""
+    first = prefill(state, [PrefillRow(0, prompt)], [GREEDY])[0].token_ids[0]
+    tokens, row = [first], DecodeRow(0, first, len(prompt))
+    for k in ks:
+        (res,) = spec_step(state, [row], [GREEDY], num_draft=k)
+        tokens += res.token_ids
+        row = DecodeRow(0, tokens[-1], row.position + len(res.token_ids))
+    return tokens, row
+
+
+def _drafts(state: SpecState, row: DecodeRow) -> list[int]:
+    """What the drafter proposes for `row` (its context must cover the row's position)."""
+    size = state.block_size
+    block = torch.full((1, size), state.drafter.mask_token_id if state.drafter else 0)
+    block[0, 0] = row.last_token
+    positions = row.position + torch.arange(size)[None, :]
+    speculative._propose(state, [row], block, positions, torch.tensor([row.slot]))
+    return block[0, 1:].tolist()
+
+
+def test_a_row_back_from_plain_steps_drafts_as_one_that_always_drafted(
+    agreeable: Models, prompts: list[list[int]]
+) -> None:
+    """Plain steps then a drafting step (which catches the context up first) propose
+    exactly what a row that drafted every step proposes at the same point."""
+    target, drafters = agreeable
+    prompt = prompts[0]
+
+    def state() -> SpecState:
+        return SpecState.create(target, drafters[16], 1, MAX_LEN, 16, "cpu", torch.float32)
+
+    mixed = state()
+    tokens, row = _history(mixed, prompt, [0] * 9)  # 10 tokens, the drafter never ran
+    assert pending_context(mixed, [row]) == len(prompt) + 9
+    always = state()
+    drafted, _ = _history(always, prompt, [15] * 10)
+    assert drafted[:10] == tokens  # lossless, so the histories agree
+    assert always.caches.drafter is not None and always.caches.drafter.length(0) >= row.position
+    catch_up(mixed, [row])
+    assert mixed.caches.drafter is not None
+    for layer in range(len(mixed.caches.drafter.k)):  # the same context K/V ...
+        for ours, theirs in (
+            (mixed.caches.drafter.k, always.caches.drafter.k),
+            (mixed.caches.drafter.v, always.caches.drafter.v),
+        ):
+            torch.testing.assert_close(
+                ours[layer][0, :, : row.position], theirs[layer][0, :, : row.position]
+            )
+    assert _drafts(mixed, row) == _drafts(always, row)  # ... and the same drafts
 
 
 def test_random_drafter_rejects_almost_everything_and_stays_exact(
