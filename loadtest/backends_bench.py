@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -315,10 +315,15 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def running_workers(
-    specs: Sequence[WorkerSpec], args: argparse.Namespace, log_dir: Path
+    specs: Sequence[WorkerSpec],
+    args: argparse.Namespace,
+    log_dir: Path,
+    argv: Callable[[WorkerSpec, int, argparse.Namespace], list[str]] = worker_argv,
+    env: Callable[[WorkerSpec, int], dict[str, str]] = worker_env,
 ) -> Iterator[list[RunningWorker]]:
     """Start the workers one at a time (a vLLM start takes both cores for a minute), keep
-    them all up, stop them all at the end."""
+    them all up, stop them all at the end. `argv`/`env`: each worker's command line and
+    environment (from its spec, port and the options; from its spec and --threads)."""
     workers: list[RunningWorker] = []
     try:
         for i, spec in enumerate(specs):
@@ -327,9 +332,9 @@ def running_workers(
             print(f"starting {spec.name} on port {port} (log {log_path})", flush=True)
             with log_path.open("wb") as log:
                 process = subprocess.Popen(
-                    worker_argv(spec, port, args),
+                    argv(spec, port, args),
                     cwd=REPO,
-                    env=worker_env(spec, args.threads),
+                    env=env(spec, args.threads),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )

@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "step": ("loadtest.step_bench", "one speculative step's cost by phase, in plain-step units"),
     "sweep": ("loadtest.sweep", "throughput at fixed interactivity: Locust over concurrencies"),
     "backends": ("loadtest.backends_bench", "embedded worker vs real vLLM, plain and DFlash"),
+    "speedup": ("loadtest.speedup_bench", "DFlash worker vs plain worker through HTTP, c=1..32"),
 }
 
 # Variants of a benchmark that live in modules of their own, chosen by a flag (they import

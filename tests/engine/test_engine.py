@@ -296,7 +296,7 @@ def test_seeded_sampling_is_reproducible(ckpt: TinyCheckpoint, k: int | None) ->
     assert out["1"].token_ids_delta == first
 
 
-def _prefer(k: int, batch_size: int, stats: object) -> int:
+def _prefer(k: int, batch_size: int, stats: object, pending: int = 0) -> int:
     return k
 
 

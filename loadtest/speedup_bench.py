@@ -1,0 +1,428 @@
+"""`dflash-bench speedup`: what DFlash gives a user, end to end: the embedded worker with
+DFlash (its default, adaptive speculation) against the same worker plain, through HTTP.
+
+Two `dflash-worker`s serve the bundled tiny-coder, started as a user starts them:
+
+    dflash-worker --max-num-seqs 32 ...                      (DFlash, bundled drafter)
+    dflash-worker --max-num-seqs 32 --no-speculation ...     (plain)
+
+Both stay up; the rounds alternate between them (one at a time, the order rotating from round
+to round, each round waiting until both workers are quiet), so a change in the machine's load
+weighs on both alike. Every round sends, at each concurrency (closed loop), the same requests
+to each worker: prompts cut from held-out code (never trained on) to 32..512 tokens, 64..256
+new tokens each (`ignore_eos`, so both workers generate exactly as many), chat and completions
+alternating, greedy; once streamed and once not. Reported per (streaming, concurrency): each
+worker's generated tokens/s (completion tokens from `usage` over the rounds' wall time), the
+ratio DFlash / plain over all rounds and its range over single rounds, DFlash's mean acceptance
+length and the share of its steps that verified no draft. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.backends_bench import (
+    MODEL_NAME,
+    RunningWorker,
+    WorkerSpec,
+    _git_commit,
+    running_workers,
+    settle,
+    worker_env,
+)
+from loadtest.chat_stream import iter_sse_data
+from loadtest.engine_bench import int_list
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("dflash", "plain")
+
+
+# ---- the workload ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    endpoint: str  # chat | completions
+    prompt: str
+    prompt_tokens: int  # as the target's tokenizer counts the prompt text
+    max_tokens: int
+
+
+def spread(low: int, high: int, n: int) -> list[int]:
+    """n integers from low to high (both included), evenly spaced on a log scale."""
+    if n == 1:
+        return [low]
+    return [round(low * (high / low) ** (i / (n - 1))) for i in range(n)]
+
+
+def build_workload(
+    n: int, prompt_range: tuple[int, int], new_range: tuple[int, int]
+) -> list[Request]:
+    """n requests; prompt lengths and new tokens each spread over their range and paired
+    so that long prompts do not always come with long answers."""
+    from engine.tokenizer import Tokenizer
+    from engine.train.corpus import heldout_prompts
+    from engine.worker.settings import BUNDLED_TARGET
+
+    tokenizer = Tokenizer.from_dir(BUNDLED_TARGET)
+    lengths = spread(*prompt_range, n)
+    news = spread(*new_range, n)
+    texts = heldout_prompts(n, max_chars=8 * prompt_range[1])
+    requests = []
+    for i, (text, length) in enumerate(zip(texts, lengths, strict=True)):
+        ids = tokenizer.encode(text, add_special_tokens=False)[-length:]  # keep the end: a def
+        prompt = tokenizer.decode(ids)
+        requests.append(
+            Request(
+                endpoint="chat" if i % 2 else "completions",
+                prompt=prompt,
+                prompt_tokens=len(tokenizer.encode(prompt, add_special_tokens=False)),
+                max_tokens=news[(i * 7) % n],  # a fixed shuffle: 7 is prime to most n
+            )
+        )
+    return requests
+
+
+def request_body(req: Request, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "max_tokens": req.max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    if req.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+    else:
+        body["prompt"] = req.prompt
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+# ---- one request ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One completed request, as the worker reported it."""
+
+    tokens: int
+    latency_s: float
+    acceptance_length: float | None
+    spec_steps: int
+    plain_steps: int
+
+
+def outcome(usage: dict[str, Any], metrics: dict[str, Any], latency_s: float) -> Outcome:
+    spec = metrics.get("speculative_decoding") or {}
+    accept = spec.get("mean_acceptance_length")
+    return Outcome(
+        tokens=int(usage.get("completion_tokens", 0)),
+        latency_s=latency_s,
+        acceptance_length=float(accept) if accept is not None else None,
+        spec_steps=int(spec.get("num_spec_steps") or 0),
+        plain_steps=int(spec.get("num_plain_steps") or 0),
+    )
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, req: Request, stream: bool
+) -> Outcome | None:
+    path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
+    start = time.perf_counter()
+    try:
+        if not stream:
+            response = await client.post(url + path, json=request_body(req, False))
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+            body = response.json()
+            return outcome(body.get("usage") or {}, body.get("metrics") or {}, _since(start))
+        usage: dict[str, Any] = {}
+        metrics: dict[str, Any] = {}
+        async with client.stream("POST", url + path, json=request_body(req, True)) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}")
+            lines = [line async for line in response.aiter_lines()]
+        for event in iter_sse_data(lines):
+            usage = event.get("usage") or usage
+            metrics = event.get("metrics") or metrics
+        return outcome(usage, metrics, _since(start))
+    except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+        print(f"  {url}{path}: {exc!r}", file=sys.stderr)
+        return None
+
+
+def _since(start: float) -> float:
+    return time.perf_counter() - start
+
+
+async def run_round(
+    client: httpx.AsyncClient, url: str, requests: Sequence[Request], c: int, stream: bool
+) -> tuple[list[Outcome | None], float]:
+    """Closed loop: `c` requests in flight until every request has been served."""
+    results: list[Outcome | None] = [None] * len(requests)
+    queue = list(range(len(requests)))[::-1]
+
+    async def user() -> None:
+        while queue:
+            i = queue.pop()
+            results[i] = await one_request(client, url, requests[i], stream)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(user() for _ in range(c)))
+    return results, time.perf_counter() - start
+
+
+# ---- cells ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One (worker, streaming, concurrency), summed over its rounds."""
+
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    errors: int = 0
+    rounds_tokens_per_second: list[float] = field(default_factory=list)
+    acceptance_lengths: list[float] = field(default_factory=list)
+    spec_steps: int = 0
+    plain_steps: int = 0
+
+    def add_round(self, results: Sequence[Outcome | None], seconds: float) -> None:
+        done = [r for r in results if r is not None]
+        tokens = sum(r.tokens for r in done)
+        self.tokens += tokens
+        self.elapsed_s += seconds
+        self.errors += len(results) - len(done)
+        self.rounds_tokens_per_second.append(tokens / seconds if seconds > 0 else 0.0)
+        for r in done:
+            if r.acceptance_length is not None:
+                self.acceptance_lengths.append(r.acceptance_length)
+            self.spec_steps += r.spec_steps
+            self.plain_steps += r.plain_steps
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+Key = tuple[str, bool, int]  # (worker mode, streaming, concurrency)
+
+
+def result_rows(cells: dict[Key, Cell], streams: Sequence[bool], cs: Sequence[int]) -> list[Any]:
+    rows = []
+    for stream in streams:
+        for c in cs:
+            fast, plain = cells[("dflash", stream, c)], cells[("plain", stream, c)]
+            paired = zip(fast.rounds_tokens_per_second, plain.rounds_tokens_per_second, strict=True)
+            per_round = [f / p for f, p in paired if p > 0]
+            steps = fast.spec_steps + fast.plain_steps
+            rows.append(
+                {
+                    "stream": stream,
+                    "concurrency": c,
+                    "dflash_tokens_per_second": fast.tokens_per_second,
+                    "plain_tokens_per_second": plain.tokens_per_second,
+                    "ratio": fast.tokens_per_second / plain.tokens_per_second
+                    if plain.tokens_per_second > 0
+                    else None,
+                    "ratio_per_round": per_round,
+                    "mean_acceptance_length": _mean(fast.acceptance_lengths),
+                    "plain_step_share": fast.plain_steps / steps if steps else None,
+                    "generated_tokens": {"dflash": fast.tokens, "plain": plain.tokens},
+                    "errors": fast.errors + plain.errors,
+                }
+            )
+    return rows
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (
+        f"{'stream':>6} {'c':>3} {'plain tok/s':>12} {'DFlash tok/s':>13} {'ratio':>6} "
+        f"{'rounds':>12} {'accept':>7} {'plain steps':>12} {'err':>4}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        rounds = r["ratio_per_round"]
+        span = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
+        accept = r["mean_acceptance_length"]
+        share = r["plain_step_share"]
+        lines.append(
+            f"{'yes' if r['stream'] else 'no':>6} {r['concurrency']:>3} "
+            f"{r['plain_tokens_per_second']:>12.1f} {r['dflash_tokens_per_second']:>13.1f} "
+            f"{r['ratio'] or 0.0:>6.2f} {span:>12} "
+            f"{'-' if accept is None else f'{accept:.2f}':>7} "
+            f"{'-' if share is None else f'{share:.0%}':>12} {r['errors']:>4}"
+        )
+    return "\n".join(lines)
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def worker_argv(spec: WorkerSpec, port: int, args: argparse.Namespace) -> list[str]:
+    """The worker as a user starts it: defaults but for the port, the slots and the length."""
+    argv = [sys.executable, "-m", "engine.worker.cli", "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--served-model-name", MODEL_NAME, "--max-num-seqs", str(args.max_num_seqs)]
+    argv += ["--max-model-len", str(args.max_model_len), "--seed", "0"]
+    return argv + (["--no-speculation"] if spec.mode == "plain" else [])
+
+
+async def measure(
+    workers: Sequence[RunningWorker], requests: Sequence[Request], args: argparse.Namespace
+) -> dict[Key, Cell]:
+    keys = [(w.spec.mode, s, c) for w in workers for s in args.streams for c in args.concurrency]
+    cells = {key: Cell() for key in keys}
+    limits = httpx.Limits(max_connections=max(args.concurrency) * 2)
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+        for w in workers:  # first-call allocations and batch shapes out of the timing
+            for c in args.concurrency:
+                await run_round(client, w.url, requests[:c], c, False)
+        for r in range(args.rounds):
+            for stream in args.streams:
+                for c in args.concurrency:
+                    batch = [requests[i % len(requests)] for i in range(_round_size(c, args))]
+                    for w in [*workers[r % 2 :], *workers[: r % 2]]:
+                        await settle(workers)
+                        results, seconds = await run_round(client, w.url, batch, c, stream)
+                        cell = cells[(w.spec.mode, stream, c)]
+                        cell.add_round(results, seconds)
+                        print(
+                            f"  round {r + 1}/{args.rounds} stream={stream} c={c} "
+                            f"{w.spec.mode}: {cell.rounds_tokens_per_second[-1]:.1f} tok/s",
+                            flush=True,
+                        )
+    return cells
+
+
+def _round_size(c: int, args: argparse.Namespace) -> int:
+    return int(max(args.num_requests, c * args.requests_per_slot))
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    try:
+        pair = (int(low), int(high or low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW-HIGH, got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
+    return pair
+
+
+def _streams(text: str) -> list[bool]:
+    names = {"yes": [True], "no": [False], "both": [False, True]}
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"expected yes, no or both, got {text!r}")
+    return names[text]
+
+
+DEFAULTS = {  # full run / --quick (the test's): used for every option left unset
+    "concurrency": ([1, 2, 4, 8, 16, 32], [1, 2]),
+    "rounds": (3, 1),
+    "prompt_tokens": ((32, 512), (32, 64)),
+    "new_tokens": ((64, 256), (8, 16)),
+    "num_requests": (8, 2),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-bench speedup", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    p.add_argument("--concurrency", type=int_list, default=None, help="default 1,2,4,8,16,32")
+    p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3)")
+    p.add_argument("--stream", dest="streams", type=_streams, default=[False, True],
+                   help="yes, no or both (default both)")  # fmt: skip
+    p.add_argument("--prompt-tokens", type=_range, default=None, help="default 32-512")
+    p.add_argument("--new-tokens", type=_range, default=None, help="default 64-256")
+    p.add_argument("--num-requests", type=int, default=None, help="least per round (default 8)")
+    p.add_argument("--requests-per-slot", type=int, default=2, help="round = max(n, c x this)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: largest concurrency")
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help="tiny run: 1 round, c=1,2, short")
+    p.add_argument("--threads", type=int, default=0, help="OMP threads per worker (0: default)")
+    p.add_argument("--port-base", type=int, default=0, help="ports base, base+1 (default: free)")
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--log-dir", type=Path, default=None, help="worker logs (default: temp)")
+    p.add_argument("--json", type=Path, default=Path("bench-results/speedup.json"))
+    return p
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(list(argv))
+    for name, (full, quick) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
+    for name in ("rounds", "num_requests", "requests_per_slot"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prompt_tokens[1] + args.new_tokens[1] + 64 > args.max_model_len:
+        parser.error("--max-model-len must hold the longest prompt, its answer and a template")
+    return args
+
+
+def build_report(
+    args: argparse.Namespace, requests: Sequence[Request], cells: dict[Key, Cell], load: list[float]
+) -> dict[str, Any]:
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    return {
+        "benchmark": "speedup",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "model": MODEL_NAME,
+        "config": config,
+        "workers": {m: worker_argv(WorkerSpec("embedded", m), 0, args)[1:] for m in MODES},
+        "workload": [
+            {"endpoint": r.endpoint, "prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens}
+            for r in requests
+        ],
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "load_average": load,
+        },
+        "results": result_rows(cells, args.streams, args.concurrency),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    n = max(args.num_requests, max(args.concurrency) * args.requests_per_slot)
+    requests = build_workload(n, args.prompt_tokens, args.new_tokens)
+    specs = [WorkerSpec("embedded", mode) for mode in MODES]
+    with contextlib.ExitStack() as stack:
+        log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=worker_env)
+        with launch as workers:
+            cells = asyncio.run(measure(workers, requests, args))
+    report = build_report(args, requests, cells, list(os.getloadavg()))
+    print(format_table(report))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.json}")
+    return 1 if any(row["errors"] for row in report["results"]) else 0
