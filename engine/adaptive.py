@@ -206,6 +206,9 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
 
 # The most catch-up (in plain steps at the same batch size) an exploring step may pay.
 EXPLORE_CATCH_UP = 0.25
+# Explorations from k = 0 that leave k = 0 the best double the interval to the next one,
+# up to this many times `explore_every` (drafts that are never accepted then cost little).
+EXPLORE_BACKOFF = 8
 
 
 @dataclass
@@ -215,7 +218,10 @@ class SpecPolicy:
     `observe_cost` (optional) feeds back measured step times: the calibrated cost of each
     grid k is corrected by how its observed times compare with the model, relative to
     all observations (a uniform slowdown of the machine changes no decision; a
-    calibration that was off at some k is repaired once that k has run)."""
+    calibration that was off at some k is repaired once that k has run).
+
+    `choose` runs every engine step, so the model's curve per batch size is computed once
+    and kept; only the feedback factors (one per grid k) change from step to step."""
 
     costs: CostModel
     max_k: int
@@ -225,34 +231,50 @@ class SpecPolicy:
     # when weighing whether to draft again (the caught-up context serves them all).
     catch_up_horizon: int = 16
     feedback_weight: float = 0.1  # EWMA weight of one observed step time
-    _steps: int = 0
+    _steps: int = 0  # since the last exploration
+    _interval: int = 0  # steps between explorations (explore_every, backed off)
     _overall: float | None = None  # EWMA of log(observed / model), all steps
     _per_k: dict[int, float] = field(default_factory=dict)  # same, per grid k
+    _base: dict[int, list[float]] = field(default_factory=dict)  # model curve per batch size
+    _nearest: list[int] = field(default_factory=list)  # nearest grid k of each k
 
     def cost(self, batch_size: int, k: int) -> float:
         """Model seconds with the feedback correction (relative, per nearest grid k)."""
         return self.curve(batch_size)[k]
 
+    def _model_curve(self, batch_size: int) -> list[float]:
+        base = self._base.get(batch_size)
+        if base is None:
+            base = self._base[batch_size] = self.costs.curve(batch_size, self.max_k)
+        return base
+
     def curve(self, batch_size: int) -> list[float]:
         """cost(batch_size, k) for k = 0..max_k, feedback included."""
-        base = self.costs.curve(batch_size, self.max_k)
+        base = self._model_curve(batch_size)
         if self._overall is None or not self._per_k:
             return base
         factor = {g: math.exp(v - self._overall) for g, v in self._per_k.items()}
-        return [c * factor.get(self._nearest(k), 1.0) for k, c in enumerate(base)]
+        nearest = self._nearest_grid()
+        return [c * factor.get(nearest[k], 1.0) for k, c in enumerate(base)]
 
     def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
         if seconds <= 0:
             return
-        ratio = math.log(seconds / self.costs.cost(batch_size, k))
+        ratio = math.log(seconds / self._model_curve(batch_size)[k])
         w = self.feedback_weight
         self._overall = ratio if self._overall is None else (1 - w) * self._overall + w * ratio
-        grid = self._nearest(k)
+        grid = self._nearest_grid()[k]
         old = self._per_k.get(grid)
         self._per_k[grid] = ratio if old is None else (1 - w) * old + w * ratio
 
-    def _nearest(self, k: int) -> int:
-        return min(self.costs.num_drafts, key=lambda g: (abs(g - k), g))
+    def _nearest_grid(self) -> list[int]:
+        """The grid k nearest to each k = 0..max_k (ties: the smaller)."""
+        if not self._nearest:
+            grid = self.costs.num_drafts
+            self._nearest = [
+                min(grid, key=lambda g: (abs(g - k), g)) for k in range(self.max_k + 1)
+            ]
+        return self._nearest
 
     def best(self, batch_size: int, rates: Sequence[float], extra: float = 0.0) -> int:
         """argmax_k tokens per second at this batch size (ties: the smaller k); `extra`:
@@ -276,12 +298,17 @@ class SpecPolicy:
             return self.max_k
         catch_up = pending * self.costs.catch_up_per_position
         k = self.best(batch_size, stats.rates(), catch_up / max(1, self.catch_up_horizon))
+        if k > 0 or not self._interval:
+            self._interval = self.explore_every  # drafting pays again: explore as usual
         self._steps += 1
-        if self.explore_every and self._steps % self.explore_every == 0:
-            cheap = catch_up <= EXPLORE_CATCH_UP * self.curve(batch_size)[0]
-            if k > 0 or cheap:
-                k = min(self.max_k, k + max(2, k // 2))
-        return k
+        if not self.explore_every or self._steps < self._interval:
+            return k
+        if k == 0 and catch_up > EXPLORE_CATCH_UP * self.curve(batch_size)[0]:
+            return k  # too dear to look now: at the next step, perhaps
+        self._steps = 0
+        if k == 0:
+            self._interval = min(2 * self._interval, EXPLORE_BACKOFF * self.explore_every)
+        return min(self.max_k, k + max(2, k // 2))
 
 
 def conditional_rates(accepted_per_pos: Sequence[float], num_drafts: float) -> list[float]:

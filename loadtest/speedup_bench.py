@@ -11,10 +11,11 @@ to round, each round waiting until both workers are quiet), so a change in the m
 weighs on both alike. Every round sends, at each concurrency (closed loop), the same requests
 to each worker: prompts cut from held-out code (never trained on) to 32..512 tokens, 64..256
 new tokens each (`ignore_eos`, so both workers generate exactly as many), chat and completions
-alternating, greedy; once streamed and once not. Reported per (streaming, concurrency): each
-worker's generated tokens/s (completion tokens from `usage` over the rounds' wall time), the
-ratio DFlash / plain over all rounds and its range over single rounds, DFlash's mean acceptance
-length and the share of its steps that verified no draft. Prints a table and writes JSON.
+alternating, greedy (or `--temperature`); once streamed and once not. Reported per (streaming,
+concurrency): each worker's generated tokens/s (completion tokens from `usage` over the rounds'
+wall time), the ratio DFlash / plain over all rounds and its range over single rounds, DFlash's
+mean acceptance length and the share of its steps that verified no draft. Prints a table and
+writes JSON.
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ def build_workload(
     return requests
 
 
-def request_body(req: Request, stream: bool) -> dict[str, Any]:
+def request_body(req: Request, stream: bool, temperature: float = 0.0) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL_NAME,
         "max_tokens": req.max_tokens,
-        "temperature": 0.0,
+        "temperature": temperature,
         "ignore_eos": True,
         "stream": stream,
     }
@@ -142,20 +143,21 @@ def outcome(usage: dict[str, Any], metrics: dict[str, Any], latency_s: float) ->
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, req: Request, stream: bool
+    client: httpx.AsyncClient, url: str, req: Request, stream: bool, temperature: float
 ) -> Outcome | None:
     path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
+    body = request_body(req, stream, temperature)
     start = time.perf_counter()
     try:
         if not stream:
-            response = await client.post(url + path, json=request_body(req, False))
+            response = await client.post(url + path, json=body)
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
             body = response.json()
             return outcome(body.get("usage") or {}, body.get("metrics") or {}, _since(start))
         usage: dict[str, Any] = {}
         metrics: dict[str, Any] = {}
-        async with client.stream("POST", url + path, json=request_body(req, True)) as response:
+        async with client.stream("POST", url + path, json=body) as response:
             if response.status_code != 200:
                 raise RuntimeError(f"HTTP {response.status_code}")
             lines = [line async for line in response.aiter_lines()]
@@ -173,7 +175,12 @@ def _since(start: float) -> float:
 
 
 async def run_round(
-    client: httpx.AsyncClient, url: str, requests: Sequence[Request], c: int, stream: bool
+    client: httpx.AsyncClient,
+    url: str,
+    requests: Sequence[Request],
+    c: int,
+    stream: bool,
+    temperature: float = 0.0,
 ) -> tuple[list[Outcome | None], float]:
     """Closed loop: `c` requests in flight until every request has been served."""
     results: list[Outcome | None] = [None] * len(requests)
@@ -182,7 +189,7 @@ async def run_round(
     async def user() -> None:
         while queue:
             i = queue.pop()
-            results[i] = await one_request(client, url, requests[i], stream)
+            results[i] = await one_request(client, url, requests[i], stream, temperature)
 
     start = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(c)))
@@ -297,14 +304,16 @@ async def measure(
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         for w in workers:  # first-call allocations and batch shapes out of the timing
             for c in args.concurrency:
-                await run_round(client, w.url, requests[:c], c, False)
+                await run_round(client, w.url, requests[:c], c, False, args.temperature)
         for r in range(args.rounds):
             for stream in args.streams:
                 for c in args.concurrency:
                     batch = [requests[i % len(requests)] for i in range(_round_size(c, args))]
                     for w in [*workers[r % 2 :], *workers[: r % 2]]:
                         await settle(workers)
-                        results, seconds = await run_round(client, w.url, batch, c, stream)
+                        results, seconds = await run_round(
+                            client, w.url, batch, c, stream, args.temperature
+                        )
                         cell = cells[(w.spec.mode, stream, c)]
                         cell.add_round(results, seconds)
                         print(
@@ -358,6 +367,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=_range, default=None, help="default 64-256")
     p.add_argument("--num-requests", type=int, default=None, help="least per round (default 8)")
     p.add_argument("--requests-per-slot", type=int, default=2, help="round = max(n, c x this)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="of every request (default 0, greedy; 1.0: drafts are rarely accepted)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: largest concurrency")
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--quick", action="store_true", help="tiny run: 1 round, c=1,2, short")

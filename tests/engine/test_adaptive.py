@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.adaptive import (
+    EXPLORE_BACKOFF,
     AcceptanceStats,
     CostModel,
     SpecPolicy,
@@ -126,10 +127,17 @@ def test_policy_choice_maximises_tokens_per_second() -> None:
 
 
 def test_exploration_verifies_a_few_more_drafts_now_and_then() -> None:
-    stats = AcceptanceStats(max_k=15, prior_rate=0.05, prior_weight=1e9)
+    """Every `explore_every` steps while drafting pays; from plain, at doubling intervals
+    (up to EXPLORE_BACKOFF times) while the looks find drafting still not worth it."""
+    rare = AcceptanceStats(max_k=15, prior_rate=0.05, prior_weight=1e9)
     policy = SpecPolicy(_linear_costs(), 15, explore_every=4)
-    ks = [policy.choose(1, stats) for _ in range(8)]
-    assert ks == [0, 0, 0, 2, 0, 0, 0, 2]
+    ks = [policy.choose(1, rare) for _ in range(4 + 8 + 16 + 32 + 32)]
+    looks = [i + 1 for i, k in enumerate(ks) if k]
+    assert looks == [4, 12, 28, 60, 92] and set(ks) == {0, 2}
+    assert EXPLORE_BACKOFF * 4 == 92 - 60
+    often = AcceptanceStats(max_k=15, prior_rate=0.6, prior_weight=1e9)
+    steady = SpecPolicy(_linear_costs(per_token=0.01), 15, explore_every=4)
+    assert [steady.choose(1, often) for _ in range(8)] == [7, 7, 7, 10, 7, 7, 7, 10]
 
 
 def test_context_put_off_by_plain_steps_is_weighed_before_drafting_again() -> None:
@@ -144,8 +152,8 @@ def test_context_put_off_by_plain_steps_is_weighed_before_drafting_again() -> No
     # exploring from plain: only when the catch-up costs little next to a plain step
     low = AcceptanceStats(max_k=15, prior_rate=0.01, prior_weight=1e9)
     explorer = SpecPolicy(costs, 15, explore_every=2)
-    assert [explorer.choose(1, low, pending=10) for _ in range(4)] == [0, 2, 0, 2]
     assert [explorer.choose(1, low, pending=10_000) for _ in range(4)] == [0, 0, 0, 0]
+    assert [explorer.choose(1, low, pending=10) for _ in range(2)] == [2, 0]
 
 
 def test_vllm_table_shrinks_k_as_the_batch_grows() -> None:
