@@ -212,13 +212,39 @@ EXPLORE_BACKOFF = 8
 
 
 @dataclass
+class CostFeedback:
+    """Observed over modelled step seconds at one grid batch size: EWMAs of the log ratio,
+    over every k and per grid k."""
+
+    overall: float | None = None
+    per_k: dict[int, float] = field(default_factory=dict)
+
+    def observe(self, grid_k: int, ratio: float, weight: float) -> None:
+        old = self.overall
+        self.overall = ratio if old is None else (1 - weight) * old + weight * ratio
+        before = self.per_k.get(grid_k)
+        self.per_k[grid_k] = ratio if before is None else (1 - weight) * before + weight * ratio
+
+    def factors(self) -> dict[int, float]:
+        """Per grid k: how much dearer than the model it ran, relative to all k."""
+        if self.overall is None:
+            return {}
+        return {g: math.exp(v - self.overall) for g, v in self.per_k.items()}
+
+
+@dataclass
 class SpecPolicy:
     """Picks k per step; `mode="fixed"` always verifies max_k (the old behaviour).
 
-    `observe_cost` (optional) feeds back measured step times: the calibrated cost of each
-    grid k is corrected by how its observed times compare with the model, relative to
-    all observations (a uniform slowdown of the machine changes no decision; a
-    calibration that was off at some k is repaired once that k has run).
+    `observe_cost` (optional) feeds back measured step times: at each grid batch size, the
+    calibrated cost of each grid k is corrected by how its observed times compare with the
+    model, relative to all observations at that batch size (a uniform slowdown of the
+    machine changes no decision; a calibration that was off at some cell, e.g. because live
+    contexts are longer than the calibration's, is repaired once that cell has run).
+
+    Drafting is chosen only when the model expects more than `margin` over plain decoding's
+    tokens/s: near break-even (a busy server) the model's error of a few percent would
+    otherwise decide, and plain decoding is the side that cannot lose.
 
     `choose` runs every engine step, so the model's curve per batch size is computed once
     and kept; only the feedback factors (one per grid k) change from step to step."""
@@ -231,16 +257,23 @@ class SpecPolicy:
     # when weighing whether to draft again (the caught-up context serves them all).
     catch_up_horizon: int = 16
     feedback_weight: float = 0.1  # EWMA weight of one observed step time
+    margin: float = 0.03
     _steps: int = 0  # since the last exploration
     _interval: int = 0  # steps between explorations (explore_every, backed off)
-    _overall: float | None = None  # EWMA of log(observed / model), all steps
-    _per_k: dict[int, float] = field(default_factory=dict)  # same, per grid k
+    _feedback: dict[int, CostFeedback] = field(default_factory=dict)  # per grid batch size
     _base: dict[int, list[float]] = field(default_factory=dict)  # model curve per batch size
     _nearest: list[int] = field(default_factory=list)  # nearest grid k of each k
 
     def cost(self, batch_size: int, k: int) -> float:
-        """Model seconds with the feedback correction (relative, per nearest grid k)."""
+        """Model seconds with the feedback correction (relative, per nearest grid cell)."""
         return self.curve(batch_size)[k]
+
+    def _feedback_at(self, batch_size: int) -> CostFeedback:
+        grid = min(self.costs.batch_sizes, key=lambda b: (abs(b - batch_size), b))
+        feedback = self._feedback.get(grid)
+        if feedback is None:
+            feedback = self._feedback[grid] = CostFeedback()
+        return feedback
 
     def _model_curve(self, batch_size: int) -> list[float]:
         base = self._base.get(batch_size)
@@ -251,9 +284,9 @@ class SpecPolicy:
     def curve(self, batch_size: int) -> list[float]:
         """cost(batch_size, k) for k = 0..max_k, feedback included."""
         base = self._model_curve(batch_size)
-        if self._overall is None or not self._per_k:
+        factor = self._feedback_at(batch_size).factors()
+        if not factor:
             return base
-        factor = {g: math.exp(v - self._overall) for g, v in self._per_k.items()}
         nearest = self._nearest_grid()
         return [c * factor.get(nearest[k], 1.0) for k, c in enumerate(base)]
 
@@ -261,11 +294,8 @@ class SpecPolicy:
         if seconds <= 0:
             return
         ratio = math.log(seconds / self._model_curve(batch_size)[k])
-        w = self.feedback_weight
-        self._overall = ratio if self._overall is None else (1 - w) * self._overall + w * ratio
-        grid = self._nearest_grid()[k]
-        old = self._per_k.get(grid)
-        self._per_k[grid] = ratio if old is None else (1 - w) * old + w * ratio
+        grid_k = self._nearest_grid()[k]
+        self._feedback_at(batch_size).observe(grid_k, ratio, self.feedback_weight)
 
     def _nearest_grid(self) -> list[int]:
         """The grid k nearest to each k = 0..max_k (ties: the smaller)."""
@@ -277,16 +307,17 @@ class SpecPolicy:
         return self._nearest
 
     def best(self, batch_size: int, rates: Sequence[float], extra: float = 0.0) -> int:
-        """argmax_k tokens per second at this batch size (ties: the smaller k); `extra`:
-        seconds added to every drafting step (k > 0)."""
+        """argmax_k tokens per second at this batch size (ties: the smaller k), drafting
+        (k > 0) only when it beats plain by more than `margin`; `extra`: seconds added to
+        every drafting step."""
         costs = self.curve(batch_size)
-        tokens, survive, scores = 1.0, 1.0, []
-        for k in range(self.max_k + 1):
-            if k:
-                survive *= rates[k - 1]
-                tokens += survive
-            scores.append(tokens / (costs[k] + (extra if k else 0.0)))
-        return max(range(len(scores)), key=lambda k: (scores[k], -k))
+        tokens, survive, scores = 1.0, 1.0, [1.0 / costs[0]]
+        for k in range(1, self.max_k + 1):
+            survive *= rates[k - 1]
+            tokens += survive
+            scores.append(tokens / (costs[k] + extra))
+        k = max(range(len(scores)), key=lambda j: (scores[j], -j))
+        return k if scores[k] > (1.0 + self.margin) * scores[0] else 0
 
     def choose(self, batch_size: int, stats: AcceptanceStats, pending: int = 0) -> int:
         """k for the next step of `batch_size` rows; `pending`: positions of drafter

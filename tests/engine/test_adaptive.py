@@ -119,11 +119,37 @@ def test_policy_speculates_when_cheap_and_stops_when_verification_is_costly() ->
 def test_policy_choice_maximises_tokens_per_second() -> None:
     costs = _linear_costs(per_token=0.05)
     stats = AcceptanceStats(max_k=15, prior_rate=0.7, prior_weight=1e9)
-    policy = SpecPolicy(costs, 15, explore_every=0)
+    policy = SpecPolicy(costs, 15, explore_every=0, margin=0.0)
     for b in (1, 4, 16):
         k = policy.choose(b, stats)
         best = max(expected_tokens(stats.rates(), j) / costs.cost(b, j) for j in range(16))
         assert expected_tokens(stats.rates(), k) / costs.cost(b, k) == pytest.approx(best)
+
+
+def test_drafting_must_beat_plain_by_the_margin() -> None:
+    """Near break-even the model's error would decide: plain decoding wins ties and
+    anything within `margin` of them."""
+    costs = _linear_costs(per_token=0.05)
+    picks = []
+    for rate in (0.05, 0.06, 0.07, 0.08, 0.1, 0.15, 0.2):
+        stats = AcceptanceStats(max_k=15, prior_rate=rate, prior_weight=1e9)
+        exact = SpecPolicy(costs, 15, explore_every=0, margin=0.0).choose(1, stats)
+        gain = expected_tokens(stats.rates(), exact) * costs.cost(1, 0) / costs.cost(1, exact)
+        careful = SpecPolicy(costs, 15, explore_every=0).choose(1, stats)
+        assert careful == (exact if gain > 1.03 else 0), (rate, gain)
+        picks.append((exact, careful))
+    assert (1, 0) in picks and (1, 1) in picks  # both sides of the margin were seen
+
+
+def test_cost_feedback_is_kept_per_batch_size() -> None:
+    """Steps of 32 rows over long contexts running dear at k = 15 say nothing of 1 row."""
+    stats = AcceptanceStats(max_k=15, prior_rate=0.95, prior_weight=1e9)
+    policy = SpecPolicy(_linear_costs(per_token=0.005), 15, explore_every=0)
+    for _ in range(30):
+        policy.observe_cost(16, 15, 10.0 * policy.costs.cost(16, 15))
+        policy.observe_cost(16, 0, policy.costs.cost(16, 0))
+    assert policy.cost(16, 15) > 2.0 * policy.costs.cost(16, 15)
+    assert policy.cost(1, 15) == policy.costs.cost(1, 15) and policy.choose(1, stats) == 15
 
 
 def test_exploration_verifies_a_few_more_drafts_now_and_then() -> None:
