@@ -6,13 +6,20 @@ Three small parts:
   grid points (linear in b and in the width; extrapolated linearly beyond the grid).
 - `AcceptanceStats`: live per-position acceptance. Position j (1-based) is *tried* in a
   row-step that verified k >= j drafts and accepted the first j - 1; it is *accepted*
-  when the first j were. Counts decay exponentially (recent traffic weighs most) and
-  start from an optimistic prior, so unexplored positions look worth trying.
-- `SpecPolicy.choose(batch_size, stats)`: the k in [0, max_k] maximising expected tokens
-  per second, b * E[tokens per row | k] / cost(b, k), where
+  when the first j were. Counts decay exponentially with drafting steps (recent traffic
+  weighs most; plain steps tell nothing and age nothing) and start from an optimistic
+  prior, so unexplored positions look worth trying.
+- `SpecPolicy.choose(batch_size, stats, pending)`: the k in [0, max_k] maximising expected
+  tokens per second, b * E[tokens per row | k] / cost(b, k), where
   E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} a_i (a_i = acceptance of position i given
-  the ones before). k = 0 is plain decoding. Every `explore_every` steps it verifies a
-  few more drafts than the optimum so the estimates of the next positions stay fresh.
+  the ones before). k = 0 is plain decoding, and wins unless drafting beats it by
+  `margin` (3%). A drafting step after plain ones first catches up the drafter context
+  they put off (`pending` positions, at the calibrated cost per position, spread over
+  `catch_up_horizon` steps). Every `explore_every` steps it verifies a few more drafts
+  than the optimum so the estimates of the next positions stay fresh; from plain, only
+  when the catch-up is cheap, and at doubling intervals while the looks find nothing.
+  A busy server that went plain therefore stays plain until its batch shrinks (the
+  frozen estimates then decide), not until a look proves drafting pays again.
 
 `speculative_tokens_per_batch_size` derives vLLM's static batch-size -> k table from the
 same model: for each batch size, the k `choose` would pick at the given acceptance rates.
@@ -357,8 +364,9 @@ def speculative_tokens_per_batch_size(
 ) -> dict[int, int]:
     """vLLM's static table (batch size -> num_speculative_tokens): at each batch size the
     k that maximises expected tokens per second under `costs` at acceptance `rates`
-    (per position, conditional). Consecutive equal entries are kept: vLLM looks the
-    running batch size up in the table (the largest key not above it)."""
+    (per position, conditional), 0 unless it beats plain decoding by the policy's margin.
+    Consecutive equal entries are kept: vLLM looks the running batch size up in the table
+    (the largest key not above it)."""
     policy = SpecPolicy(costs, max_k, explore_every=0)
     return {b: policy.best(b, rates) for b in sorted(set(batch_sizes))}
 

@@ -27,6 +27,7 @@ from engine.speculative import (
     prefill,
     release,
     spec_step,
+    synchronize,
 )
 
 GREEDY = RowSampling(temperature=0.0)
@@ -80,8 +81,10 @@ def _catch_up_seconds(state: SpecState, rows: list[DecodeRow], passes: int) -> f
     for _ in range(max(1, passes)):
         for row in rows:
             drafter_cache.set_length(row.slot, 0)
+        synchronize(state)
         start = time.perf_counter()
         catch_up(state, rows)
+        synchronize(state)
         fastest = min(fastest, time.perf_counter() - start)
     return fastest
 

@@ -30,6 +30,7 @@ from engine.speculative import (
     prefill,
     release,
     spec_step,
+    synchronize,
 )
 
 
@@ -115,6 +116,7 @@ class ModelRunner:
             k = self.policy.choose(len(rows), self.acceptance, pending)
         if k > 0:
             catch_up(self._state, rows)
+            synchronize(self._state)  # its kernels are not this step's cost
         start = time.perf_counter()
         results = spec_step(self._state, rows, sampling, num_draft=k)
         self.policy.observe_cost(len(rows), k, time.perf_counter() - start)

@@ -12,8 +12,9 @@ A step over rows (one running request each, in its own cache slot):
    Since the drafts are deterministic this keeps the output distribution exactly the
    target's. Rows that asked for log-probabilities get the target's at each committed
    token (logprobs.py).
-4. Commit: the target hidden states of the committed block positions become drafter
-   context (K/V in its cache); rollback: both caches' slot lengths are set back.
+4. Commit: after a drafting step, the target hidden states of the committed block
+   positions become drafter context (K/V in its cache); rollback: both caches' slot
+   lengths are set back.
 block_size 1 (or no drafter) runs the same code as plain decoding.
 
 Drafter context is work only speculation needs, so prefill and plain steps (k = 0) do not
@@ -60,6 +61,7 @@ __all__ = [
     "release",
     "row_probabilities",
     "spec_step",
+    "synchronize",
 ]
 
 
@@ -221,6 +223,13 @@ def _keep_pending(state: SpecState, index: CacheIndex, hidden: Tensor | None) ->
     """Store the target's features at the drafter's layers for a later `catch_up`."""
     if state.caches.pending is not None and hidden is not None:
         state.caches.pending.write_at(index, hidden)
+
+
+def synchronize(state: SpecState) -> None:
+    """Wait for the device's queued work (a step's timing must not absorb the previous
+    call's kernels; nothing to wait for on a CPU)."""
+    if state.device.type == "cuda":
+        torch.cuda.synchronize(state.device)
 
 
 def pending_context(state: SpecState, rows: Sequence[DecodeRow]) -> int:
