@@ -33,16 +33,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from loadtest.engine_bench import int_list
 
 REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 BACKENDS = ("embedded", "vllm")
 MODES = ("plain", "dflash")
 MODEL_NAME = "tiny-coder"
@@ -420,21 +421,33 @@ async def one_request(
     return parse_result(response.json(), latency)
 
 
-async def run_round(
-    client: httpx.AsyncClient, url: str, prompts: Sequence[str], concurrency: int, max_tokens: int
-) -> tuple[list[RequestResult | None], float]:
-    """Closed loop: `concurrency` requests in flight until every prompt has been served."""
-    results: list[RequestResult | None] = [None] * len(prompts)
-    queue = list(range(len(prompts)))[::-1]
+async def closed_loop(
+    n: int, concurrency: int, send: Callable[[int], Awaitable[T]]
+) -> tuple[list[T | None], float]:
+    """`concurrency` users each sending request i (0..n-1, in order) as soon as their last
+    one is answered, until all n are; the results by i and the wall seconds."""
+    results: list[T | None] = [None] * n
+    queue = list(range(n))[::-1]
 
     async def user() -> None:
         while queue:
             i = queue.pop()
-            results[i] = await one_request(client, url, prompts[i], max_tokens)
+            results[i] = await send(i)
 
     start = time.perf_counter()
     await asyncio.gather(*(user() for _ in range(concurrency)))
     return results, time.perf_counter() - start
+
+
+async def run_round(
+    client: httpx.AsyncClient, url: str, prompts: Sequence[str], concurrency: int, max_tokens: int
+) -> tuple[list[RequestResult | None], float]:
+    """Closed loop: `concurrency` requests in flight until every prompt has been served."""
+
+    async def send(i: int) -> RequestResult | None:
+        return await one_request(client, url, prompts[i], max_tokens)
+
+    return await closed_loop(len(prompts), concurrency, send)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from loadtest.backends_bench import (
     RunningWorker,
     WorkerSpec,
     _git_commit,
+    closed_loop,
     running_workers,
     settle,
     worker_env,
@@ -183,17 +184,11 @@ async def run_round(
     temperature: float = 0.0,
 ) -> tuple[list[Outcome | None], float]:
     """Closed loop: `c` requests in flight until every request has been served."""
-    results: list[Outcome | None] = [None] * len(requests)
-    queue = list(range(len(requests)))[::-1]
 
-    async def user() -> None:
-        while queue:
-            i = queue.pop()
-            results[i] = await one_request(client, url, requests[i], stream, temperature)
+    async def send(i: int) -> Outcome | None:
+        return await one_request(client, url, requests[i], stream, temperature)
 
-    start = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(c)))
-    return results, time.perf_counter() - start
+    return await closed_loop(len(requests), c, send)
 
 
 # ---- cells ----------------------------------------------------------------------------------
