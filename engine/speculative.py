@@ -360,14 +360,15 @@ class StepTimings:
     commit: float = 0.0  # slot lengths (commit + rollback), results
     catch_up: float = 0.0  # drafter context put off by earlier plain steps (and prefill)
 
+    PHASES = ("prepare", "draft", "verify", "accept", "context", "commit", "catch_up")
+
     def add(self, other: StepTimings) -> None:
-        for name in ("prepare", "draft", "verify", "accept", "context", "commit", "catch_up"):
+        for name in self.PHASES:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     @property
     def total(self) -> float:
-        phases = (self.prepare, self.draft, self.verify, self.accept, self.context, self.commit)
-        return sum(phases) + self.catch_up
+        return float(sum(getattr(self, name) for name in self.PHASES))
 
 
 def max_draft_tokens(state: SpecState) -> int:
