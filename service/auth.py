@@ -1,13 +1,13 @@
-"""API-key auth: `Authorization: Bearer <key>`, compared in constant time."""
+"""API-key auth: `Authorization: Bearer <key>`, looked up by digest, naming the key's tenant."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from service.tenants import KeyFileError, KeyRing, Tenant
 
 log = logging.getLogger("dflash.gateway.auth")
 
@@ -17,20 +17,20 @@ SCHEMA_PATHS = frozenset({"/openapi.json", "/docs", "/redoc", "/docs/oauth2-redi
 
 
 class ApiKeyAuth:
-    """Checks bearer tokens against the configured keys; no keys means auth is disabled."""
+    """Checks bearer tokens against the configured keys and says whose key it is (its
+    tenant); no keys means auth is disabled."""
 
-    def __init__(self, keys: list[str], *, protect_metrics: bool) -> None:
-        # Compare digests, so the comparison time depends on neither key length nor content.
-        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+    def __init__(self, keys: list[str] | KeyRing, *, protect_metrics: bool) -> None:
+        self.ring = keys if isinstance(keys, KeyRing) else KeyRing.plain(keys)
         self._protect_metrics = protect_metrics
 
-    def replace(self, keys: list[str]) -> None:
-        """Swap the key set in one assignment (requests in flight see the old or the new)."""
-        self._digests = [hashlib.sha256(key.encode()).digest() for key in keys]
+    def replace(self, ring: KeyRing) -> None:
+        """Swap the keys in one assignment (requests in flight see the old or the new)."""
+        self.ring = ring
 
     @property
     def enabled(self) -> bool:
-        return bool(self._digests)
+        return bool(self.ring.by_digest)
 
     def protects(self, path: str) -> bool:
         if not self.enabled or path in OPEN_PATHS or path in SCHEMA_PATHS:
@@ -38,33 +38,46 @@ class ApiKeyAuth:
         return self._protect_metrics or path != "/metrics"
 
     def allows_headers(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        return self.identify(headers) is not None
+
+    def identify(self, headers: Sequence[tuple[bytes, bytes]]) -> Tenant | None:
         """The one rule of gateway and worker alike: exactly one Authorization header, with
         the Bearer scheme and a known key (two headers are refused: servers and proxies
-        disagree on which one counts)."""
+        disagree on which one counts). Returns the key's tenant."""
         found = [value for name, value in headers if name.lower() == b"authorization"]
-        return len(found) == 1 and self.allows(found[0].decode("latin-1"))
+        if len(found) != 1:
+            return None
+        return self.tenant_of(found[0].decode("latin-1"))
 
     def allows(self, authorization: str | None) -> bool:
-        """True when the header carries one of the keys (every key compared, no early exit)."""
+        return self.tenant_of(authorization) is not None
+
+    def tenant_of(self, authorization: str | None) -> Tenant | None:
+        """The tenant of the key in the header, if it is one of ours. Looked up by the key's
+        SHA-256 digest: the lookup's timing depends on the digest, which a caller cannot
+        steer towards a real key's, so one lookup replaces a constant-time scan of every key."""
         if not authorization:
-            return False
+            return None
         scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        digest = hashlib.sha256(token.strip().encode()).digest()
-        matched = False
-        for known in self._digests:
-            matched |= hmac.compare_digest(digest, known)
-        return matched
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        return self.ring.lookup(token)
 
 
 class KeyFileWatcher:
     """Reloads the API keys when the key file changes, so a rotated key (a Kubernetes
-    Secret swaps its mounted files atomically) takes effect without a restart. A file that
-    cannot be read, or that would leave no key at all, keeps the keys in force."""
+    Secret swaps its mounted files atomically) or a changed limit takes effect without a
+    restart. A file that cannot be read or parsed, or that would leave no key at all, keeps
+    the keys in force and says why."""
 
-    def __init__(self, path: Path, load: Callable[[], list[str]], auth: ApiKeyAuth) -> None:
-        self._path, self._load, self._auth = path, load, auth
+    def __init__(
+        self,
+        path: Path,
+        load: Callable[[], KeyRing],
+        auth: ApiKeyAuth,
+        on_reload: Callable[[KeyRing], None] | None = None,
+    ) -> None:
+        self._path, self._load, self._auth, self._on_reload = path, load, auth, on_reload
         self._seen = self._stamp()
 
     def _stamp(self) -> tuple[int, int] | None:
@@ -81,15 +94,25 @@ class KeyFileWatcher:
             return False
         self._seen = stamp
         try:
-            keys = self._load()
+            ring = self._load()
         except (OSError, UnicodeDecodeError) as exc:
             log.warning("API keys not reloaded (%s): the previous keys stay", type(exc).__name__)
             return False
-        if not keys and self._auth.enabled:
+        except KeyFileError as exc:
+            log.warning("API keys not reloaded: %s; the previous keys stay", exc)
+            return False
+        if not ring.by_digest and self._auth.enabled:
             log.warning("API key file is empty: the previous keys stay (auth stays on)")
             return False
-        self._auth.replace(keys)
-        log.info("API keys reloaded from %s: %d key(s)", self._path, len(keys))
+        self._auth.replace(ring)
+        if self._on_reload is not None:
+            self._on_reload(ring)
+        log.info(
+            "API keys reloaded from %s: %d key(s) of %d tenant(s)",
+            self._path,
+            len(ring.by_digest),
+            len(ring.tenants),
+        )
         return True
 
     async def run(self, interval_s: float) -> None:

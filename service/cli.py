@@ -27,6 +27,7 @@ from service.http_server import guarded_protocol, listening_socket
 from service.metrics import MULTIPROC_ENV
 from service.proxy import Proxy
 from service.settings import GatewaySettings
+from service.tenants import KeyFileError
 
 log = logging.getLogger("dflash.gateway")
 
@@ -74,7 +75,26 @@ def build_parser() -> argparse.ArgumentParser:
         "(instead of --worker/--worker-dns; env: DFLASH_GATEWAY_POOLS as JSON)",
     )
     p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity"])
-    p.add_argument("--api-key-file", metavar="PATH", help="file with one API key per line")
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="API keys: one per line, or YAML naming tenants, their keys and limits",
+    )
+    p.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="redis://[:password@]host:port/db: tenants' usage shared by every gateway "
+        "process and replica (default: counted in this process)",
+    )
+    p.add_argument(
+        "--rate-limit-failure-mode",
+        choices=["open", "closed"],
+        help="when the store does not answer: serve without limits (open, default) or 503",
+    )
+    p.add_argument("--rate-limit-deadline-s", type=float, help="store deadline (default 0.1)")
+    p.add_argument(
+        "--rate-limit-window-s", type=float, help="length of a 'per minute' window (default 60)"
+    )
     p.add_argument("--metrics-auth", action="store_true", help="require the API key on /metrics")
     p.add_argument(
         "--metrics-worker-label",
@@ -206,6 +226,23 @@ def configure_logging(level: str) -> None:
 CHILD_ENV = "DFLASH_GATEWAY_CHILD_INDEX"  # set by the supervisor for its processes
 
 
+def key_file_problem(settings: GatewaySettings) -> str | None:
+    """Why the keys cannot be served: a key file that does not parse (at startup there is no
+    previous one to keep), or tenants' limits over several processes with no shared store."""
+    try:
+        ring = settings.load_key_ring()
+    except OSError as exc:
+        return f"cannot read the API key file: {exc.strerror}"
+    except KeyFileError as exc:
+        return f"API key file {settings.api_key_file}: {exc}"
+    if ring.tenancy and settings.processes > 1 and settings.redis_url is None:
+        return (
+            "tenants' limits with --processes > 1 need a store the processes share: "
+            "set DFLASH_GATEWAY_REDIS_URL (each process would otherwise count alone)"
+        )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -218,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             "dflash-gateway: give --worker URL (repeatable), --worker-dns NAME:PORT or --pools",
             file=sys.stderr,
         )
+        return 2
+    refusal = key_file_problem(settings)
+    if refusal is not None:
+        print(f"dflash-gateway: {refusal}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
     if settings.processes > 1 and os.environ.get(CHILD_ENV) is None:

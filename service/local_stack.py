@@ -28,7 +28,7 @@ import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from service.cli import GatewayServer, configure_logging, describe_invalid
+from service.cli import GatewayServer, configure_logging, describe_invalid, key_file_problem
 from service.http import run_servers
 from service.settings import POOL_NAME, GatewaySettings, PoolSpec, check_pools
 
@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY",
         help="require this bearer key on the gateway's /v1/* (repeat for several; default: "
         "no key, or DFLASH_GATEWAY_API_KEYS)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="the gateway's key file: one key per line, or tenants with their keys and limits "
+        "(YAML; see the README's Tenants section)",
     )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -313,6 +319,7 @@ def gateway_settings(
     log_level: str,
     worker_env: Mapping[str, str],
     api_keys: Sequence[str] = (),
+    api_key_file: str | None = None,
 ) -> GatewaySettings:
     """The gateway over `gateway.pools`, whose workers are `urls[pool name]`."""
     pools = [
@@ -324,6 +331,8 @@ def gateway_settings(
     fixed.update(log_level=log_level, drain_timeout_s=10)
     if api_keys:
         fixed["api_keys"] = list(api_keys)
+    if api_key_file is not None:
+        fixed["api_key_file"] = api_key_file
     keep_alive = worker_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "")
     if "DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S" not in os.environ and keep_alive.isdigit():
         # (a malformed value is the workers' to report: they refuse to start)
@@ -355,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"dflash-serve: {exc}", file=sys.stderr)
         return 2
+    if args.api_key_file is not None:  # before minutes of worker start-up, not after
+        keys = GatewaySettings(api_key_file=args.api_key_file, api_keys=args.api_key)
+        problem = key_file_problem(keys)
+        if problem is not None:
+            print(f"dflash-serve: {problem}", file=sys.stderr)
+            return 2
     configure_logging(args.log_level)
     env = worker_env()
     pools = [pool for gateway in gateways for pool in gateway.pools]
@@ -371,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
                 urls[pool.name] = [w.url for w in procs]
             wait_ready(started, args.startup_timeout)
             servers = [
-                GatewayServer(gateway_settings(g, urls, args.log_level, env, args.api_key))
+                GatewayServer(
+                    gateway_settings(g, urls, args.log_level, env, args.api_key, args.api_key_file)
+                )
                 for g in gateways
             ]
         run_servers(servers, on_started=lambda: announce(gateways))

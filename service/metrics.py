@@ -192,6 +192,7 @@ class GatewayMetrics:
             "dflash_completion_tokens", "Completion tokens", ["model", "pool"], registry=r
         )
         self._spec_series(r)
+        self._tenant_series(r)
         self.worker_healthy = Gauge(
             "dflash_worker_healthy",
             "1 when the worker takes traffic",
@@ -219,6 +220,67 @@ class GatewayMetrics:
         self.retries = Counter(
             "dflash_retries", "Attempts retried on another worker", ["model"], registry=r
         )
+
+    def _tenant_series(self, r: CollectorRegistry) -> None:
+        """Usage per tenant (names from the key file, never keys), by model."""
+        self.tenant_requests = Counter(
+            "dflash_tenant_requests",
+            "Generation requests of a tenant, by the status sent (429s included)",
+            ["tenant", "model", "status"],
+            registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "dflash_tenant_prompt_tokens",
+            "Prompt tokens of a tenant",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.tenant_completion_tokens = Counter(
+            "dflash_tenant_completion_tokens",
+            "Completion tokens of a tenant",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.tenant_rate_limited = Counter(
+            "dflash_tenant_rate_limited",
+            "Requests refused with 429, by limit: requests, tokens, quota, concurrency",
+            ["tenant", "model", "limit"],
+            registry=r,
+        )
+        self.tenant_limit = Gauge(
+            "dflash_tenant_limit",
+            "A tenant's configured limit (absent: no limit)",
+            ["tenant", "limit"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.store_errors = Counter(
+            "dflash_rate_limit_store_errors",
+            "Rate-limit store calls that failed or missed their deadline, and what the request "
+            "got (served without limits, or refused with 503)",
+            ["operation", "outcome"],
+            registry=r,
+        )
+
+    def count_tenant(self, tenant: str, model: str, status: int) -> None:
+        self.child(self.tenant_requests, tenant, model, str(status)).inc()
+
+    def count_rate_limited(self, tenant: str, model: str, limit: str) -> None:
+        self.child(self.tenant_rate_limited, tenant, model, limit).inc()
+
+    def count_store_error(self, operation: str, outcome: str) -> None:
+        self.child(self.store_errors, operation, outcome).inc()
+
+    def describe_tenants(self, limits: dict[str, dict[str, int | None]]) -> None:
+        """The configured limits (tenant -> limit name -> value); a limit removed by a
+        reload loses its series."""
+        for tenant, named in limits.items():
+            for name, value in named.items():
+                if value is None:
+                    with contextlib.suppress(KeyError):
+                        self.tenant_limit.remove(tenant, name)
+                else:
+                    self.tenant_limit.labels(tenant, name).set(value)
 
     def _spec_series(self, r: CollectorRegistry) -> None:
         self.spec_length = Histogram(
@@ -265,10 +327,16 @@ class GatewayMetrics:
         if code is not None:
             self.child(self.errors, endpoint, str(status), code).inc()
 
-    def observe_usage(self, model: str, pool: str, usage: Usage | None) -> None:
-        if usage is not None:
-            self.child(self.prompt_tokens, model, pool).inc(usage.prompt_tokens)
-            self.child(self.completion_tokens, model, pool).inc(usage.completion_tokens)
+    def observe_usage(
+        self, model: str, pool: str, usage: Usage | None, tenant: str | None = None
+    ) -> None:
+        if usage is None:
+            return
+        self.child(self.prompt_tokens, model, pool).inc(usage.prompt_tokens)
+        self.child(self.completion_tokens, model, pool).inc(usage.completion_tokens)
+        if tenant is not None:
+            self.child(self.tenant_prompt_tokens, tenant, model).inc(usage.prompt_tokens)
+            self.child(self.tenant_completion_tokens, tenant, model).inc(usage.completion_tokens)
 
     def observe_spec(self, model: str, pool: str, body: Any) -> None:
         for stats in parse_spec(body):

@@ -23,6 +23,7 @@ from service.errors import (
     WorkersBusy,
     render,
 )
+from service.limits import Headers, Ticket
 from service.metrics import NO_POOL, GatewayMetrics, code_label, parse_usage
 from service.pool import Worker, WorkerPool
 from service.settings import GatewaySettings
@@ -49,6 +50,12 @@ class ProxyCall:
     request_id: str
     single_choice: bool  # n == 1: TPOT is meaningful
     started: float  # perf_counter at arrival
+    tenant: str | None = None  # the key's tenant, when the key file names tenants
+    ticket: Ticket | None = None  # the tenant's admission: rate headers, the charge at the end
+
+    @property
+    def rate_headers(self) -> Headers:
+        return self.ticket.headers if self.ticket is not None else ()
 
 
 class UpstreamFailure(Exception):
@@ -131,16 +138,16 @@ async def send_error(send: Send, error: ApiError, call: ProxyCall, outcome: Outc
         {
             "type": "http.response.start",
             "status": response.status_code,
-            "headers": response.raw_headers,
+            "headers": [*response.raw_headers, *call.rate_headers],
         }
     )
     await send({"type": "http.response.body", "body": response.body, "more_body": False})
 
 
 def ids(call: ProxyCall, worker: Worker) -> tuple[tuple[bytes, bytes], ...]:
-    """X-Request-Id, and X-DFlash-Pool: which pool answered (a canary's answers can be told
-    apart, though they are the same tokens)."""
-    return (b"x-request-id", call.request_id.encode()), worker.pool_header
+    """X-Request-Id, X-DFlash-Pool: which pool answered (a canary's answers can be told
+    apart, though they are the same tokens), and the tenant's x-ratelimit-* headers."""
+    return (b"x-request-id", call.request_id.encode()), worker.pool_header, *call.rate_headers
 
 
 class Proxy:
@@ -272,8 +279,11 @@ class Proxy:
                 raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
         self.pool.report_success(worker)
         if parsed is not None:
-            self.metrics.observe_usage(call.label, worker.pool, parse_usage(parsed))
+            usage = parse_usage(parsed)
+            self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
             self.metrics.observe_spec(call.label, worker.pool, parsed)
+            if call.ticket is not None:  # charged before the client has the answer
+                await call.ticket.settle(usage)
         outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
         await send_body(
@@ -344,6 +354,8 @@ class Proxy:
             while True:
                 out = tap.feed(data)
                 if out:
+                    if tap.done and call.ticket is not None and not call.ticket.settled:
+                        await call.ticket.settle(parse_usage(tap.final))  # before [DONE]
                     watch.marks += 1  # odd: writing to the client, not waiting on the worker
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     watch.marks += 1
@@ -403,7 +415,7 @@ def observe_stream(metrics: GatewayMetrics, call: ProxyCall, pool: str, tap: Sse
     """A relayed stream's usage, speculation summary, TTFT and TPOT."""
     end = time.perf_counter()
     usage = parse_usage(tap.final)
-    metrics.observe_usage(call.label, pool, usage)
+    metrics.observe_usage(call.label, pool, usage, call.tenant)
     if tap.final is not None:
         metrics.observe_spec(call.label, pool, tap.final)
     first = tap.first_token_at
@@ -456,6 +468,10 @@ class ProxyResponse(Response):
             status = outcome.status if complete else CLIENT_CLOSED
             code = outcome.code if complete else None
             metrics.count_response(call.label, call.endpoint, status, code, outcome.pool)
+            if call.tenant is not None:
+                metrics.count_tenant(call.tenant, call.label, status)
+            if call.ticket is not None:
+                call.ticket.release()  # no charge reached it: give its lease back
             elapsed = time.perf_counter() - call.started
             duration = metrics.child(metrics.duration, call.label, outcome.pool, call.endpoint)
             duration.observe(elapsed)

@@ -9,6 +9,9 @@ from typing import Annotated, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.redis_client import RedisAddress
+from service.tenants import KeyRing, parse_key_file
+
 RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
 # The name of the one pool of a gateway configured with plain `workers`/`worker_dns`.
 DEFAULT_POOL = "default"
@@ -115,6 +118,16 @@ class GatewaySettings(BaseSettings):
     api_key_file: Path | None = None
     key_reload_interval_s: float = Field(default=5.0, gt=0)  # how often the key file is checked
     metrics_auth: bool = False
+    # Tenants' limits (a key file in the tenant format, service/tenants.py) are kept in a
+    # ledger: in this process by default, or in Redis (redis://[:password@]host:port/db),
+    # shared by every process and replica.
+    redis_url: str | None = Field(default=None, repr=False)
+    # When the store does not answer within rate_limit_deadline_s: serve without limits
+    # (open: logged and counted) or refuse with 503 + Retry-After (closed).
+    rate_limit_failure_mode: Literal["open", "closed"] = "open"
+    rate_limit_deadline_s: float = Field(default=0.1, gt=0)
+    # The length of the "per minute" windows (tests shorten it).
+    rate_limit_window_s: float = Field(default=60.0, gt=0)
     # The `worker` label of the metrics: "id" (w-<hash of the URL>: the same on every
     # replica, no internal address on an open /metrics) or "url" (the base URL).
     metrics_worker_label: Literal["id", "url"] = "id"
@@ -174,6 +187,13 @@ class GatewaySettings(BaseSettings):
     def _check_dns(cls, value: str | None) -> str | None:
         return dns_target(value)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            RedisAddress.parse(value)
+        return value
+
     @model_validator(mode="after")
     def _check_pools(self) -> GatewaySettings:
         plain = self.workers or self.worker_dns or "gpus_per_worker" in self.model_fields_set
@@ -205,12 +225,10 @@ class GatewaySettings(BaseSettings):
             )
         ]
 
-    def load_api_keys(self) -> list[str]:
-        """Keys from env plus the key file; empty means auth is disabled."""
+    def load_key_ring(self) -> KeyRing:
+        """Keys from env plus the key file (one per line, or the tenant format); no key
+        means auth is disabled. Raises KeyFileError naming what is wrong in the file."""
         keys = [key for key in self.api_keys if key]
-        if self.api_key_file is not None:
-            for line in self.api_key_file.read_text().splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    keys.append(line)
-        return keys
+        if self.api_key_file is None:
+            return KeyRing.plain(keys)
+        return parse_key_file(self.api_key_file.read_text(), keys)

@@ -4,6 +4,7 @@ the real `dflash-gateway` parses into its settings object."""
 from __future__ import annotations
 
 import base64
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 from service.cli import settings_from_args
 from service.settings import GatewaySettings
 from tests.deploy.chart import find, render
+from tests.fixtures.keys import keys_of
 
 
 def secret_value(docs: list[dict[str, Any]], ref: dict[str, str]) -> str:
@@ -28,8 +30,14 @@ def gateway_settings(
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     c = find(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
-    for var in c.get("env", []):  # from the Secret, as the kubelet resolves it
-        monkeypatch.setenv(var["name"], secret_value(docs, var["valueFrom"]["secretKeyRef"]))
+    resolved: dict[str, str] = {}
+    for var in c.get("env", []):  # as the kubelet resolves it: Secrets, then $(NAME)s
+        if "valueFrom" in var:
+            value = secret_value(docs, var["valueFrom"]["secretKeyRef"])
+        else:
+            value = re.sub(r"\$\((\w+)\)", lambda m: resolved[m.group(1)], var["value"])
+        resolved[var["name"]] = value
+        monkeypatch.setenv(var["name"], value)
     assert c["command"] == ["dflash-gateway"]
     return settings_from_args([str(a) for a in c["args"]])
 
@@ -67,7 +75,10 @@ def test_gateway_reads_the_rendered_settings(
     secret = find(docs, "Secret", "-gateway-api-keys")["data"]["api-keys"]
     (tmp_path / "api-keys").write_bytes(base64.b64decode(secret))
     local = s.model_copy(update={"api_key_file": tmp_path / "api-keys"})
-    assert local.load_api_keys() == ["sk-one-1234", "sk-two-5678"]
+    assert keys_of(local.load_key_ring(), ["sk-one-1234", "sk-two-5678", "sk-three"]) == [
+        "sk-one-1234",
+        "sk-two-5678",
+    ]
     # A generated worker key, never one of the client keys.
     assert s.worker_api_key and s.worker_api_key.startswith("wk-dflash-")
 
@@ -75,7 +86,7 @@ def test_gateway_reads_the_rendered_settings(
 def test_auth_off_renders_no_key_file(monkeypatch: pytest.MonkeyPatch) -> None:
     docs = render(sets=("gateway.apiKeys.enabled=false", "worker.requireApiKey=false"))
     s = gateway_settings(docs, monkeypatch)
-    assert s.api_key_file is None and s.load_api_keys() == []
+    assert s.api_key_file is None and not s.load_key_ring().by_digest
     assert s.worker_api_key is None
 
 

@@ -84,7 +84,7 @@ def test_a_rotated_key_file_takes_effect_without_a_restart(tmp_path: Path) -> No
     key_file.write_text("sk-old\n")
     auth = ApiKeyAuth(["sk-old"], protect_metrics=False)
     settings = GatewaySettings(api_key_file=key_file)
-    watcher = KeyFileWatcher(key_file, settings.load_api_keys, auth)
+    watcher = KeyFileWatcher(key_file, settings.load_key_ring, auth)
     assert not watcher.check()  # unchanged
     key_file.write_text("# rotated\nsk-new\nsk-newer\n")
     assert watcher.check()

@@ -19,6 +19,7 @@ import openai
 import pytest
 import yaml
 
+from tests.fixtures.keys import keys_of
 from tests.fixtures.worker import ROOT, free_port, metric, scrape
 from tests.service.conftest import MODEL
 
@@ -124,8 +125,8 @@ def test_dflash_serve_api_key_protects_the_gateway() -> None:
     args = build_parser().parse_args(["--api-key", "k1", "--api-key", "k2"])
     pool = one_pool()
     settings = gateway_settings(pool, URLS, "info", {}, args.api_key)
-    assert settings.load_api_keys() == ["k1", "k2"]
-    assert gateway_settings(pool, URLS, "info", {}, []).load_api_keys() == []
+    assert keys_of(settings.load_key_ring(), ["k1", "k2", "k3"]) == ["k1", "k2"]
+    assert not gateway_settings(pool, URLS, "info", {}, []).load_key_ring().by_digest
 
 
 BUNDLED_DRAFTER = ROOT / "engine" / "assets" / "tiny-coder" / "dflash"

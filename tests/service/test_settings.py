@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from service.settings import GatewaySettings
+from tests.fixtures.keys import keys_of
 
 
 def test_env_lists_and_keys_from_env_and_file(
@@ -22,7 +23,8 @@ def test_env_lists_and_keys_from_env_and_file(
     monkeypatch.setenv("DFLASH_GATEWAY_API_KEY_FILE", str(keys))
     settings = GatewaySettings()
     assert settings.workers == ["http://a:1", "http://b:2"]
-    assert sorted(settings.load_api_keys()) == ["sk-env", "sk-file"]
+    ring = settings.load_key_ring()
+    assert keys_of(ring, ["sk-env", "sk-file", "sk-other"]) == ["sk-env", "sk-file"]
 
 
 def test_keys_are_not_in_the_repr(monkeypatch: pytest.MonkeyPatch) -> None:

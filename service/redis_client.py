@@ -1,0 +1,253 @@
+"""A lean Redis client for the rate-limit ledger: RESP2 over one pipelined connection.
+
+The ledger sends one script call per admission and one per settlement, from every request of
+every tenant with limits, so the client's CPU is on the request path (redis-py's asyncio client
+costs several times more per call). It speaks only what the ledger needs: AUTH, SELECT,
+EVALSHA with SCRIPT LOAD on NOSCRIPT, and plain commands for tests and tools.
+
+Every call has a deadline. A failure (refused, reset, deadline) fails the calls in flight,
+drops the connection and fails new calls at once for `retry_after_s` before the next connect
+attempt, so a Redis that is down costs nothing per request but the fallback decision.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+Reply = Any  # int | bytes | None | list[Reply] | ReplyError
+
+
+class RedisUnavailable(Exception):
+    """Redis could not answer in time (down, unreachable, slow, or failed a moment ago)."""
+
+
+class ReplyError(Exception):
+    """An error reply (`-ERR ...`): the command was wrong, not the connection."""
+
+
+@dataclass(frozen=True)
+class RedisAddress:
+    host: str
+    port: int
+    db: int
+    username: str | None
+    password: str | None
+
+    @classmethod
+    def parse(cls, url: str) -> RedisAddress:
+        """redis://[[user]:password@]host[:port][/db]"""
+        parts = urlsplit(url)
+        if parts.scheme != "redis":
+            raise ValueError(f"only redis:// URLs are supported (no TLS), got {parts.scheme!r}")
+        if not parts.hostname:
+            raise ValueError("the Redis URL names no host")
+        db = parts.path.lstrip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"the Redis URL's database must be a number, got {db!r}")
+        return cls(
+            host=parts.hostname,
+            port=parts.port or 6379,
+            db=int(db or 0),
+            username=unquote(parts.username) if parts.username else None,
+            password=unquote(parts.password) if parts.password else None,
+        )
+
+
+@dataclass(frozen=True)
+class Script:
+    source: str
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha1(self.source.encode()).hexdigest()
+
+
+def encode(args: tuple[Any, ...]) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for arg in args:
+        data = arg if isinstance(arg, bytes) else str(arg).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(out)
+
+
+class RespParser:
+    """Incremental RESP2 parser: feed bytes, take complete replies."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[Reply]:
+        self._buf += data
+        replies: list[Reply] = []
+        while True:
+            parsed = self._parse(0)
+            if parsed is None:
+                return replies
+            reply, end = parsed
+            self._buf = self._buf[end:]
+            replies.append(reply)
+
+    def _parse(self, at: int) -> tuple[Reply, int] | None:
+        line_end = self._buf.find(b"\r\n", at)
+        if line_end < 0:
+            return None
+        kind, line = self._buf[at : at + 1], self._buf[at + 1 : line_end]
+        after = line_end + 2
+        if kind == b"+":
+            return line, after
+        if kind == b"-":
+            return ReplyError(line.decode(errors="replace")), after
+        if kind == b":":
+            return int(line), after
+        if kind == b"$":
+            size = int(line)
+            if size < 0:
+                return None, after
+            if len(self._buf) < after + size + 2:
+                return None
+            return self._buf[after : after + size], after + size + 2
+        if kind == b"*":
+            count = int(line)
+            if count < 0:
+                return None, after
+            items: list[Reply] = []
+            for _ in range(count):
+                parsed = self._parse(after)
+                if parsed is None:
+                    return None
+                item, after = parsed
+                items.append(item)
+            return items, after
+        raise ValueError(f"not a RESP reply: {kind!r}")
+
+
+class RedisClient:
+    """One connection, commands pipelined: replies come back in order, so each call waits on
+    a future at the end of a queue."""
+
+    def __init__(self, url: str, *, deadline_s: float, retry_after_s: float = 1.0) -> None:
+        self.address = RedisAddress.parse(url)
+        self.deadline_s, self.retry_after_s = deadline_s, retry_after_s
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._waiting: deque[asyncio.Future[Reply]] = deque()
+        self._connecting: asyncio.Future[None] | None = None
+        self._down_until = 0.0
+        self._loaded: set[str] = set()
+
+    async def call(self, *args: Any) -> Reply:
+        """One command; raises RedisUnavailable (connection) or ReplyError (the command)."""
+        if time.monotonic() < self._down_until:
+            raise RedisUnavailable("Redis failed a moment ago")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.deadline_s
+        if self._writer is None:
+            await self._connect(deadline)
+        assert self._writer is not None
+        future: asyncio.Future[Reply] = loop.create_future()
+        self._waiting.append(future)
+        self._writer.write(encode(args))
+        timer = loop.call_at(deadline, self._expire, future)
+        try:
+            reply = await future
+        finally:
+            timer.cancel()
+        if isinstance(reply, ReplyError):
+            raise reply
+        return reply
+
+    async def evalsha(self, script: Script, keys: list[str], args: list[Any]) -> Reply:
+        """The script by its digest, loaded once per connection when Redis does not know it
+        (a restarted Redis forgets scripts: NOSCRIPT loads it again)."""
+        if script.sha not in self._loaded:
+            await self.call(b"SCRIPT", b"LOAD", script.source)
+            self._loaded.add(script.sha)
+        try:
+            return await self.call(b"EVALSHA", script.sha, len(keys), *keys, *args)
+        except ReplyError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            self._loaded.discard(script.sha)
+            await self.call(b"SCRIPT", b"LOAD", script.source)
+            self._loaded.add(script.sha)
+            return await self.call(b"EVALSHA", script.sha, len(keys), *keys, *args)
+
+    async def close(self) -> None:
+        self._drop(RedisUnavailable("client closed"))
+
+    async def _connect(self, deadline: float) -> None:
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._open())
+        connecting = self._connecting
+        try:
+            timeout = max(0.0, deadline - asyncio.get_running_loop().time())
+            await asyncio.wait_for(asyncio.shield(connecting), timeout)
+        except (OSError, TimeoutError, ReplyError, RedisUnavailable) as exc:
+            self._fail(exc)
+            raise RedisUnavailable(f"cannot connect to Redis: {exc!r}") from None
+        finally:
+            if connecting.done():
+                self._connecting = None
+
+    async def _open(self) -> None:
+        address = self.address
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        self._writer = writer
+        self._loaded.clear()
+        self._reader_task = asyncio.ensure_future(self._read(reader))
+        if address.password is not None:
+            auth = (address.username, address.password) if address.username else (address.password,)
+            await self._handshake(b"AUTH", *auth)
+        if address.db:
+            await self._handshake(b"SELECT", address.db)
+
+    async def _handshake(self, *args: Any) -> None:
+        assert self._writer is not None
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._waiting.append(future)
+        self._writer.write(encode(args))
+        reply = await future
+        if isinstance(reply, ReplyError):
+            raise reply
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        parser = RespParser()
+        try:
+            while True:
+                data = await reader.read(65536)
+                if not data:
+                    raise ConnectionResetError("Redis closed the connection")
+                for reply in parser.feed(data):
+                    future = self._waiting.popleft()
+                    if not future.done():
+                        future.set_result(reply)
+        except (OSError, ValueError, IndexError) as exc:
+            self._fail(exc)
+
+    def _expire(self, future: asyncio.Future[Reply]) -> None:
+        """The deadline passed: the connection's replies can no longer be matched to the
+        calls that are still waiting (a late reply would answer the wrong call), so it goes."""
+        if not future.done():
+            self._fail(TimeoutError(f"no reply within {self.deadline_s} s"))
+
+    def _fail(self, exc: BaseException) -> None:
+        self._down_until = time.monotonic() + self.retry_after_s
+        self._drop(RedisUnavailable(f"Redis failed: {exc!r}"))
+
+    def _drop(self, error: RedisUnavailable) -> None:
+        writer, task = self._writer, self._reader_task
+        self._writer, self._reader_task = None, None
+        waiting, self._waiting = self._waiting, deque()
+        for future in waiting:
+            if not future.done():
+                future.set_exception(error)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        if writer is not None:
+            writer.close()
