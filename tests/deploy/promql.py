@@ -37,6 +37,7 @@ GRAFANA_VARS = {
     "$job": ".*",
     "$model": ".*",
     "$worker": ".*",
+    "$tenant": ".*",
     "${datasource}": "",
 }
 

@@ -113,3 +113,33 @@ def test_helm_test_script_passes_through_the_keyed_gateway(
     monkeypatch.delenv(ref["name"])
     with running_gateway([worker.base_url], tmp_path, "--api-key-file", str(keys)) as keyless:
         assert chat(keyless, "sk-client-one-1234").status_code != 200
+
+
+def test_helm_test_script_reads_a_tenant_key_file(
+    docs: list[dict[str, Any]],
+    worker: WorkerHandle,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With gateway.apiKeys.tenants the Secret holds YAML: the test Pod takes the first
+    tenant's first key, and the gateway limits it (x-ratelimit headers)."""
+    tenants = [{"name": "search", "keys": ["sk-search-0001"], "requests_per_minute": 50}]
+    with_tenants = render(
+        sets=("gateway.replicas=1",), set_json=(f"gateway.apiKeys.tenants={json.dumps(tenants)}",)
+    )
+    monkeypatch.setenv("DFLASH_GATEWAY_WORKER_API_KEY", secret_data(docs, "worker-api-key"))
+    keys = tmp_path / "api-keys"
+    keys.write_text(secret_data(with_tenants, "api-keys"))
+    proc = helm(
+        "template", "rel", str(CHART), "-n", "llm", "--show-only",
+        "templates/tests/gateway-test-chat.yaml",
+    )  # fmt: skip
+    script = yaml.safe_load(proc.stdout)["spec"]["containers"][0]["args"][0]
+    with running_gateway([worker.base_url], tmp_path, "--api-key-file", str(keys)) as gateway:
+        env = {"URL": gateway, "MODEL": MODEL, "KEY_FILE": str(keys), "PATH": "/usr/bin:/bin"}
+        run = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert run.returncode == 0, run.stdout + run.stderr
+        answer = chat(gateway, "sk-search-0001")
+        assert answer.headers["x-ratelimit-remaining-requests"] == "48"  # the Pod's, then this

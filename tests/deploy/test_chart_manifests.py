@@ -49,6 +49,7 @@ EVERYTHING = (
     "worker.hfToken.value=hf_x",
     "gateway.ingress.enabled=true",
     "networkPolicy.enabled=true",
+    "gateway.rateLimits.redis.deploy=true",
 )
 
 
@@ -463,7 +464,7 @@ def test_every_object_carries_the_release_labels() -> None:
     for doc in rendered("default", EVERYTHING, monitoring=True):
         labels = doc["metadata"]["labels"]
         assert labels["app.kubernetes.io/instance"] == "rel"
-        assert labels["app.kubernetes.io/component"] in {"gateway", "worker", "monitoring"}
+        assert labels["app.kubernetes.io/component"] in {"gateway", "worker", "monitoring", "redis"}
         assert doc["metadata"]["name"].startswith("rel-dflash-serving")
 
 
@@ -503,7 +504,9 @@ def test_one_object_per_template_file_with_a_component_prefix() -> None:
         "worker-scaledobject.yaml",
     }
     assert sorted([*sources, *optional]) == files  # everything rendered once, nothing extra
-    assert all(f.split("/")[-1].startswith(("gateway-", "worker-", "monitoring-")) for f in files)
+    assert all(
+        f.split("/")[-1].startswith(("gateway-", "worker-", "monitoring-", "redis-")) for f in files
+    )
 
 
 def test_prometheus_gets_a_bare_key_when_metrics_need_auth() -> None:

@@ -54,6 +54,12 @@ _PLAIN = {
     "dflash_gateway_errors_total",
     "dflash_pool_weight",
     "dflash_pool_gpus_per_worker",
+    "dflash_tenant_requests_total",
+    "dflash_tenant_prompt_tokens_total",
+    "dflash_tenant_completion_tokens_total",
+    "dflash_tenant_rate_limited_total",
+    "dflash_tenant_limit",
+    "dflash_rate_limit_store_errors_total",
 }
 DESIGN_METRICS = _PLAIN | {h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 
@@ -151,7 +157,12 @@ def test_variables_for_model_and_worker() -> None:
         elif not any(
             # per-worker series, and refusals made before a model is known
             name in expr
-            for name in ("dflash_worker_healthy", "dflash_upstream_errors", "dflash_gateway_errors")
+            for name in (
+                "dflash_worker_healthy",
+                "dflash_upstream_errors",
+                "dflash_gateway_errors",
+                "dflash_rate_limit_store_errors",  # the store's, not a model's
+            )
         ):
             assert 'model=~"$model"' in expr, expr
 

@@ -62,7 +62,17 @@ MUST_HAVE_DATA = {
     "Traffic share by pool",
     "Output tokens per second by pool",
     "Output tokens per second per GPU by pool",
+    # The tenants row: traffic comes with a tenant's key; another tenant is refused once.
+    "Requests per second by tenant",
+    "Tokens per second by tenant",
+    "Rate-limited requests by tenant",
+    "Tokens per minute against the limit",
 }
+TENANTS = """
+tenants:
+  - {name: team, keys: [sk-team], requests_per_minute: 1000, tokens_per_minute: 100000}
+  - {name: batch, keys: [sk-batch], requests_per_minute: 1}
+"""
 
 
 @dataclass(frozen=True)
@@ -175,8 +185,19 @@ def stack(
                 ]
             )
         )
+        keys = workdir / "tenants.yaml"
+        keys.write_text(TENANTS)
         gateway = es.enter_context(
-            running_gateway([], workdir, "--pools", str(pools), "--health-interval-s", "300")
+            running_gateway(
+                [],
+                workdir,
+                "--pools",
+                str(pools),
+                "--health-interval-s",
+                "300",
+                "--api-key-file",
+                str(keys),
+            )
         )
         prometheus = es.enter_context(
             running_prometheus(
@@ -187,7 +208,7 @@ def stack(
                 RULES_FILE,
             )
         )
-        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-team", max_retries=0)
         traffic(client, streams=1, unary=1)  # every series exists before the measured phase
         now = time.time()
         wait_for_scrapes(prometheus, "gateway", now)
@@ -201,7 +222,14 @@ def stack(
         traffic(client, streams=4, unary=2)
         # One refusal of the gateway's own (a model nobody serves), for the errors panel.
         refused = {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]}
-        assert httpx.post(f"{gateway}/v1/chat/completions", json=refused).status_code == 404
+        team = {"Authorization": "Bearer sk-team"}
+        answer = httpx.post(f"{gateway}/v1/chat/completions", json=refused, headers=team)
+        assert answer.status_code == 404
+        # A tenant over its limit: its second request in the minute is refused.
+        batch = openai.OpenAI(base_url=f"{gateway}/v1", api_key="sk-batch", max_retries=0)
+        send(batch, stream=False)
+        with pytest.raises(openai.RateLimitError):
+            send(batch, stream=False)
         exported = exposition_names(httpx.get(f"{gateway}/metrics", timeout=10).text)
         exported |= exposition_names(httpx.get(f"{live.base_url}/metrics", timeout=10).text)
         wait_for_scrapes(prometheus, "gateway", time.time())
@@ -298,3 +326,22 @@ def test_the_readmes_pool_comparison_query_returns_both_pools(stack: Stack) -> N
     result = query(stack.prometheus, promql.replace('"tiny-coder"', f'"{MODEL}"'))
     assert {r["metric"]["pool"] for r in result} == {"baseline", "canary"}
     assert all(1.0 <= v <= 4.0 for v in finite_values(result))
+
+
+def test_tenants_show_apart(stack: Stack) -> None:
+    panels = {title: expr for title, expr in dashboard_targets(DASHBOARD_FILE)}
+    requests = query(
+        stack.prometheus, substitute_grafana_vars(panels["Requests per second by tenant"])
+    )
+    assert {r["metric"]["tenant"] for r in requests} == {"team", "batch"}
+    limited = query(
+        stack.prometheus, substitute_grafana_vars(panels["Rate-limited requests by tenant"])
+    )
+    assert {(r["metric"]["tenant"], r["metric"]["limit"]) for r in limited} == {
+        ("batch", "requests")
+    }
+    against = query(
+        stack.prometheus, substitute_grafana_vars(panels["Tokens per minute against the limit"])
+    )
+    assert {r["metric"]["tenant"] for r in against} == {"team"}  # batch has no token limit
+    assert all(0 < v < 1 for v in finite_values(against))

@@ -35,7 +35,7 @@
 {{- end -}}
 {{- /* ConfigMap keys rendered from the chart's own values: an extraSettings entry with the
 same name would be a second, conflicting key. */ -}}
-{{- $owned := dict "HOST" "the chart (0.0.0.0)" "PORT" "gateway.port" "WORKER_DNS" "the worker Service" "POOLS" "pools" "GPUS_PER_WORKER" "worker.tensorParallelSize" "ROUTING" "gateway.routingPolicy" "DNS_INTERVAL_S" "gateway.discoveryIntervalSeconds" "DRAIN_TIMEOUT_S" "gateway.drainTimeoutSeconds" "METRICS_AUTH" "gateway.metricsRequireAuth" "LOG_LEVEL" "gateway.logLevel" "PROCESSES" "gateway.processes" "REQUEST_TIMEOUT_S" "gateway.requestTimeoutSeconds" "UPSTREAM_KEEPALIVE_S" "worker.httpKeepAliveSeconds" -}}
+{{- $owned := dict "HOST" "the chart (0.0.0.0)" "PORT" "gateway.port" "WORKER_DNS" "the worker Service" "POOLS" "pools" "GPUS_PER_WORKER" "worker.tensorParallelSize" "ROUTING" "gateway.routingPolicy" "DNS_INTERVAL_S" "gateway.discoveryIntervalSeconds" "DRAIN_TIMEOUT_S" "gateway.drainTimeoutSeconds" "METRICS_AUTH" "gateway.metricsRequireAuth" "LOG_LEVEL" "gateway.logLevel" "PROCESSES" "gateway.processes" "REQUEST_TIMEOUT_S" "gateway.requestTimeoutSeconds" "UPSTREAM_KEEPALIVE_S" "worker.httpKeepAliveSeconds" "RATE_LIMIT_FAILURE_MODE" "gateway.rateLimits.failureMode" "RATE_LIMIT_DEADLINE_S" "gateway.rateLimits.deadlineSeconds" "REDIS_URL" "gateway.rateLimits.redis" -}}
 {{- if .Values.gateway.apiKeys.enabled -}}
 {{- $_ := set $owned "API_KEY_FILE" "gateway.apiKeys" -}}
 {{- end -}}
@@ -44,6 +44,20 @@ same name would be a second, conflicting key. */ -}}
 {{- if $value -}}
 {{- fail (printf "gateway.extraSettings.%s: set by the chart from %s; set that instead" $key $value) -}}
 {{- end -}}
+{{- end -}}
+{{- $g := .Values.gateway -}}
+{{- if and $g.apiKeys.tenants (not $g.apiKeys.enabled) -}}
+{{- fail "gateway.apiKeys.tenants needs gateway.apiKeys.enabled (tenants are told apart by their keys)" -}}
+{{- end -}}
+{{- if and $g.apiKeys.tenants $g.apiKeys.existingSecret -}}
+{{- fail "gateway.apiKeys.tenants is written into the Secret the chart creates: with gateway.apiKeys.existingSecret, put the tenant file in that Secret instead" -}}
+{{- end -}}
+{{- if and $g.rateLimits.redis.deploy $g.rateLimits.redis.existingSecret -}}
+{{- fail "gateway.rateLimits.redis: set deploy or existingSecret, not both" -}}
+{{- end -}}
+{{- $several := or (gt (int $g.replicas) 1) $g.autoscaling.enabled (gt (int $g.processes) 1) -}}
+{{- if and $g.apiKeys.tenants $several (not (include "dflash.redis.enabled" .)) -}}
+{{- fail "gateway.apiKeys.tenants with more than one gateway process (gateway.replicas, gateway.autoscaling or gateway.processes) need a shared store: set gateway.rateLimits.redis.deploy=true or gateway.rateLimits.redis.existingSecret (each process would count alone)" -}}
 {{- end -}}
 {{- if and (eq $w.modelCache.type "hostPath") (not $w.modelCache.hostPath) -}}
 {{- fail "worker.modelCache.hostPath is required with worker.modelCache.type=hostPath" -}}

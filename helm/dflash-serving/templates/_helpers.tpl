@@ -201,3 +201,14 @@ dflash-serving/pool: {{ $pool }}
 {{- $all := merge (deepCopy $i.annotations) $defaults -}}
 {{- if $all }}{{ toYaml $all }}{{ end -}}
 {{- end -}}
+
+{{/* The Redis the chart starts for tenants' usage (gateway.rateLimits.redis.deploy). */}}
+{{- define "dflash.redis.fullname" -}}
+{{- printf "%s-redis" (include "dflash.fullname" .) -}}
+{{- end -}}
+
+{{/* True when the gateways share a Redis for tenants' usage (started here or given). */}}
+{{- define "dflash.redis.enabled" -}}
+{{- $r := .Values.gateway.rateLimits.redis -}}
+{{- if or $r.deploy $r.existingSecret }}true{{ end -}}
+{{- end -}}
