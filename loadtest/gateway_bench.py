@@ -61,6 +61,9 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[index]
 
 
+BENCH_KEY = "sk-bench-load"
+
+
 class RawClient:
     """A minimal keep-alive HTTP/1.1 client: the load generator must cost less than the
     thing it measures (httpx would dominate the numbers on a small machine)."""
@@ -73,9 +76,11 @@ class RawClient:
         if self._conn is None:
             self._conn = await asyncio.open_connection("127.0.0.1", self.port)
         reader, writer = self._conn
+        # Every request carries a key: proxies without keys ignore it, and a gateway with keys
+        # (`--peers --limits`) is measured on the same bytes.
         head = (
             f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\n\r\n"
+            f"authorization: Bearer {BENCH_KEY}\r\ncontent-length: {len(body)}\r\n\r\n"
         ).encode()
         writer.write(head + body)
         status, headers = await self._read_head(reader)

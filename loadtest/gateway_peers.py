@@ -6,7 +6,9 @@ vllm-router (PyPI, a Rust router: `scripts/install-vllm-router.sh`), optionally 
 proxy (`--litellm`; PyPI: `scripts/install-litellm-proxy.sh`), a second gateway from
 another source tree (`--baseline-src`, e.g. a checkout of main) to compare a change, and the
 gateway configured with pools (`--pools`: routing by model, then by weight, on every
-request). A peer that is not installed is reported as missing, with why, and skipped.
+request), and with API keys, then tenants' limits counted in the process and in Redis
+(`--limits`: every limit set, none reached, so every request is checked and charged). A peer
+that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
 others (`--aux-cpus`); each round runs every phase against every proxy in turn, so that the
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.gateway_bench import (
+    BENCH_KEY,
     RawClient,
     Sample,
     aligned,
@@ -58,6 +61,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"
 ROUTER = ROOT / ".tools" / "vllm-router" / "bin" / "vllm-router"
 LITELLM = ROOT / ".tools" / "litellm-proxy" / "bin" / "litellm"
+REDIS = shutil.which("redis-server") or "/usr/bin/redis-server"
 # One model routed to the stub as an OpenAI-compatible server; request fields it does not
 # know (the stub's bench_gap_ms) pass through to it.
 LITELLM_CONF = """
@@ -101,6 +105,8 @@ class Peer:
     port: int
     process: subprocess.Popen[bytes]
     ready_path: str
+    # Processes the peer needs and that go with it (a Redis); not counted in its CPU.
+    companions: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
 
 @dataclass
@@ -182,6 +188,8 @@ def missing_peers(args: argparse.Namespace) -> dict[str, str]:
         why["vllm-router"] = f"{ROUTER} not found: run scripts/install-vllm-router.sh"
     if args.litellm and not LITELLM.is_file():
         why["litellm"] = f"{LITELLM} not found: run scripts/install-litellm-proxy.sh"
+    if args.limits and not Path(REDIS).is_file():
+        why["redis-server"] = "not found: run scripts/install-tools.sh (Debian package)"
     if not shutil.which("taskset"):
         why["pinning"] = "taskset (util-linux) not found: proxies run unpinned"
     return why
@@ -218,9 +226,11 @@ def start_gateway(
     cpus: str | None,
     src: Path = ROOT,
     pools: Path | None = None,
+    settings: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """`dflash-gateway` from source tree `src` in front of the stub, without API keys; with
-    `pools`, configured by that pools file instead of one --worker."""
+    """`dflash-gateway` from source tree `src` in front of the stub, without API keys (unless
+    `settings`, DFLASH_GATEWAY_* values, give some); with `pools`, configured by that pools
+    file instead of one --worker."""
     # The stub shares its core with the load generator: under a closed loop its /health can
     # take longer than the default 1 s, and a gateway would then mark it down (503s that
     # measure the bench, not the proxy); nginx has no active checks to trip.
@@ -236,6 +246,8 @@ def start_gateway(
         "PYTHONPATH": str(src),
     }
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
+    for name, value in (settings or {}).items():
+        env[f"DFLASH_GATEWAY_{name.upper()}"] = value
     argv = [sys.executable, "-m", "service.cli", "--port", str(port)]
     argv += ["--pools", str(pools)] if pools else ["--worker", f"http://127.0.0.1:{upstream}"]
     argv += ["--log-level", "warning", *extra]
@@ -258,6 +270,8 @@ def start_peers(
         pools.write_text(json.dumps(canary_pools(upstream)))
         process = start_gateway(port, upstream, [], args.proxy_cpu, ROOT, pools)
         peers.append(Peer("dflash-gateway (pools)", port, process, "/ready"))
+    if args.limits:
+        peers += limit_peers(args, upstream, workdir, missing)
     if "nginx" not in missing:
         port = fresh_port()
         conf = workdir / "nginx.conf"
@@ -278,6 +292,45 @@ def start_peers(
     if args.litellm and "litellm" not in missing:
         peers.append(start_litellm(args, upstream, workdir))
     return peers
+
+
+def limit_peers(
+    args: argparse.Namespace, upstream: int, workdir: Path, missing: dict[str, str]
+) -> list[Peer]:
+    """The gateway with the load's key and no limits, then with every limit of a tenant set
+    (never reached) counted in the process, then in Redis (a redis-server of its own on the
+    stub's cores)."""
+    keys = workdir / "tenants.yaml"
+    keys.write_text(json.dumps({"tenants": [{"name": "bench", "keys": [BENCH_KEY], **NO_REACH}]}))
+    variants: list[tuple[str, dict[str, str]]] = [
+        ("dflash-gateway (keys)", {"api_keys": BENCH_KEY}),
+        ("dflash-gateway (limits)", {"api_key_file": str(keys)}),
+    ]
+    if "redis-server" not in missing:
+        redis_port = fresh_port()
+        argv = [REDIS, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""]
+        argv += ["--appendonly", "no", "--dir", str(workdir)]
+        redis = subprocess.Popen(pinned(args.aux_cpus, argv), stdout=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{redis_port}/0"
+        shared = {"api_key_file": str(keys), "redis_url": url}
+        variants.append(("dflash-gateway (limits, redis)", shared))
+    peers = []
+    for name, settings in variants:
+        port = fresh_port()
+        process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings)
+        peers.append(Peer(name, port, process, "/ready"))
+    if "redis-server" not in missing:
+        peers[-1].companions.append(redis)
+    return peers
+
+
+# Limits no bench run reaches: every check runs, nothing is refused.
+NO_REACH = {
+    "requests_per_minute": 10**12,
+    "tokens_per_minute": 10**15,
+    "concurrent_requests": 10**6,
+    "tokens_per_month": 10**18,
+}
 
 
 def canary_pools(upstream: int) -> list[dict[str, Any]]:
@@ -552,6 +605,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="also the gateway with pools (two of the stub's model at 90/10, and another model)",
     )
     p.add_argument(
+        "--limits",
+        action="store_true",
+        help="also the gateway with keys, and with tenants' limits (in the process, in Redis)",
+    )
+    p.add_argument(
         "--litellm", action="store_true", help="also LiteLLM's proxy (~7 ms of CPU per request)"
     )
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway-peers.json"))
@@ -573,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             versions = peer_versions(peers)
         finally:
             for peer in peers:
-                stop(peer.process)
+                for process in (peer.process, *peer.companions):
+                    stop(process)
     print(table(rows, args))
     for name, why in missing.items():
         print(f"missing {name}: {why}")

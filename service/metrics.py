@@ -22,6 +22,13 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1)
 ACCEPT_LEN_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8, 10, 12, 16)
 RATE_BUCKETS = tuple(round(0.1 * i, 1) for i in range(1, 11))
+# (operation, outcome) of dflash_rate_limit_store_errors_total: every pair that can happen.
+STORE_OUTCOMES = (
+    ("admit", "served"),
+    ("admit", "refused"),
+    ("settle", "served"),
+    ("usage", "served"),
+)
 # The `pool` label of a response no worker was tried for (refused by the gateway itself).
 NO_POOL = "none"
 # An error code is a label value only when it looks like one of ours (they are all literals
@@ -261,6 +268,9 @@ class GatewayMetrics:
             ["operation", "outcome"],
             registry=r,
         )
+        # At zero from the start: an alert on failures needs the series before the first one.
+        for operation, outcome in STORE_OUTCOMES:
+            self.child(self.store_errors, operation, outcome)
 
     def count_tenant(self, tenant: str, model: str, status: int) -> None:
         self.child(self.tenant_requests, tenant, model, str(status)).inc()

@@ -213,3 +213,55 @@ def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -> None:
+    """The Tenants block as written: dflash-serve with the example key file, the curl that
+    shows the x-ratelimit headers, and the admin's usage read."""
+    (block,) = [b for b in code_blocks("bash") if "--api-key-file examples/" in b]
+    serve_line, headers_line, usage_line = block.strip().splitlines()
+    port = free_port()
+    serve = Path(sys.executable).parent / serve_line.split()[0]
+    argv = [str(serve), *serve_line.split()[1:], "--port", str(port), "--log-level", "warning"]
+    argv += worker_args(tiny_checkpoint)
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while "still loading" in line:
+            line = proc.stdout.readline()
+        assert f"http://127.0.0.1:{port}/v1" in line, line
+
+        def run(command: str) -> str:
+            command = command.replace(README_PORT, f"127.0.0.1:{port}")
+            done = subprocess.run(["bash", "-c", command], capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr
+            return done.stdout
+
+        headers = dict(
+            (name.strip().lower(), value.strip())
+            for name, _, value in (row.partition(":") for row in run(headers_line).splitlines())
+        )
+        assert headers["x-ratelimit-limit-requests"] == "30"
+        assert headers["x-ratelimit-remaining-requests"] == "29"
+        assert headers["x-ratelimit-limit-tokens"] == "10000"
+        assert re.fullmatch(r"(\d+m)?[\d.]+s|\d+ms", headers["x-ratelimit-reset-tokens"])
+        usage = json.loads(run(usage_line))
+        cards = {card["tenant"]: card for card in usage["data"]}
+        assert set(cards) == {"team-a", "team-b", "platform"}
+        team_a = cards["team-a"]
+        assert team_a["window"]["requests"] == 1 and team_a["month"]["requests"] == 1
+        assert team_a["window"]["tokens"] > 16  # the prompt's tokens and up to 16 generated
+        assert cards["team-b"]["limits"]["requests_per_minute"] == 60  # from defaults
+        assert cards["platform"]["limits"]["tokens_per_minute"] is None
+        no_key = httpx.get(f"http://127.0.0.1:{port}/admin/usage", timeout=10)
+        assert no_key.status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -70,6 +70,23 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
         assert row["first_burst_added_ttft_ms"]["p99"] is not None
 
 
+def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path) -> None:
+    """--limits: the same load through the gateway with the load's key, then with a tenant's
+    limits counted in the process and in a Redis the bench starts (none reached: no error)."""
+    out = tmp_path / "limits.json"
+    argv = ["gateway", "--peers", "--limits", "--duration", "0.3", "--warmup", "0.1"]
+    argv += ["--rounds", "1", "--concurrency", "4", "--events", "3", "--burst", "5"]
+    assert bench_main([*argv, "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    rows = {row["proxy"]: row for row in report["results"]}
+    limited = ("dflash-gateway (keys)", "dflash-gateway (limits)", "dflash-gateway (limits, redis)")
+    assert set(limited) <= set(rows), sorted(rows)
+    for name in limited:
+        row = rows[name]
+        assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
+        assert row["unary_cpu_us_per_request"] > 0
+
+
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
     out = tmp_path / "scaling.json"
     # 1 is measured although not asked for: the baseline of the ratios. 16 clients: the

@@ -12,6 +12,7 @@ import pytest
 
 from service.auth import ApiKeyAuth, KeyFileWatcher
 from service.settings import GatewaySettings
+from service.tenants import KeyRing
 from tests.fixtures.worker import WorkerHandle, running_worker
 from tests.service.conftest import MODEL, running_gateway, wait_until, worker_args
 
@@ -108,3 +109,24 @@ def test_the_gateway_reloads_its_key_file(worker: WorkerHandle, tmp_path: Path) 
             lambda: httpx.get(models, headers={"Authorization": "Bearer sk-two"}).status_code == 200
         )
         assert httpx.get(models, headers={"Authorization": "Bearer sk-one"}).status_code == 401
+
+
+def test_a_tenant_file_reloads_limits_and_a_broken_one_keeps_the_last_good(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    key_file = tmp_path / "keys.yaml"
+    key_file.write_text("tenants:\n  - {name: a, keys: [sk-a], requests_per_minute: 5}\n")
+    settings = GatewaySettings(api_key_file=key_file)
+    auth = ApiKeyAuth(settings.load_key_ring(), protect_metrics=False)
+    seen: list[KeyRing] = []
+    watcher = KeyFileWatcher(key_file, settings.load_key_ring, auth, on_reload=seen.append)
+    key_file.write_text("tenants:\n  - {name: a, keys: [sk-a], requests_per_minute: 9}\n")
+    assert watcher.check() and len(seen) == 1
+    tenant = auth.tenant_of("Bearer sk-a")
+    assert tenant is not None and tenant.limits.requests_per_minute == 9
+    key_file.write_text("tenants:\n  - {name: a, keys: [sk-a], requests_per_minute: -1}\n")
+    with caplog.at_level(logging.WARNING):
+        assert not watcher.check()
+    assert "tenants.'a'.requests_per_minute" in caplog.text and "previous keys stay" in caplog.text
+    tenant = auth.tenant_of("Bearer sk-a")
+    assert tenant is not None and tenant.limits.requests_per_minute == 9 and len(seen) == 1
