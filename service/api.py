@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,7 +107,7 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     tenant: Tenant | None = request.scope.get(TENANT_KEY)
     ticket = None
     if tenant is not None and endpoint in LIMITED_ENDPOINTS:
-        ticket = await state.limiter.admit(tenant, label, secrets.token_hex(8))
+        ticket = await state.limiter.admit(tenant, label)
     options = parsed.stream_options
     call = ProxyCall(
         endpoint=endpoint,

@@ -26,7 +26,7 @@ from service.tenants import Limits, Tenant
 Refusal = Literal["requests", "tokens", "quota", "concurrency"]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TenantUsage:
     """A tenant's use of the current window and month (`requests` and `tokens` of the window
     include the request just admitted)."""
@@ -40,7 +40,7 @@ class TenantUsage:
     month: str  # "2026-11": the calendar month (UTC) the month totals are for
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Verdict:
     refused: Refusal | None
     usage: TenantUsage
@@ -69,6 +69,13 @@ def seconds_to_next_month(now: float) -> float:
     year, month = time.gmtime(now)[:2]
     year, month = (year + 1, 1) if month == 12 else (year, month + 1)
     return calendar.timegm((year, month, 1, 0, 0, 0)) - now
+
+
+def month_bounds(now: float) -> tuple[str, float, float]:
+    """The calendar month (UTC) of `now`: its name, first and last second + 1."""
+    year, month = time.gmtime(now)[:2]
+    start = calendar.timegm((year, month, 1, 0, 0, 0))
+    return month_of(now), float(start), now + seconds_to_next_month(now)
 
 
 def refusal(
@@ -109,12 +116,17 @@ class MemoryLedger:
     def __init__(self, window_s: float, clock: Callable[[], float] = time.time) -> None:
         self.window_s, self.clock = window_s, clock
         self._accounts: dict[str, _Account] = {}
+        self._month = ("", 0.0, 0.0)  # the calendar month and its bounds, computed once a month
 
     def _account(self, tenant: Tenant) -> tuple[_Account, float]:
         now = self.clock()
-        account = self._accounts.setdefault(tenant.name, _Account())
+        if not self._month[1] <= now < self._month[2]:
+            self._month = month_bounds(now)
+        account = self._accounts.get(tenant.name)
+        if account is None:
+            account = self._accounts[tenant.name] = _Account()
         window = int(now // self.window_s)
-        account.roll(window, month_of(now))
+        account.roll(window, self._month[0])
         return account, (window + 1) * self.window_s - now
 
     def _usage(self, account: _Account, reset_s: float) -> TenantUsage:

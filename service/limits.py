@@ -9,8 +9,10 @@ error, and decides what happens when the ledger's store does not answer in time:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
+import secrets
 import time
 from typing import Literal
 
@@ -145,11 +147,14 @@ class RateLimiter:
     def __init__(self, ledger: Ledger, metrics: GatewayMetrics, failure_mode: FailureMode) -> None:
         self.ledger, self.metrics, self.failure_mode = ledger, metrics, failure_mode
         self._warned_at = -math.inf
+        self._lease_prefix, self._leases = secrets.token_hex(6) + "-", itertools.count()
         self._background: set[asyncio.Task[None]] = set()
 
-    async def admit(self, tenant: Tenant, model: str, lease: str) -> Ticket | None:
+    async def admit(self, tenant: Tenant, model: str) -> Ticket | None:
         """A ticket for an admitted request; raises RateLimited over a limit. None when the
         store failed and the mode is open (the request is served unlimited)."""
+        # Unique across processes and replicas: a random prefix per limiter, then a count.
+        lease = f"{self._lease_prefix}{next(self._leases)}"
         try:
             verdict = await self.ledger.admit(tenant, lease)
         except STORE_ERRORS as exc:

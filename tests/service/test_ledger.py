@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
-from service.ledger import Ledger, MemoryLedger, month_of, seconds_to_next_month
+from service.ledger import (
+    Ledger,
+    MemoryLedger,
+    month_bounds,
+    month_of,
+    seconds_to_next_month,
+)
 from service.redis_client import RedisClient
 from service.redis_ledger import RedisLedger
 from service.tenants import Limits, Tenant
@@ -149,10 +155,15 @@ def test_memory_ledger_windows_follow_its_clock() -> None:
     assert asyncio.run(ledger.admit(who, "b")).refused == "requests"
     now[0] = 180.0
     assert asyncio.run(ledger.admit(who, "c")).refused is None
+    now[0] = calendar.timegm((2026, 12, 1, 0, 0, 0))  # a new month: its totals start at zero
+    assert asyncio.run(ledger.usage(who)).month_requests == 0
 
 
 def test_calendar_months_are_utc() -> None:
     end_of_november = calendar.timegm((2026, 11, 30, 23, 59, 0))
+    name, start, end = month_bounds(end_of_november)
+    assert name == "2026-11" and end == end_of_november + 60
+    assert start == calendar.timegm((2026, 11, 1, 0, 0, 0))
     assert month_of(end_of_november) == "2026-11" and month_of(end_of_november + 60) == "2026-12"
     assert seconds_to_next_month(end_of_november) == 60
     assert seconds_to_next_month(calendar.timegm((2026, 12, 31, 0, 0, 0))) == 86400

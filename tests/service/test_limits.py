@@ -102,12 +102,12 @@ async def test_a_failed_store_serves_in_open_mode_and_refuses_in_closed_mode(
     who = Tenant("t", Limits(requests_per_minute=1))
     metrics = GatewayMetrics()
     open_limiter = RateLimiter(BrokenLedger(), metrics, "open")
-    assert await open_limiter.admit(who, "m", "l1") is None  # served without limits
-    assert await open_limiter.admit(who, "m", "l2") is None
+    assert await open_limiter.admit(who, "m") is None  # served without limits
+    assert await open_limiter.admit(who, "m") is None
     assert await open_limiter.usage(who) is None
     closed = RateLimiter(BrokenLedger(), metrics, "closed")
     with pytest.raises(Unavailable) as caught:
-        await closed.admit(who, "m", "l3")
+        await closed.admit(who, "m")
     assert caught.value.status_code == 503 and caught.value.headers["Retry-After"] == "1"
     assert caught.value.code == "rate_limit_store_unavailable"
     text = metrics.render()[0].decode()
