@@ -47,29 +47,34 @@ def duration(seconds: float) -> str:
     ms = max(0, math.ceil(seconds * 1000))
     if ms < 1000:
         return f"{ms}ms"
-    hours, rest = divmod(ms, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    secs = f"{rest / 1000:.3f}".rstrip("0").rstrip(".") + "s"
-    if hours:
-        return f"{hours}h{minutes}m{secs}"
-    return f"{minutes}m{secs}" if minutes else secs
+    secs, millis = divmod(ms, 1000)
+    minutes, secs = divmod(secs, 60)
+    text = f"{secs}.{millis:03d}".rstrip("0") + "s" if millis else f"{secs}s"
+    if minutes >= 60:
+        return f"{minutes // 60}h{minutes % 60}m{text}"
+    return f"{minutes}m{text}" if minutes else text
 
 
 def rate_headers(limits: Limits, usage: TenantUsage) -> Headers:
     """x-ratelimit-{limit,remaining,reset}-{requests,tokens} for the limits the tenant has."""
+    rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+    if rpm is None and tpm is None:
+        return ()
     reset = duration(usage.reset_s).encode()
-    headers: list[tuple[bytes, bytes]] = []
-    for kind, limit, used in (
-        (b"requests", limits.requests_per_minute, usage.requests),
-        (b"tokens", limits.tokens_per_minute, usage.tokens),
-    ):
-        if limit is not None:
-            headers += [
-                (b"x-ratelimit-limit-" + kind, str(limit).encode()),
-                (b"x-ratelimit-remaining-" + kind, str(max(0, limit - used)).encode()),
-                (b"x-ratelimit-reset-" + kind, reset),
-            ]
-    return tuple(headers)
+    headers: Headers = ()
+    if rpm is not None:
+        headers = (
+            (b"x-ratelimit-limit-requests", b"%d" % rpm),
+            (b"x-ratelimit-remaining-requests", b"%d" % max(0, rpm - usage.requests)),
+            (b"x-ratelimit-reset-requests", reset),
+        )
+    if tpm is not None:
+        headers += (
+            (b"x-ratelimit-limit-tokens", b"%d" % tpm),
+            (b"x-ratelimit-remaining-tokens", b"%d" % max(0, tpm - usage.tokens)),
+            (b"x-ratelimit-reset-tokens", reset),
+        )
+    return headers
 
 
 def refused_error(tenant: Tenant, refused: Refusal, usage: TenantUsage) -> RateLimited:

@@ -16,7 +16,7 @@ import asyncio
 import hashlib
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -62,18 +62,19 @@ class RedisAddress:
 @dataclass(frozen=True)
 class Script:
     source: str
+    sha: str = field(init=False)
 
-    @property
-    def sha(self) -> str:
-        return hashlib.sha1(self.source.encode()).hexdigest()
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sha", hashlib.sha1(self.source.encode()).hexdigest())
 
 
 def encode(args: tuple[Any, ...]) -> bytes:
-    out = [b"*%d\r\n" % len(args)]
+    """A command as RESP: an array of bulk strings (two calls per request: kept lean)."""
+    parts = [b"*%d\r\n" % len(args)]
     for arg in args:
         data = arg if isinstance(arg, bytes) else str(arg).encode()
-        out.append(b"$%d\r\n%s\r\n" % (len(data), data))
-    return b"".join(out)
+        parts += (b"$%d\r\n" % len(data), data, b"\r\n")
+    return b"".join(parts)
 
 
 class RespParser:
