@@ -150,7 +150,8 @@ class RedisClient:
         deadline = loop.time() + self.deadline_s
         if self._writer is None:
             await self._connect(deadline)
-        assert self._writer is not None
+        if self._writer is None:  # opened, then lost at once
+            raise RedisUnavailable("the connection to Redis closed as it opened")
         future: asyncio.Future[Reply] = loop.create_future()
         self._waiting.append(future)
         self._writer.write(encode(args))
@@ -183,8 +184,12 @@ class RedisClient:
         self._drop(RedisUnavailable("client closed"))
 
     async def _connect(self, deadline: float) -> None:
-        if self._connecting is None:
+        """Open the connection, or wait for the opening under way (a connect that outlives
+        one call's deadline goes on and serves the calls after it)."""
+        if self._connecting is None or self._connecting.done():
             self._connecting = asyncio.ensure_future(self._open())
+            # Retrieved here, so an opening nobody waits for any more logs nothing.
+            self._connecting.add_done_callback(lambda task: task.cancelled() or task.exception())
         connecting = self._connecting
         try:
             timeout = max(0.0, deadline - asyncio.get_running_loop().time())
