@@ -1,9 +1,11 @@
-"""`dflash-worker`: one CLI, two backends, flags named as in `vllm serve`.
+"""`dflash-worker`: one CLI, four backends, flags named as in `vllm serve`.
 
-    dflash-worker [--backend embedded|vllm] [MODEL] --speculative-config JSON ...
+    dflash-worker [--backend embedded|vllm|sglang|trtllm] [MODEL] --speculative-config JSON ...
 
-`--dry-run` prints the `vllm serve` argv these settings produce (a JSON list) and exits 0,
-whichever backend is chosen: it is the production command line of the same settings.
+`--dry-run` prints the command line these settings produce and exits 0: `vllm serve`'s argv (a
+JSON list) for the embedded and vllm backends (the production command line of the same
+settings), SGLang's for sglang, and for trtllm trtllm-serve's argv then, after `---`, the LLM
+API YAML it reads.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import os
 import sys
 from typing import Any
 
-from engine.worker.settings import ConfigError, WorkerSettings, load_settings
+from engine.worker.settings import SERVER_BACKENDS, ConfigError, WorkerSettings, load_settings
+from engine.worker.sglang_backend import build_sglang_argv, exec_sglang
+from engine.worker.trtllm_backend import dry_run as trtllm_dry_run
+from engine.worker.trtllm_backend import exec_trtllm
 from engine.worker.vllm_backend import build_vllm_argv, exec_vllm
 
 PROG = "dflash-worker"
@@ -67,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sup = argparse.SUPPRESS  # unset flags stay out, so WorkerSettings' defaults apply
     p.add_argument("model", nargs="?", default=sup, help="target checkpoint (default: bundled)")
-    p.add_argument("--backend", choices=["embedded", "vllm"], default=sup)
+    p.add_argument("--backend", choices=["embedded", *SERVER_BACKENDS], default=sup)
     p.add_argument(
         "--speculative-config",
         default=sup,
@@ -107,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="require one of these bearer tokens on /v1/* (several: rotate without a gap)",
     )
     p.add_argument(
-        "--dry-run", action="store_true", help="print the `vllm serve` argv as a JSON list and exit"
+        "--dry-run",
+        action="store_true",
+        help="print the engine's command line (vllm, sglang: a JSON list; trtllm: the list, "
+        "then its YAML) and exit",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -120,7 +128,7 @@ def settings_from_args(argv: list[str]) -> tuple[WorkerSettings, argparse.Namesp
     values: dict[str, Any] = {
         k: v for k, v in vars(ns).items() if k not in {"no_speculation", "dry_run", "log_level"}
     }
-    if unknown and values.get("backend") != "vllm":
+    if unknown and values.get("backend") not in SERVER_BACKENDS:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if unknown:
         values["extra_args"] = tuple(unknown)
@@ -148,15 +156,29 @@ def _parse_json(text: str) -> Any:
         raise ConfigError(f"invalid worker setting speculative_config: not JSON ({exc})") from None
 
 
+def dry_run(settings: WorkerSettings) -> str:
+    if settings.backend == "sglang":
+        return json.dumps(build_sglang_argv(settings, redact=True))
+    if settings.backend == "trtllm":
+        return trtllm_dry_run(settings, TRTLLM_OPTIONS)
+    return json.dumps(build_vllm_argv(settings, redact=True))
+
+
+# Where --dry-run says trtllm-serve's options would be (a run writes a temporary file).
+TRTLLM_OPTIONS = "/tmp/dflash-trtllm-options.yaml"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         settings, ns = settings_from_args(args)
         if ns.dry_run:
-            print(json.dumps(build_vllm_argv(settings, redact=True)))
+            print(dry_run(settings))
             return 0
-        if settings.backend == "vllm":
-            exec_vllm(settings)  # does not return
+        if settings.backend in SERVER_BACKENDS:
+            {"vllm": exec_vllm, "sglang": exec_sglang, "trtllm": exec_trtllm}[settings.backend](
+                settings
+            )  # does not return
             return 0
     except ConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from engine.jsonfile import read_json_object
+from engine.worker.portability import unportable
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-coder"
 BUNDLED_TARGET = ASSETS_DIR / "target"
@@ -29,7 +30,9 @@ BUNDLED_DRAFTER = ASSETS_DIR / "dflash"
 BUNDLED_NAME = "tiny-coder"
 DEFAULT_MAX_MODEL_LEN = 2048
 
-Backend = Literal["embedded", "vllm"]
+Backend = Literal["embedded", "vllm", "sglang", "trtllm"]
+# Backends that run another engine's server with these settings (all but the embedded one).
+SERVER_BACKENDS = ("vllm", "sglang", "trtllm")
 SpecMetricsLevel = Literal["none", "summary", "detailed"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float"]
 
@@ -179,6 +182,10 @@ class WorkerSettings(BaseModel):
 
 def _check_backend_fields(s: WorkerSettings) -> None:
     if s.backend != "embedded":
+        if s.spec_cost_model is not None and s.backend != "vllm":
+            raise ValueError("spec_cost_model: the vllm backend's (vLLM's batch-size table)")
+        if s.vllm_bin is not None and s.backend != "vllm":
+            raise ValueError(f"vllm_bin: the vllm backend's, not {s.backend}'s")
         if s.speculation == "adaptive":
             raise ValueError(
                 "speculation: adaptive is the embedded engine's; give vLLM its batch-size "
@@ -205,7 +212,9 @@ def _check_backend_fields(s: WorkerSettings) -> None:
             "its own: --speculation adaptive)"
         )
     if s.extra_args:
-        raise ValueError("extra_args: only the vllm backend accepts extra `vllm serve` arguments")
+        raise ValueError(
+            "extra_args: only a server backend (vllm, sglang, trtllm) accepts extra arguments"
+        )
 
 
 def _read_config(path: str) -> dict[str, Any] | None:
@@ -235,6 +244,9 @@ def _check_checkpoints(s: WorkerSettings) -> None:
     drafter = _load_checked(spec.model, "speculative_config.model", must_be_local)
     if drafter is not None and spec.method == "dflash":
         _check_drafter(drafter, target, spec)
+        why = unportable(s.backend, drafter, target)
+        if why is not None:
+            raise ValueError(why)
 
 
 def _load_checked(path: str, field: str, must_be_local: bool) -> dict[str, Any] | None:
