@@ -54,7 +54,7 @@ def build_trtllm_argv(settings: WorkerSettings, options_path: str) -> list[str]:
             "only (the chart's NetworkPolicy)"
         )
     argv = ["trtllm-serve", s.model, "--backend", "pytorch"]
-    argv += ["--host", s.host, "--port", str(s.port)]
+    argv += ["--served_model_name", s.model_name, "--host", s.host, "--port", str(s.port)]
     argv += ["--max_batch_size", str(s.max_num_seqs)]
     if s.max_model_len is not None:
         argv += ["--max_seq_len", str(s.max_model_len)]
