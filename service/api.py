@@ -123,6 +123,8 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
         ),
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
         single_choice=(parsed.n or 1) == 1,
+        # SGLang's details the client asked for itself (else the gateway drops its own ask).
+        spec_details=payload.get("return_spec_tokens_details") is True,
         started=request.scope.get(STARTED_KEY, time.perf_counter()),
         tenant=tenant.name if tenant is not None and endpoint in LIMITED_ENDPOINTS else None,
         ticket=ticket,

@@ -52,7 +52,7 @@ class SpecStats:
     """One request's speculation summary, as far as the worker reported it."""
 
     steps: int
-    draft_tokens: int
+    draft_tokens: int | None  # None: the engine does not report it (TensorRT-LLM)
     accepted_tokens: int
     acceptance_length: float | None
     acceptance_rate: float | None
@@ -348,10 +348,12 @@ class GatewayMetrics:
             self.child(self.tenant_prompt_tokens, tenant, model).inc(usage.prompt_tokens)
             self.child(self.tenant_completion_tokens, tenant, model).inc(usage.completion_tokens)
 
-    def observe_spec(self, model: str, pool: str, body: Any) -> None:
-        for stats in parse_spec(body):
+    def observe_spec(self, model: str, pool: str, found: list[SpecStats]) -> None:
+        """Per-choice speculation, as each engine's wire reported it (service/engines.py)."""
+        for stats in found:
             self.child(self.spec_steps, model, pool).inc(stats.steps)
-            self.child(self.spec_drafted, model, pool).inc(stats.draft_tokens)
+            if stats.draft_tokens is not None:
+                self.child(self.spec_drafted, model, pool).inc(stats.draft_tokens)
             self.child(self.spec_accepted, model, pool).inc(stats.accepted_tokens)
             if stats.acceptance_length is not None:
                 self.child(self.spec_length, model, pool).observe(stats.acceptance_length)

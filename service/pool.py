@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from service.engines import WIRES, Wire
 from service.metrics import GatewayMetrics
 from service.settings import DEFAULT_POOL, GatewaySettings, PoolSpec
 from service.split import SmoothWeighted, pool_of
@@ -37,7 +38,8 @@ class Worker:
     pool_model: str | None = None  # the one model its pool serves; None: what it lists
     healthy: bool = False
     outstanding: int = 0
-    waiting: float = 0.0  # the worker's own vllm:num_requests_waiting, from its /metrics
+    waiting: float = 0.0  # its engine's queue length, from its Prometheus endpoint
+    wire: Wire = WIRES["vllm"]  # its pool's engine (service/engines.py)
     # Distinct requests that failed on it since its last success: one request (one client
     # retrying the same poison input under new ids is still many) counts once at most.
     failed_requests: set[int] = field(default_factory=set)
@@ -90,13 +92,13 @@ class HashRing:
         return order
 
 
-def parse_waiting(exposition: str) -> float:
-    """Sum of `vllm:num_requests_waiting` samples in a Prometheus text exposition."""
+def parse_waiting(exposition: str, series: str = "vllm:num_requests_waiting") -> float:
+    """Sum of a series' samples (an engine's queue length) in a Prometheus text exposition."""
     total = 0.0
     for line in exposition.splitlines():
-        if line.startswith("vllm:num_requests_waiting"):
+        if line.startswith(series):
             name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name == "vllm:num_requests_waiting":
+            if name == series:
                 rest = line[line.index("}") + 1 :] if "}" in line else line[len(name) :]
                 with contextlib.suppress(ValueError, IndexError):
                     total += float(rest.split()[0])
@@ -104,11 +106,13 @@ def parse_waiting(exposition: str) -> float:
 
 
 async def scrape_load(client: httpx.AsyncClient, worker: Worker, limit_s: float) -> None:
-    """The worker's queue (vllm:num_requests_waiting): a tie-breaker of routing only."""
+    """The worker's queue (vllm:num_requests_waiting, or its engine's): a tie-breaker of
+    routing only."""
+    wire = worker.wire
     try:
-        reply = await client.get(f"{worker.url}/metrics", timeout=limit_s)
+        reply = await client.get(f"{worker.url}{wire.metrics_path}", timeout=limit_s)
         if reply.status_code == 200:
-            worker.waiting = parse_waiting(reply.text)
+            worker.waiting = parse_waiting(reply.text, wire.waiting_series)
     except httpx.HTTPError:
         pass  # /health decides health
 
@@ -171,7 +175,8 @@ class WorkerPool:
     def _new_worker(self, url: str, spec: PoolSpec) -> Worker:
         label = url if self._settings.metrics_worker_label == "url" else worker_id(url)
         log.info("worker %s of pool %s is %s in metrics", url, spec.name, label)
-        return Worker(url, label, pool=spec.name, pool_model=spec.model)
+        wire = WIRES[spec.engine]
+        return Worker(url, label, pool=spec.name, pool_model=spec.model, wire=wire)
 
     async def start(self) -> None:
         """First discovery and health round before serving, then the background loops."""

@@ -50,6 +50,7 @@ class ProxyCall:
     request_id: str
     single_choice: bool  # n == 1: TPOT is meaningful
     started: float  # perf_counter at arrival
+    spec_details: bool = False  # the client asked SGLang's return_spec_tokens_details itself
     tenant: str | None = None  # the key's tenant, when the key file names tenants
     ticket: Ticket | None = None  # the tenant's admission: rate headers, the charge at the end
 
@@ -236,8 +237,9 @@ class Proxy:
         target = self._targets.get(worker.url)
         if target is None:
             target = self._targets[worker.url] = Target.of(worker.url)
+        body = worker.wire.request_body(call.body)
         return await self.upstream.post(
-            target, call.endpoint.encode(), call.body, call.request_id, watch.follow
+            target, call.endpoint.encode(), body, call.request_id, watch.follow
         )
 
     def _watch(self, deadline: float) -> Watch:
@@ -281,7 +283,9 @@ class Proxy:
         if parsed is not None:
             usage = parse_usage(parsed)
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
-            self.metrics.observe_spec(call.label, worker.pool, parsed)
+            stats = worker.wire.spec_stats(parsed, usage)
+            self.metrics.observe_spec(call.label, worker.pool, stats)
+            body = worker.wire.strip(body, parsed, call.spec_details)
             if call.ticket is not None:  # charged before the client has the answer
                 await call.ticket.settle(usage)
         outcome.status = response.status
@@ -344,7 +348,9 @@ class Proxy:
     ) -> bool:
         """From the first byte on: pass events through; a failure ends the stream in-band.
         True when the upstream stream ended cleanly."""
-        tap = SseTap(strip_usage_chunk=not call.wants_usage)
+        tap = SseTap(
+            strip_usage_chunk=not call.wants_usage, wire=worker.wire, keep_extra=call.spec_details
+        )
         outcome.status = 200
         headers = [*SSE_HEADERS, *ids(call, worker)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -387,7 +393,7 @@ class Proxy:
         else:
             self.pool.report_success(worker)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-        observe_stream(self.metrics, call, worker.pool, tap)
+        observe_stream(self.metrics, call, worker, tap)
         return failure is None and not drained
 
 
@@ -411,13 +417,15 @@ def final_error(last: UpstreamFailure | None, settings: GatewaySettings) -> ApiE
     return UpstreamError(f"Upstream failure: {last.message}.")
 
 
-def observe_stream(metrics: GatewayMetrics, call: ProxyCall, pool: str, tap: SseTap) -> None:
+def observe_stream(metrics: GatewayMetrics, call: ProxyCall, worker: Worker, tap: SseTap) -> None:
     """A relayed stream's usage, speculation summary, TTFT and TPOT."""
     end = time.perf_counter()
-    usage = parse_usage(tap.final)
+    pool, final = worker.pool, tap.final
+    usage = parse_usage(final)
     metrics.observe_usage(call.label, pool, usage, call.tenant)
-    if tap.final is not None:
-        metrics.observe_spec(call.label, pool, tap.final)
+    spec = tap.spec_event if worker.wire.spec_marker else final
+    if spec is not None:
+        metrics.observe_spec(call.label, pool, worker.wire.spec_stats(spec, usage))
     first = tap.first_token_at
     if first is None:
         return

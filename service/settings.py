@@ -13,6 +13,8 @@ from service.redis_client import RedisAddress
 from service.tenants import KeyRing, parse_key_file
 
 RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
+# What serves a pool: its wire is adapted by service/engines.py (embedded speaks vLLM's).
+Engine = Literal["vllm", "embedded", "sglang", "trtllm"]
 # The name of the one pool of a gateway configured with plain `workers`/`worker_dns`.
 DEFAULT_POOL = "default"
 # A pool's name is a metrics label and part of Kubernetes object names: a DNS label.
@@ -46,6 +48,7 @@ class PoolSpec(BaseModel):
     # Relative share among the pools of its model. 0: no traffic while a weighted pool of the
     # model has a healthy worker (a drained canary that still takes over as a fallback).
     weight: float = Field(default=100.0, ge=0, allow_inf_nan=False)
+    engine: Engine = "vllm"
     workers: list[str] = Field(default_factory=list)
     worker_dns: str | None = None
     # GPUs behind one worker (tensor x pipeline parallel, x nodes): the denominator of the

@@ -6,6 +6,8 @@ import json
 import time
 from typing import Any
 
+from service.engines import WIRES, Wire
+
 
 def carries_tokens(choices: object) -> bool:
     """True for a chunk with generated text (not the role-only opening chunk of a chat)."""
@@ -34,10 +36,14 @@ class SseTap:
     Complete events go out the moment they are complete; bytes are forwarded unchanged.
     """
 
-    def __init__(self, *, strip_usage_chunk: bool) -> None:
+    def __init__(
+        self, *, strip_usage_chunk: bool, wire: Wire = WIRES["vllm"], keep_extra: bool = True
+    ) -> None:
         self._strip = strip_usage_chunk
+        self._wire, self._keep_extra, self._marker = wire, keep_extra, wire.spec_marker
         self._pending = b""
         self._final_raw: bytes | None = None  # last event carrying usage / metrics
+        self._spec_raw: bytes | None = None  # last event with the engine's speculation
         self.first_token_at: float | None = None
         self.done = False
         self.errored = False
@@ -48,6 +54,12 @@ class SseTap:
         if self._final_raw is None:
             return None
         obj = _event_json(self._final_raw)
+        return obj if isinstance(obj, dict) else None
+
+    @property
+    def spec_event(self) -> dict[str, Any] | None:
+        """The last event carrying the engine's own speculation fields (not vLLM's)."""
+        obj = _event_json(self._spec_raw) if self._spec_raw is not None else None
         return obj if isinstance(obj, dict) else None
 
     def feed(self, data: bytes) -> bytes:
@@ -77,6 +89,8 @@ class SseTap:
         usage_only = b'"choices":[]' in event or b'"choices": []' in event
         if b'"usage"' in event or b'"metrics"' in event:
             self._final_raw = event
+        if self._marker is not None and self._marker in event:
+            self._spec_raw = event
         if self.first_token_at is not None and not usage_only and b'"error"' not in event:
             return True
         obj = _event_json(event)
@@ -87,7 +101,9 @@ class SseTap:
         choices = obj.get("choices")
         if self.first_token_at is None and carries_tokens(choices):
             self.first_token_at = time.perf_counter()
-        return not (usage_only and choices == [] and self._strip)
+        if usage_only and not self._keep_extra and self._wire.extra_event(obj):
+            return False  # asked for by the gateway alone
+        return not (usage_only and choices == [] and self._strip and "usage" in obj)
 
 
 def _event_json(event: bytes) -> Any:

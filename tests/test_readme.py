@@ -265,3 +265,18 @@ def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_readme_engine_commands_print_each_engines_command_line() -> None:
+    (block,) = [b for b in code_blocks("bash") if "--backend sglang" in b]
+    sglang_line, trtllm_line = block.strip().splitlines()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    sglang = subprocess.run(["bash", "-c", sglang_line], capture_output=True, text=True, env=env)
+    assert sglang.returncode == 0, sglang.stderr
+    argv = json.loads(sglang.stdout)
+    assert argv[argv.index("--speculative-algorithm") + 1] == "DFLASH"
+    trtllm = subprocess.run(["bash", "-c", trtllm_line], capture_output=True, text=True, env=env)
+    assert trtllm.returncode == 0, trtllm.stderr
+    first, document = trtllm.stdout.split("\n---\n", 1)
+    assert json.loads(first)[0] == "trtllm-serve"
+    assert "decoding_type: DFlash" in document and "max_draft_len: 7" in document

@@ -186,7 +186,7 @@ def test_a_bad_pools_file_is_refused_at_startup_naming_the_value(
         "pools:\n- {name: a, model: m, weight: 0, workers: ['http://w:1']}\n": (
             "every pool of model m has weight 0"
         ),
-        "- {name: a, model: m, engine: sglang, workers: ['http://w:1']}\n": "pools.0.engine",
+        "- {name: a, model: m, engine: tgi, workers: ['http://w:1']}\n": "pools.0.engine",
         "name: a\n": "expected a list of pools",
         "[unclosed\n": "cannot read pools file",
     }

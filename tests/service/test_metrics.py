@@ -95,7 +95,7 @@ def test_malformed_numbers_are_skipped_not_raised() -> None:
 
 def test_exposition_has_the_design_names() -> None:
     metrics = GatewayMetrics()
-    metrics.observe_spec("m", "p", {"metrics": {"speculative_decoding": SPEC}})
+    metrics.observe_spec("m", "p", parse_spec({"metrics": {"speculative_decoding": SPEC}}))
     metrics.observe_usage("m", "p", Usage(3, 7))
     metrics.set_worker_health("http://w:1", "p", True)
     text = metrics.render()[0].decode()

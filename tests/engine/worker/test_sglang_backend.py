@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,115 @@ def test_what_sglang_cannot_do_is_refused_naming_the_field(
         )
     assert main(["--backend", "sglang", "--no-speculation", "--speculation", "adaptive"]) == 2
     assert "adaptive is the embedded engine's" in capsys.readouterr().err
+
+
+SGLANG_PYTHON = Path(__file__).resolve().parents[3] / ".venv-sglang" / "bin" / "python"
+# Runs inside .venv-sglang: SGLang's own parse and validation (what launch_server does before
+# any GPU work) on each case; prints one JSON line. SGLang's config modules import torchvision,
+# which has no CPU build on PyPI: a stand-in module is served (the parse never calls it).
+PROBE = r"""
+import contextlib, enum, importlib.machinery, importlib.util, io, json, os, sys
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+class StandIn:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        module.__path__ = []
+        module.__version__ = "0.0.0+stand-in"
+        module.InterpolationMode = enum.Enum("InterpolationMode", "NEAREST BILINEAR BICUBIC")
+        def missing(name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return lambda *a, **k: None
+        module.__getattr__ = missing
+
+if importlib.util.find_spec("torchvision") is None:
+    from transformers.utils import import_utils
+    import_utils.is_torchvision_available()
+    sys.meta_path.append(StandIn())
+from sglang.srt.server_args import prepare_server_args
+
+out = {}
+for name, argv in json.load(open(sys.argv[1])).items():
+    noise = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(noise):
+            try:
+                args = prepare_server_args(argv)
+            except SystemExit:
+                raise ValueError(noise.getvalue().strip().splitlines()[-1])
+            args.resolve_once()
+            args.check_server_args()
+        keys = ["speculative_algorithm", "speculative_draft_model_path",
+                "speculative_num_draft_tokens", "max_running_requests", "context_length",
+                "served_model_name", "api_key", "enable_metrics", "port"]
+        from sglang.srt.arg_groups.overrides import resolving_view  # values after resolve
+        resolved = resolving_view(args)
+        out[name] = {k: getattr(resolved, k, None) for k in keys}
+    except Exception as exc:
+        out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+print("RESULTS " + json.dumps(out, default=str))
+"""
+
+
+def test_sglangs_own_parser_accepts_the_argv(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """SGLang 0.5.23's ServerArgs (installed without CUDA by `make sglang-env`) parses and
+    validates what `dflash-worker --backend sglang` produces. `--device cuda` is added: SGLang
+    refuses DFlash on a CPU, and this machine has no GPU (the validation needs none)."""
+    if not SGLANG_PYTHON.exists():
+        if os.environ.get("CI") == "true":
+            pytest.fail(".venv-sglang is missing: run `make sglang-env`")
+        pytest.skip(".venv-sglang is missing: run `make sglang-env`")
+    drafter = portable_drafter(tmp_path)
+    spec = {"method": "dflash", "model": str(drafter)}
+    base = [str(BUNDLED_TARGET), "--max-model-len", "1024", "--api-key", "s3cret"]
+    cases = {
+        "dflash": dry_run(capsys, *base, "--speculative-config", json.dumps(spec)),
+        "k7": dry_run(
+            capsys,
+            *base,
+            "--speculative-config",
+            json.dumps({**spec, "num_speculative_tokens": 7}),
+        ),
+        "plain": dry_run(capsys, *base, "--no-speculation"),
+        # The check can fail: a block size that disagrees with the draft tokens.
+        "mismatch": dry_run(
+            capsys,
+            *base,
+            "--speculative-config",
+            json.dumps({**spec, "num_speculative_tokens": 7}),
+            "--speculative-dflash-block-size",
+            "16",
+        ),
+    }
+    inputs = {name: [*argv[3:], "--device", "cuda"] for name, argv in cases.items()}
+    (tmp_path / "cases.json").write_text(json.dumps(inputs))
+    (tmp_path / "probe.py").write_text(PROBE)
+    proc = subprocess.run(
+        [str(SGLANG_PYTHON), str(tmp_path / "probe.py"), str(tmp_path / "cases.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULTS ")]
+    assert line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    results = json.loads(line[0].removeprefix("RESULTS "))
+    for name in ("dflash", "k7", "plain"):
+        assert "error" not in results[name], (name, results[name])
+        assert results[name]["max_running_requests"] == 8  # --max-num-seqs' default
+        assert results[name]["context_length"] == 1024
+        assert results[name]["served_model_name"] == "tiny-coder"
+        assert results[name]["enable_metrics"] is True
+    assert results["dflash"]["speculative_algorithm"] == "DFLASH"
+    assert results["dflash"]["speculative_num_draft_tokens"] == 16  # the drafter's block_size
+    assert results["k7"]["speculative_num_draft_tokens"] == 8
+    assert results["plain"]["speculative_algorithm"] in (None, "NONE")
+    assert "must match" in results["mismatch"]["error"], results["mismatch"]
