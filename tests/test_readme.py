@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -169,16 +170,31 @@ def test_make_serve_takes_a_port_and_flags() -> None:
     assert "make serve PORT=8080" in readme and "SERVE_ARGS='--api-key sk-local'" in readme
 
 
-def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
-    (block,) = [b for b in code_blocks("bash") if "dflash-serve --pools examples/" in b]
-    serve_line, metrics_line = block.strip().splitlines()
+@contextlib.contextmanager
+def readme_serve(serve_line: str, *extra: str) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """A README `dflash-serve ...` line as written, on a free port: (port, process); its
+    stdout is read by the test, and it is stopped with Ctrl-C (SIGINT) as a user would."""
     port = free_port()
     serve = Path(sys.executable).parent / serve_line.split()[0]
     argv = [str(serve), *serve_line.split()[1:], "--port", str(port), "--log-level", "warning"]
     proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        [*argv, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:
+        yield port, proc
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
+    (block,) = [b for b in code_blocks("bash") if "dflash-serve --pools examples/" in b]
+    serve_line, metrics_line = block.strip().splitlines()
+    with readme_serve(serve_line) as (port, proc):
         assert proc.stdout is not None
         announced = []
         while len(announced) < 2:
@@ -206,13 +222,6 @@ def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
         assert done.returncode == 0, done.stderr
         for pool in ("b16", "k3"):
             assert f'dflash_spec_steps_total{{model="tiny-coder",pool="{pool}"}}' in done.stdout
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -> None:
@@ -220,14 +229,7 @@ def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -
     shows the x-ratelimit headers, and the admin's usage read."""
     (block,) = [b for b in code_blocks("bash") if "--api-key-file examples/" in b]
     serve_line, headers_line, usage_line = block.strip().splitlines()
-    port = free_port()
-    serve = Path(sys.executable).parent / serve_line.split()[0]
-    argv = [str(serve), *serve_line.split()[1:], "--port", str(port), "--log-level", "warning"]
-    argv += worker_args(tiny_checkpoint)
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
+    with readme_serve(serve_line, *worker_args(tiny_checkpoint)) as (port, proc):
         assert proc.stdout is not None
         line = proc.stdout.readline()
         while "still loading" in line:
@@ -258,13 +260,6 @@ def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -
         assert cards["platform"]["limits"]["tokens_per_minute"] is None
         no_key = httpx.get(f"http://127.0.0.1:{port}/admin/usage", timeout=10)
         assert no_key.status_code == 401
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_readme_engine_commands_print_each_engines_command_line() -> None:

@@ -83,6 +83,24 @@ def test_a_worker_refuses_anyone_without_the_worker_key(
     assert httpx.get(f"{worker.base_url}/metrics", timeout=10).status_code == 200  # Prometheus
 
 
+def helm_test_pod_script() -> str:
+    """The Python the `helm test` Pod runs (templates/tests/gateway-test-chat.yaml)."""
+    proc = helm(
+        "template", "rel", str(CHART), "-n", "llm", "--show-only",
+        "templates/tests/gateway-test-chat.yaml",
+    )  # fmt: skip
+    script: str = yaml.safe_load(proc.stdout)["spec"]["containers"][0]["args"][0]
+    return script
+
+
+def run_test_pod(script: str, gateway: str, keys: Path) -> subprocess.CompletedProcess[str]:
+    """The Pod's script against a local gateway, with the environment the Pod gets."""
+    env = {"URL": gateway, "MODEL": MODEL, "KEY_FILE": str(keys), "PATH": "/usr/bin:/bin"}
+    return subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
 def test_helm_test_script_passes_through_the_keyed_gateway(
     docs: list[dict[str, Any]],
     worker: WorkerHandle,
@@ -94,18 +112,10 @@ def test_helm_test_script_passes_through_the_keyed_gateway(
     monkeypatch.setenv(ref["name"], secret_data(docs, ref["valueFrom"]["secretKeyRef"]["key"]))
     keys = tmp_path / "api-keys"
     keys.write_text(secret_data(docs, "api-keys"))
-    proc = helm(
-        "template", "rel", str(CHART), "-n", "llm", "--show-only",
-        "templates/tests/gateway-test-chat.yaml",
-    )  # fmt: skip
-    pod = yaml.safe_load(proc.stdout)
-    script = pod["spec"]["containers"][0]["args"][0]
+    script = helm_test_pod_script()
     with running_gateway([worker.base_url], tmp_path, "--api-key-file", str(keys)) as gateway:
         assert chat(gateway, None).status_code == 401
-        env = {"URL": gateway, "MODEL": MODEL, "KEY_FILE": str(keys), "PATH": "/usr/bin:/bin"}
-        run = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-        )
+        run = run_test_pod(script, gateway, keys)
         assert run.returncode == 0, run.stdout + run.stderr
         assert "chat completion ok" in run.stdout
     # Without the worker key the same gateway gets nothing from the worker. (Today the
@@ -130,16 +140,9 @@ def test_helm_test_script_reads_a_tenant_key_file(
     monkeypatch.setenv("DFLASH_GATEWAY_WORKER_API_KEY", secret_data(docs, "worker-api-key"))
     keys = tmp_path / "api-keys"
     keys.write_text(secret_data(with_tenants, "api-keys"))
-    proc = helm(
-        "template", "rel", str(CHART), "-n", "llm", "--show-only",
-        "templates/tests/gateway-test-chat.yaml",
-    )  # fmt: skip
-    script = yaml.safe_load(proc.stdout)["spec"]["containers"][0]["args"][0]
+    script = helm_test_pod_script()
     with running_gateway([worker.base_url], tmp_path, "--api-key-file", str(keys)) as gateway:
-        env = {"URL": gateway, "MODEL": MODEL, "KEY_FILE": str(keys), "PATH": "/usr/bin:/bin"}
-        run = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-        )
+        run = run_test_pod(script, gateway, keys)
         assert run.returncode == 0, run.stdout + run.stderr
         answer = chat(gateway, "sk-search-0001")
         assert answer.headers["x-ratelimit-remaining-requests"] == "48"  # the Pod's, then this

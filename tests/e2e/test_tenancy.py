@@ -5,6 +5,7 @@ SDK's own retries, and Redis killed under load."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import subprocess
 import sys
@@ -102,13 +103,25 @@ def in_parallel(calls: list[Callable[[], httpx.Response]]) -> list[httpx.Respons
         return list(pool.map(run, calls))
 
 
+@contextlib.contextmanager
+def two_gateways(worker: FakeWorker, env: dict[str, str]) -> Iterator[tuple[str, str]]:
+    """Two gateway processes with the same settings (two replicas): their base URLs."""
+    with gateway_process(worker.url, **env) as (a, _), gateway_process(worker.url, **env) as (b, _):
+        yield a, b
+
+
+def hour_windows(tmp_path: Path, redis: RedisServer, **limits: int) -> dict[str, str]:
+    """Settings of gateways sharing `redis` whose windows last an hour (an exactness test must
+    not see one end), started at least 30 s before the current window ends."""
+    fresh_window(3600, 30)
+    window = {"rate_limit_window_s": "3600", "redis_url": redis.url}
+    return {"api_key_file": str(key_file(tmp_path, **limits)), **window}
+
+
 def test_two_gateways_sharing_redis_admit_exactly_the_request_limit(
     worker: FakeWorker, redis: RedisServer, tmp_path: Path
 ) -> None:
-    env = {"api_key_file": str(key_file(tmp_path, rpm=7)), "redis_url": redis.url}
-    env["rate_limit_window_s"] = "3600"
-    with gateway_process(worker.url, **env) as (a, _), gateway_process(worker.url, **env) as (b, _):
-        fresh_window(3600, 30)
+    with two_gateways(worker, hour_windows(tmp_path, redis, rpm=7)) as (a, b):
         answers = in_parallel([lambda base=base: chat(base) for base in (a, b) * 10])
         statuses = sorted(r.status_code for r in answers)
         assert statuses == [200] * 7 + [429] * 13
@@ -143,10 +156,7 @@ def test_two_gateways_sharing_redis_admit_exactly_the_request_limit(
 def test_tokens_are_charged_at_the_end_streams_included(
     worker: FakeWorker, redis: RedisServer, tmp_path: Path
 ) -> None:
-    env = {"api_key_file": str(key_file(tmp_path, tpm=35)), "redis_url": redis.url}
-    env["rate_limit_window_s"] = "3600"
-    with gateway_process(worker.url, **env) as (a, _), gateway_process(worker.url, **env) as (b, _):
-        fresh_window(3600, 30)
+    with two_gateways(worker, hour_windows(tmp_path, redis, tpm=35)) as (a, b):
         seen = []
         for index, base in enumerate((a, b, a, b, a)):
             stream = index % 2 == 1
@@ -173,7 +183,7 @@ def test_the_concurrency_cap_holds_across_gateways(
     worker: FakeWorker, redis: RedisServer, tmp_path: Path
 ) -> None:
     env = {"api_key_file": str(key_file(tmp_path, cap=2)), "redis_url": redis.url}
-    with gateway_process(worker.url, **env) as (a, _), gateway_process(worker.url, **env) as (b, _):
+    with two_gateways(worker, env) as (a, b):
         slow = [{"role": "user", "content": "slow"}]
         answers = in_parallel([lambda base=base: chat(base, messages=slow) for base in (a, b) * 3])
         assert sorted(r.status_code for r in answers) == [200, 200, 429, 429, 429, 429]

@@ -57,7 +57,7 @@ POOL = {"name": "a", "model": "m", "workers": ["http://w:1"]}
         ([POOL, {"name": "b", "workers": ["http://w:2"]}], "each needs a model: b"),
         ([{**POOL, "name": "Bad_Name"}], "pools.0.name"),
         ([{**POOL, "weight": -1}], "pools.0.weight"),
-        ([{**POOL, "engine": "vllm"}], "pools.0.engine"),
+        ([{**POOL, "engine": "tgi"}], "pools.0.engine"),
     ],
 )
 def test_bad_pools_are_refused_naming_the_value(pools: list[Any], named: str) -> None:
