@@ -360,7 +360,7 @@ class Proxy:
             while True:
                 out = tap.feed(data)
                 if out:
-                    if tap.done and call.ticket is not None and not call.ticket.settled:
+                    if call.ticket is not None and tap.done and not call.ticket.settled:
                         await call.ticket.settle(parse_usage(tap.final))  # before [DONE]
                     watch.marks += 1  # odd: writing to the client, not waiting on the worker
                     await send({"type": "http.response.body", "body": out, "more_body": True})

@@ -43,6 +43,7 @@ class SseTap:
         self._wire, self._keep_extra, self._marker = wire, keep_extra, wire.spec_marker
         self._pending = b""
         self._final_raw: bytes | None = None  # last event carrying usage / metrics
+        self._final_parsed: tuple[bytes | None, dict[str, Any] | None] = (None, None)
         self._spec_raw: bytes | None = None  # last event with the engine's speculation
         self.first_token_at: float | None = None
         self.done = False
@@ -53,8 +54,10 @@ class SseTap:
         """The last chunk with usage (and metrics), parsed once, at the end."""
         if self._final_raw is None:
             return None
-        obj = _event_json(self._final_raw)
-        return obj if isinstance(obj, dict) else None
+        if self._final_parsed[0] is not self._final_raw:  # parsed once per final chunk
+            obj = _event_json(self._final_raw)
+            self._final_parsed = (self._final_raw, obj if isinstance(obj, dict) else None)
+        return self._final_parsed[1]
 
     @property
     def spec_event(self) -> dict[str, Any] | None:
