@@ -16,6 +16,19 @@ STAGES = ("tokenizer", "target", "distill", "drafter", "eval")
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "assets" / "tiny-coder"
 
 
+def layer_list(text: str) -> tuple[int, ...]:
+    """`1,3,4` -> (1, 3, 4): distinct, non-negative layer indices in increasing order."""
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of layers: {text!r}"
+        ) from None
+    if any(i < 0 for i in ids) or list(ids) != sorted(set(ids)):
+        raise argparse.ArgumentTypeError(f"layers must be distinct, >= 0 and increasing: {text!r}")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description=__doc__)
     parser.add_argument("stage", choices=(*STAGES, "all"))
@@ -24,6 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--stdlib", type=Path, default=None, help="corpus root (default: stdlib)")
     parser.add_argument("--max-files", type=int, default=None, help="smoke runs: first N files")
     parser.add_argument("--steps", type=int, default=None, help="override training steps")
+    parser.add_argument(
+        "--target-layer-ids",
+        type=layer_list,
+        default=None,
+        help="the drafter's context layers, e.g. 1,3,4 (default: the recipe's 1,3,5)",
+    )
+    parser.add_argument(
+        "--drafter-dir",
+        default="dflash",
+        help="the drafter's folder under --out-dir (another name keeps the bundled drafter)",
+    )
     # One thread: on a shared CPU, extra intra-op threads mostly spin (measured: 2 threads
     # ran 3-6x slower per step than 1 while other jobs were busy).
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")

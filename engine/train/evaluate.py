@@ -56,11 +56,11 @@ def acceptance_lengths(
 
 
 def run_eval(
-    corpus: CorpusConfig, out_dir: Path, report: Path, cfg: EvalConfig
+    corpus: CorpusConfig, out_dir: Path, drafter_dir: str, report: Path, cfg: EvalConfig
 ) -> dict[str, object]:
     tok = load_tokenizer(out_dir / "target")
     target = load_target(out_dir / "target")
-    drafter = load_drafter(out_dir / "dflash", target)
+    drafter = load_drafter(out_dir / drafter_dir, target)
     prompts = [tok.encode(p).ids for p in heldout_prompts(cfg.num_prompts, config=corpus)]
     ids = list(drafter.config.target_layer_ids)
     refs = [

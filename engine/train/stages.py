@@ -32,11 +32,15 @@ def _drafter_config(args: argparse.Namespace) -> DrafterTrainConfig:
     from engine.train.drafter_training import DrafterTrainConfig
 
     if not args.smoke:
-        return DrafterTrainConfig()
-    config = args.out_dir / "target" / "config.json"
-    if not config.exists():
-        raise FileNotFoundError(f"no target at {config.parent}: run `dflash-train target`")
-    return DrafterTrainConfig.smoke(int(json.loads(config.read_text())["num_hidden_layers"]))
+        cfg = DrafterTrainConfig()
+    else:
+        config = args.out_dir / "target" / "config.json"
+        if not config.exists():
+            raise FileNotFoundError(f"no target at {config.parent}: run `dflash-train target`")
+        cfg = DrafterTrainConfig.smoke(int(json.loads(config.read_text())["num_hidden_layers"]))
+    if args.target_layer_ids is not None:
+        cfg = dataclasses.replace(cfg, target_layer_ids=args.target_layer_ids)
+    return cfg
 
 
 def _distill(corpus: CorpusConfig, args: argparse.Namespace) -> None:
@@ -60,14 +64,15 @@ def _drafter(args: argparse.Namespace) -> None:
     layer_ids = list(cfg.target_layer_ids)
     data = load_distill(args.runs_dir / "distill", distill.prompt_len, stops, layer_ids)
     cfg = dataclasses.replace(cfg, loop=_with_steps(cfg.loop, args.steps))
-    train_drafter(target_dir, data, args.out_dir / "dflash", args.runs_dir / "drafter", cfg)
+    drafter_dir = args.out_dir / args.drafter_dir
+    train_drafter(target_dir, data, drafter_dir, args.runs_dir / "drafter", cfg)
 
 
 def _eval(corpus: CorpusConfig, args: argparse.Namespace) -> None:
     from engine.train.evaluate import EvalConfig, run_eval
 
     cfg = EvalConfig(num_prompts=2, max_new_tokens=8) if args.smoke else EvalConfig()
-    run_eval(corpus, args.out_dir, args.runs_dir / "eval.json", cfg)
+    run_eval(corpus, args.out_dir, args.drafter_dir, args.runs_dir / "eval.json", cfg)
 
 
 def run_torch_stage(stage: str, corpus: CorpusConfig, args: argparse.Namespace) -> None:

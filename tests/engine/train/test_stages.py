@@ -86,3 +86,32 @@ def test_missing_inputs_fail_cleanly(tmp_path: Path) -> None:
         )
         == 1
     )
+
+
+def test_a_second_drafter_on_other_layers_keeps_the_first(
+    smoke_run: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """`--target-layer-ids` and `--drafter-dir`: how the portable bundled drafter was made
+    (layers an engine can capture), beside the first drafter, with its own features."""
+    out, _ = smoke_run
+    first = (out / "dflash" / "config.json").read_text()
+    runs = tmp_path / "runs"
+    common = ["--smoke", "--max-files", "3", "--out-dir", str(out), "--runs-dir", str(runs)]
+    layers = ["--target-layer-ids", "0"]
+    assert main(["distill", *common, *layers]) == 0
+    assert main(["drafter", *common, *layers, "--drafter-dir", "dflash-early"]) == 0
+    assert main(["eval", *common, "--drafter-dir", "dflash-early"]) == 0
+    config = json.loads((out / "dflash-early" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [0]
+    assert (out / "dflash" / "config.json").read_text() == first
+    assert json.loads((runs / "eval.json").read_text())["results"]
+    # Features made for other layers are refused, not silently reused.
+    assert main(["drafter", *common, "--drafter-dir", "dflash-other"]) == 1
+
+
+@pytest.mark.parametrize("layers", ["3,1", "1,1", "-1", "a,b", ""])
+def test_bad_layer_lists_are_refused(layers: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["drafter", "--target-layer-ids", layers])
+    assert exc.value.code == 2
+    assert "--target-layer-ids" in capsys.readouterr().err
