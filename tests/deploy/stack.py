@@ -69,8 +69,11 @@ def running_gateway(workers: list[str], workdir: Path, *extra: str) -> Iterator[
 
 
 @contextlib.contextmanager
-def running_prometheus(jobs: dict[str, list[str]], rule_file: Path) -> Iterator[str]:
-    """Prometheus scraping `jobs` ({job: [host:port]}) every second, with `rule_file` loaded."""
+def running_prometheus(
+    jobs: dict[str, list[str]], rule_file: Path, extra: list[dict[str, Any]] | None = None
+) -> Iterator[str]:
+    """Prometheus scraping `jobs` ({job: [host:port]}) every second, with `rule_file` loaded;
+    `extra`: more scrape configs as Prometheus takes them (another path, relabelling)."""
     with tempfile.TemporaryDirectory(prefix="dflash-prom-") as tmp:
         workdir = Path(tmp)
         config = {
@@ -83,7 +86,8 @@ def running_prometheus(jobs: dict[str, list[str]], rule_file: Path) -> Iterator[
             "scrape_configs": [
                 {"job_name": job, "static_configs": [{"targets": targets}]}
                 for job, targets in jobs.items()
-            ],
+            ]
+            + list(extra or ()),
         }
         (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
         port = free_port()

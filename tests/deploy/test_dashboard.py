@@ -15,10 +15,12 @@ from tests.deploy.chart import DASHBOARD_FILE, MONITORING_APIS, RULES_FILE, find
 from tests.deploy.promql import (
     as_rule_file,
     dashboard_targets,
+    exposition_names,
     metric_names,
     recorded_names,
     rule_exprs,
 )
+from tests.fixtures.engine_expositions import EXPOSITIONS
 
 # DESIGN §3 (worker) and §3b (gateway); histograms expose _bucket/_sum/_count.
 _HISTOGRAMS = {
@@ -62,6 +64,8 @@ _PLAIN = {
     "dflash_rate_limit_store_errors_total",
 }
 DESIGN_METRICS = _PLAIN | {h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
+# SGLang's and TensorRT-LLM's own series, which the recording rules map to common names.
+ENGINE_METRICS = {name for render in EXPOSITIONS.values() for name in exposition_names(render(1))}
 
 
 def dashboard() -> dict:  # type: ignore[type-arg]
@@ -86,12 +90,15 @@ def test_metric_name_lexer() -> None:
 
 def test_queries_use_only_designed_metric_names() -> None:
     used = used_metric_names()
-    assert used <= DESIGN_METRICS, used - DESIGN_METRICS
-    # The required views are really there.
+    assert used <= DESIGN_METRICS | ENGINE_METRICS, used - DESIGN_METRICS - ENGINE_METRICS
+    # The required views are really there, for every engine.
     assert {
         "dflash_spec_acceptance_length_bucket",
         "vllm:spec_decode_num_accepted_tokens_per_pos_total",
         "vllm:kv_cache_usage_perc",
+        "sglang:token_usage",
+        "trtllm_kv_cache_utilization",
+        "trtllm_spec_decode_accepted_tokens_total",
         "dflash_worker_healthy",
     } <= used
 
@@ -150,10 +157,14 @@ def test_variables_for_model_and_worker() -> None:
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert "dflash_requests_total" in variables["model"]["definition"]
-    assert "vllm:num_requests_running" in variables["worker"]["definition"]
+    assert "worker:dflash_requests_running:sum" in variables["worker"]["definition"]
     for _, expr in dashboard_targets(DASHBOARD_FILE):
-        if "vllm:" in expr:
-            assert 'instance=~"$worker"' in expr, expr
+        # Worker panels read the engine-neutral recorded series only, never one engine's own.
+        assert not any(prefix in expr for prefix in ("vllm:", "sglang:", "trtllm_")), expr
+        if "worker:dflash_" in expr:  # per worker pod
+            assert 'instance=~"$worker"' in expr and 'model_name=~"$model"' in expr, expr
+        elif "engine:dflash_worker_" in expr:  # latency quantiles per engine and model
+            assert 'model_name=~"$model"' in expr, expr
         elif not any(
             # per-worker series, and refusals made before a model is known
             name in expr
@@ -176,7 +187,7 @@ def test_every_query_is_scoped_to_one_release() -> None:
     for _, expr in dashboard_targets(DASHBOARD_FILE):
         for selector in expr.split("{")[1:]:
             assert 'namespace=~"$namespace"' in selector, expr
-        if "vllm:" not in expr:
+        if not any(worker in expr for worker in ("worker:dflash_", "engine:dflash_worker_")):
             assert 'job=~"$job"' in expr, expr
 
 

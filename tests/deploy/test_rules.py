@@ -98,7 +98,7 @@ def test_thresholds_come_from_values(tmp_path: Path) -> None:
         ),
     )
     rules = {r.get("alert"): r for g in spec["groups"] for r in g["rules"]}
-    assert rules["DFlashQueueBacklog"]["expr"] == 'vllm:num_requests_waiting{job="w"} > 7'
+    assert rules["DFlashQueueBacklog"]["expr"] == 'worker:dflash_requests_waiting:sum{job="w"} > 7'
     # Relative to the drafter's expected length: 0.6 × 3.5 (K = 3 allows at most 4).
     assert rules["DFlashAcceptanceLengthLow"]["expr"].endswith("< 2.1")
     path = tmp_path / "custom.yaml"
@@ -145,6 +145,7 @@ def test_chart_rules_are_scoped_to_the_release(tmp_path: Path) -> None:
                                     "namespace": "llm",
                                     "job": "llm/rel-dflash-serving-worker",
                                     "instance": "i",
+                                    "engine": "vllm",
                                 },
                                 "exp_annotations": {
                                     "summary": "Requests are queueing on a worker",

@@ -5,9 +5,99 @@
      unit tests run against them. Prometheus's own {{ $labels }} are escaped as raw strings. */}}
 {{- define "dflash.ruleGroups" -}}
 groups:
+  {{ include "dflash.rules.engines" . }}
   {{ include "dflash.rules.recording" . }}
   {{ include "dflash.rules.alerts" . }}
   {{ include "dflash.rules.cluster" . }}
+{{- end -}}
+
+{{/* One expression per engine family, each given its `engine` label, joined with `or`: the
+     same recorded series for a fleet that mixes vLLM (and the embedded worker, which speaks
+     vLLM's exposition), SGLang and TensorRT-LLM. Call with (dict "vllm" E "sglang" E "trtllm" E);
+     a missing key: that engine has no such series. */}}
+{{- define "dflash.rules.perEngine" -}}
+{{- $parts := list -}}
+{{- range $engine := list "vllm" "sglang" "trtllm" -}}
+{{- with get $ $engine -}}
+{{- $parts = append $parts (printf "label_replace(%s, \"engine\", \"%s\", \"\", \"\")" . $engine) -}}
+{{- end -}}
+{{- end -}}
+{{- join " or " $parts -}}
+{{- end -}}
+
+{{/* Each engine's worker series under common names (`worker:dflash_*`, label `engine`), per
+     worker pod; the dashboard's worker panels, the worker alerts and the docs read these only.
+     Names and meanings, from each engine's source:
+     - vLLM 0.32/0.33 `vllm/v1/metrics/loggers.py`;
+     - SGLang 0.5.23 `srt/observability/metrics_collector.py`: gauges are reported per
+       scheduler rank (max over tp/pp/ep ranks, summed over dp ranks); with priority scheduling
+       the total is the `priority=""` series; a request's generated tokens are its first
+       (prefill) token plus, per verify step, the accepted drafts and one bonus token;
+     - TensorRT-LLM `tensorrt_llm/metrics/collector.py` (main, 2026): drafted tokens per
+       position, so position 0 counts the verify steps that drafted. It has no preemption
+       counter (cluster group). */}}
+{{- define "dflash.rules.engines" -}}
+{{- $w := include "dflash.workerSelector" . -}}
+{{- $keep := "namespace, job, pool, pod, instance, model_name" -}}
+{{- $by := printf "sum by (%s)" $keep -}}
+{{- $sg := printf "%s,priority=\"\"" $w -}}
+{{- $sgRank := "max without (tp_rank, pp_rank, moe_ep_rank)" -}}
+  - name: dflash-serving.engines
+    rules:
+      - record: worker:dflash_requests_running:sum
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "%s (vllm:num_requests_running{%s})" $by $w)
+          "sglang" (printf "%s (%s (sglang:num_running_reqs{%s}))" $by $sgRank $sg)
+          "trtllm" (printf "%s (trtllm_num_requests_running{%s})" $by $w)) }}
+      - record: worker:dflash_requests_waiting:sum
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "%s (vllm:num_requests_waiting{%s})" $by $w)
+          "sglang" (printf "%s (%s (sglang:num_queue_reqs{%s}))" $by $sgRank $sg)
+          "trtllm" (printf "%s (trtllm_num_requests_waiting{%s})" $by $w)) }}
+      - record: worker:dflash_kv_cache_usage:ratio
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "max by (%s) (vllm:kv_cache_usage_perc{%s})" $keep $w)
+          "sglang" (printf "max by (%s) (sglang:token_usage{%s})" $keep $w)
+          "trtllm" (printf "max by (%s) (trtllm_kv_cache_utilization{%s})" $keep $w)) }}
+      - record: worker:dflash_generation_tokens:rate5m
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "%s (rate(vllm:generation_tokens_total{%s}[5m]))" $by $w)
+          "sglang" (printf "%s (rate(sglang:generation_tokens_total{%s}[5m]))" $by $w)
+          "trtllm" (printf "%s (rate(trtllm_generation_tokens_total{%s}[5m]))" $by $w)) }}
+      # Verify steps (vLLM: drafts; SGLang: verify calls; TensorRT-LLM: position 0 drafted).
+      - record: worker:dflash_spec_steps:rate5m
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "%s (rate(vllm:spec_decode_num_drafts_total{%s}[5m]))" $by $w)
+          "sglang" (printf "%s (rate(sglang:spec_verify_calls_total{%s}[5m]))" $by $w)
+          "trtllm" (printf "%s (rate(trtllm_spec_decode_drafted_tokens_total{%s,token_position=\"0\"}[5m]))" $by $w)) }}
+      # Accepted drafts. SGLang counts none: generated tokens less one bonus token per verify
+      # step and one prefill token per finished request.
+      - record: worker:dflash_spec_accepted_tokens:rate5m
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "%s (rate(vllm:spec_decode_num_accepted_tokens_total{%s}[5m]))" $by $w)
+          "sglang" (printf "clamp_min(%s (rate(sglang:generation_tokens_total{%s}[5m])) - %s (rate(sglang:spec_verify_calls_total{%s}[5m])) - %s (rate(sglang:num_requests_total{%s}[5m])), 0)" $by $w $by $w $by $w)
+          "trtllm" (printf "%s (rate(trtllm_spec_decode_accepted_tokens_total{%s}[5m]))" $by $w)) }}
+      # Drafted tokens (SGLang: verify steps × its current drafts per step, block size - 1).
+      - record: worker:dflash_spec_draft_tokens:rate5m
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "%s (rate(vllm:spec_decode_num_draft_tokens_total{%s}[5m]))" $by $w)
+          "sglang" (printf "%s (rate(sglang:spec_verify_calls_total{%s}[5m])) * on (%s) (max by (%s) (sglang:spec_num_draft_tokens{%s}) - 1)" $by $w $keep $keep $w)
+          "trtllm" (printf "%s (rate(trtllm_spec_decode_drafted_tokens_total{%s}[5m]))" $by $w)) }}
+      # Accepted drafts at each draft position (SGLang reports positions only per request, in
+      # the response: the gateway's histograms). Divided by the steps: the share of verify
+      # steps that accepted the draft at that position.
+      - record: worker:dflash_spec_accepted_tokens_by_position:rate5m
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "sum by (%s, position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{%s}[5m]))" $keep $w)
+          "trtllm" (printf "sum by (%s, position) (label_replace(rate(trtllm_spec_decode_accepted_tokens_total{%s}[5m]), \"position\", \"$1\", \"token_position\", \"(.*)\"))" $keep $w)) }}
+{{- range $name, $series := dict "time_to_first_token" (list "vllm:time_to_first_token_seconds" "sglang:time_to_first_token_seconds" "trtllm_time_to_first_token_seconds") "inter_token_latency" (list "vllm:inter_token_latency_seconds" "sglang:inter_token_latency_seconds" "trtllm_time_per_output_token_seconds") "e2e_request_latency" (list "vllm:e2e_request_latency_seconds" "sglang:e2e_request_latency_seconds" "trtllm_e2e_request_latency_seconds") }}
+      # Each engine has its own buckets: quantiles per engine, never across engines' buckets.
+      - record: engine:dflash_worker_{{ $name }}_seconds:p95_5m
+        expr: {{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "histogram_quantile(0.95, sum by (namespace, job, pool, model_name, le) (rate(%s_bucket{%s}[5m])))" (index $series 0) $w)
+          "sglang" (printf "histogram_quantile(0.95, sum by (namespace, job, pool, model_name, le) (rate(%s_bucket{%s}[5m])))" (index $series 1) $w)
+          "trtllm" (printf "histogram_quantile(0.95, sum by (namespace, job, pool, model_name, le) (rate(%s_bucket{%s}[5m])))" (index $series 2) $w)) }}
+{{- end }}
 {{- end -}}
 
 {{- define "dflash.rules.recording" -}}
@@ -49,7 +139,6 @@ groups:
 {{- $w := include "dflash.workerSelector" . -}}
 {{- $spec := .Values.model.speculative -}}
 {{- $low := round (mulf $a.acceptanceLowRatio $spec.expectedAcceptanceLength) 3 -}}
-{{- $pod := "namespace, job, pod, instance, model_name" -}}
   - name: dflash-serving.alerts
     rules:
       - alert: DFlashAcceptanceLengthLow
@@ -78,9 +167,9 @@ groups:
             {{`Pool {{ $labels.pool }} of model {{ $labels.model }} commits {{ $value | printf "%.2f" }} tokens per verify step over 1 h`}}, below {{ $a.canaryAcceptanceRatio }} × its model's baseline pool (the pool with the highest weight) on the same traffic. Outputs are unaffected (DFlash is lossless), but the canary is slower: compare the pools row of the dashboard, and lower the canary's weight or roll its drafter back.
       - alert: DFlashDrafterMismatch
         expr: >-
-          (1 + sum by ({{ $pod }}) (rate(vllm:spec_decode_num_accepted_tokens_total{ {{- $w -}} }[5m]))
-          / sum by ({{ $pod }}) (rate(vllm:spec_decode_num_drafts_total{ {{- $w -}} }[5m])) < {{ $a.drafterMismatchLength }})
-          and on ({{ $pod }}) sum by ({{ $pod }}) (rate(vllm:spec_decode_num_drafts_total{ {{- $w -}} }[5m])) > 0.5
+          (1 + worker:dflash_spec_accepted_tokens:rate5m{ {{- $w -}} }
+          / worker:dflash_spec_steps:rate5m{ {{- $w -}} } < {{ $a.drafterMismatchLength }})
+          and worker:dflash_spec_steps:rate5m{ {{- $w -}} } > 0.5
         for: 3m
         labels:
           severity: critical
@@ -132,7 +221,7 @@ groups:
 {{- if gt (int (include "dflash.worker.minReplicas" .)) 0 }}
       # From the workers' side: no worker is scraped at all (dead, pending, or never started).
       - alert: DFlashWorkerMetricsAbsent
-        expr: absent(vllm:num_requests_running{ {{- $w -}} })
+        expr: absent(worker:dflash_requests_running:sum{ {{- $w -}} })
         for: 10m
         labels:
           severity: critical
@@ -151,7 +240,7 @@ groups:
           description: >-
             {{`Model {{ $labels.model }}: {{ $value | humanizePercentage }} of requests end in 5xx`}} (threshold {{ $a.errorRatio5xx }}).
       - alert: DFlashQueueBacklog
-        expr: vllm:num_requests_waiting{ {{- $w -}} } > {{ $a.queueBacklog }}
+        expr: worker:dflash_requests_waiting:sum{ {{- $w -}} } > {{ $a.queueBacklog }}
         for: 10m
         labels:
           severity: warning
@@ -160,7 +249,7 @@ groups:
           description: >-
             {{`Worker {{ $labels.instance }} has {{ $value }} requests waiting`}} (threshold {{ $a.queueBacklog }}); add workers (worker.autoscaling) or lower max concurrency.
       - alert: DFlashKVCachePressure
-        expr: vllm:kv_cache_usage_perc{ {{- $w -}} } > {{ $a.kvCacheUsageHigh }}
+        expr: worker:dflash_kv_cache_usage:ratio{ {{- $w -}} } > {{ $a.kvCacheUsageHigh }}
         for: 15m
         labels:
           severity: warning
@@ -178,6 +267,7 @@ groups:
 {{- $w := include "dflash.workerSelector" . -}}
 {{- $name := include "dflash.worker.fullname" . -}}
 {{- $ns := .Release.Namespace -}}
+{{- $keep := "namespace, job, pool, pod, instance, model_name" -}}
 {{- $load := div (mul .Values.worker.startupProbe.periodSeconds .Values.worker.startupProbe.failureThreshold) 60 | int -}}
   - name: dflash-serving.cluster
     rules:
@@ -217,12 +307,16 @@ groups:
           description: >-
             {{`{{ $value }}`}} worker(s) of {{ $name }} ready, fewer than requested for {{ add $load 15 }} minutes: pods pending (no free GPU node?), crash-looping or failing to load the model.
       - alert: DFlashPreemptions
-        expr: sum by (namespace, job, pod, instance, model_name) (rate(vllm:num_preemptions_total{ {{- $w -}} }[5m])) > {{ $a.preemptionsPerSecond }}
+        expr: >-
+          ({{ include "dflash.rules.perEngine" (dict
+          "vllm" (printf "sum by (%s) (rate(vllm:num_preemptions_total{%s}[5m]))" $keep $w)
+          "sglang" (printf "sum by (%s) (rate(sglang:num_retracted_requests_total{%s}[5m]))" $keep $w)) }})
+          > {{ $a.preemptionsPerSecond }}
         for: 15m
         labels:
           severity: warning
         annotations:
-          summary: vLLM preempts requests for lack of KV cache
+          summary: A worker preempts requests for lack of KV cache
           description: >-
-            {{`Worker {{ $labels.instance }} preempts {{ $value | printf "%.2f" }} requests/s`}} (threshold {{ $a.preemptionsPerSecond }}): they are recomputed, latency suffers. Add workers or lower max-num-seqs.
+            {{`Worker {{ $labels.instance }} ({{ $labels.engine }}) preempts {{ $value | printf "%.2f" }} requests/s`}} (threshold {{ $a.preemptionsPerSecond }}; SGLang calls it retracting): they are recomputed, latency suffers. Add workers or lower max-num-seqs.
 {{- end -}}
