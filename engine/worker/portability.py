@@ -5,7 +5,8 @@ SGLang (0.5.x, `sglang/srt/models/qwen3.py`) captures the target's hidden state 
 of layer `id + 1` for each id in `target_layer_ids`, so the output of the target's last layer
 is never captured: a drafter that reads it fails at its first verify step with a feature
 dimension mismatch. vLLM and TensorRT-LLM take the output of any layer. The published DFlash
-drafters never read the last layer; the bundled tiny drafter does ([1, 3, 5] of 6 layers).
+drafters never read the last layer; the bundled tiny drafter does ([1, 3, 5] of 6 layers), its
+portable sibling (`dflash-portable`, [1, 3, 4]) does not.
 """
 
 from __future__ import annotations

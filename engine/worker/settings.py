@@ -27,6 +27,8 @@ from engine.worker.portability import unportable
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-coder"
 BUNDLED_TARGET = ASSETS_DIR / "target"
 BUNDLED_DRAFTER = ASSETS_DIR / "dflash"
+# The same recipe on layers [1, 3, 4]: SGLang captures no last layer (engine/worker/portability.py).
+BUNDLED_PORTABLE_DRAFTER = ASSETS_DIR / "dflash-portable"
 BUNDLED_NAME = "tiny-coder"
 DEFAULT_MAX_MODEL_LEN = 2048
 
@@ -109,9 +111,13 @@ class WorkerSettings(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _bundled_drafter_by_default(cls, data: Any) -> Any:
-        # No MODEL and no --speculative-config: the bundled target with its DFlash drafter.
+        # No MODEL and no --speculative-config: the bundled target with its DFlash drafter
+        # (for SGLang, which cannot capture the last layer, the portable one).
         if isinstance(data, dict) and "model" not in data and "speculative_config" not in data:
-            bundled = {"method": "dflash", "model": str(BUNDLED_DRAFTER)}
+            drafter = (
+                BUNDLED_PORTABLE_DRAFTER if data.get("backend") == "sglang" else BUNDLED_DRAFTER
+            )
+            bundled = {"method": "dflash", "model": str(drafter)}
             return {**data, "speculative_config": bundled}
         return data
 

@@ -92,3 +92,21 @@ def test_greedy_speculative_equals_plain_on_heldout(
             accepted.extend(steps)
     # The drafter is trained: it must beat "always wrong" (1 token per step) clearly.
     assert 1 + sum(accepted) / len(accepted) > 1.5
+
+
+def test_the_portable_drafter_reads_no_last_layer_and_is_lossless() -> None:
+    """engine/assets/tiny-coder/dflash-portable: the same recipe on layers [1, 3, 4], so every
+    engine can serve it (SGLang captures no last layer); greedy output equals plain decoding."""
+    config = json.loads((ASSETS / "dflash-portable" / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3, 4]
+    target = load_target(ASSETS / "target")
+    drafter = load_drafter(ASSETS / "dflash-portable", target)
+    tok = AutoTokenizer.from_pretrained(ASSETS / "target")
+    accepted: list[int] = []
+    for prompt in heldout_prompts(2):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        plain, _ = _decode(target, drafter, 1, ids, 40)
+        spec, steps = _decode(target, drafter, drafter.block_size, ids, 40)
+        assert spec == plain
+        accepted.extend(steps)
+    assert 1 + sum(accepted) / len(accepted) > 1.5
