@@ -502,6 +502,7 @@ def test_one_object_per_template_file_with_a_component_prefix() -> None:
         "worker-leaderworkerset.yaml",
         "worker-modelcache-pvc.yaml",
         "worker-scaledobject.yaml",
+        "worker-trtllm-configmap.yaml",  # test_chart_engines.py
     }
     assert sorted([*sources, *optional]) == files  # everything rendered once, nothing extra
     assert all(

@@ -206,7 +206,7 @@ def test_worker_series_carry_the_pool_and_autoscaling_is_per_pool() -> None:
             [{"name": "a", "weight": 0}, {"name": "b", "weight": 0}],
             'every pool serving model "qwen3-8b-dflash" has weight 0',
         ),
-        ([{"name": "a", "engine": "trtllm"}], "pools.0.engine"),
+        ([{"name": "a", "engine": "tgi"}], "pools.0.engine"),
         ([{"name": "Not_A_Label"}], "pools.0.name"),
         ([{"name": "a", "weight": -1}], "pools.0.weight"),
         ([{"name": "a", "colour": "red"}], "colour"),

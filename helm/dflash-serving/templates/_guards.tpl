@@ -30,6 +30,17 @@
 {{- fail "worker.autoscaling and worker.multiNode cannot be combined: scale a LeaderWorkerSet with worker.replicas" -}}
 {{- end -}}
 {{- end -}}
+{{- $engine := .Values.mode -}}
+{{- $where := ternary (printf "pools[%s].engine" (include "dflash.poolName" .)) "mode" (not (empty (include "dflash.poolName" .))) -}}
+{{- if and (eq $engine "trtllm") $w.requireApiKey -}}
+{{- fail (printf "%s trtllm: trtllm-serve takes no API key; set worker.requireApiKey=false for these workers (their NetworkPolicy admits only the gateway and Prometheus)" $where) -}}
+{{- end -}}
+{{- if and (has $engine (list "sglang" "trtllm")) $w.multiNode.enabled -}}
+{{- fail (printf "%s %s: worker.multiNode (LeaderWorkerSet) is rendered for vLLM only; use worker.tensorParallelSize within one node" $where $engine) -}}
+{{- end -}}
+{{- if and $w.autoscaling.enabled (eq $w.autoscaling.driver "hpa") (has $engine (list "sglang" "trtllm")) (hasPrefix "vllm_" $w.autoscaling.hpa.waitingMetricName) -}}
+{{- fail (printf "%s %s: worker.autoscaling.hpa.waitingMetricName and runningMetricName name vLLM's series; give the custom-metrics names prometheus-adapter serves for this engine's queue (README: Autoscaling), or use driver keda" $where $engine) -}}
+{{- end -}}
 {{- if and $w.requireApiKey (not .Values.gateway.apiKeys.enabled) (not (include "dflash.embedded" .)) -}}
 {{- fail "worker.requireApiKey needs gateway.apiKeys.enabled (the worker key lives in the gateway's API-key Secret); set worker.requireApiKey=false to run workers without a key" -}}
 {{- end -}}

@@ -69,7 +69,9 @@
 {{- $out := list -}}
 {{- range $ctx := $pools.list -}}
 {{- $gpus := include "dflash.worker.gpusPerWorker" $ctx | int -}}
-{{- $out = append $out (dict "name" $ctx.pool.name "model" $ctx.pool.model "weight" $ctx.pool.weight "worker_dns" (include "dflash.worker.dns" $ctx) "gpus_per_worker" $gpus) -}}
+{{- /* No pools list (one engine for the release): the gateway's "default" pool. */ -}}
+{{- $pool := (index $ctx "pool") | default (dict "name" "default" "weight" 100.0 "model" (include "dflash.servedModelName" $ctx)) -}}
+{{- $out = append $out (dict "name" $pool.name "model" $pool.model "weight" $pool.weight "engine" $ctx.Values.mode "worker_dns" (include "dflash.worker.dns" $ctx) "gpus_per_worker" $gpus) -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}

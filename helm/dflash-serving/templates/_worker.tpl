@@ -143,6 +143,97 @@
 {{- end }}
 {{- end -}}
 
+{{/* SGLang's argv after `python3 -m sglang.launch_server`, for SGLang's own image (mode or
+     pool engine sglang): what `dflash-worker --backend sglang` builds from the same settings
+     (engine/worker/sglang_backend.py; tests/deploy/test_chart_engines.py keeps them equal, and
+     SGLang 0.5.23's own parser checks it). */}}
+{{- define "dflash.worker.sglangArgs" -}}
+{{- $w := .Values.worker -}}
+{{- $spec := .Values.model.speculative -}}
+- --model-path
+- {{ .Values.model.name | quote }}
+- --served-model-name
+- {{ .Values.model.servedModelName | quote }}
+- --host
+- "0.0.0.0"
+- --port
+- {{ int $w.port | quote }}
+- --max-running-requests
+- {{ int $w.maxNumSeqs | quote }}
+- --context-length
+- {{ int $w.maxModelLen | quote }}
+- --random-seed
+- {{ int $w.seed | quote }}
+- --dtype
+- {{ $w.dtype | quote }}
+- --tp-size
+- {{ int $w.tensorParallelSize | quote }}
+- --mem-fraction-static
+- {{ $w.gpuMemoryUtilization | quote }}
+{{- if include "dflash.worker.keyed" . }}
+- --api-key
+- "$(DFLASH_WORKER_API_KEY)"
+{{- end }}
+{{- if $spec.enabled }}
+- --speculative-algorithm
+- DFLASH
+- --speculative-draft-model-path
+- {{ $spec.drafter | quote }}
+- --speculative-num-draft-tokens
+- {{ add1 (int $spec.numSpeculativeTokens) | quote }}
+{{- end }}
+- --enable-metrics
+{{- range $w.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Where TensorRT-LLM's pods read their LLM API options (the worker's ConfigMap). */}}
+{{- define "dflash.worker.trtllmOptionsPath" -}}/etc/dflash-trtllm/llm-api-options.yaml{{- end -}}
+
+{{/* trtllm-serve's LLM API options (YAML), as `dflash-worker --backend trtllm` writes them
+     (engine/worker/trtllm_backend.py), with trtllm.extraLlmApiOptions merged over them. */}}
+{{- define "dflash.worker.trtllmOptions" -}}
+{{- $w := .Values.worker -}}
+{{- $spec := .Values.model.speculative -}}
+{{- $options := dict "return_perf_metrics" true "enable_iter_perf_stats" true "kv_cache_config" (dict "free_gpu_memory_fraction" (float64 $w.gpuMemoryUtilization)) -}}
+{{- if $spec.enabled -}}
+{{- $_ := set $options "speculative_config" (dict "decoding_type" "DFlash" "max_draft_len" (int $spec.numSpeculativeTokens) "speculative_model" $spec.drafter) -}}
+{{- end -}}
+{{- toYaml (mergeOverwrite $options (deepCopy .Values.trtllm.extraLlmApiOptions)) -}}
+{{- end -}}
+
+{{/* trtllm-serve's argv after `trtllm-serve`, for TensorRT-LLM's own image (mode or pool engine
+     trtllm), as `dflash-worker --backend trtllm` builds it (tests keep them equal). */}}
+{{- define "dflash.worker.trtllmArgs" -}}
+{{- $w := .Values.worker -}}
+{{- $spec := .Values.model.speculative -}}
+{{- $drafts := 0 -}}
+{{- if $spec.enabled }}{{ $drafts = int $spec.numSpeculativeTokens }}{{ end -}}
+- {{ .Values.model.name | quote }}
+- --backend
+- pytorch
+- --served_model_name
+- {{ .Values.model.servedModelName | quote }}
+- --host
+- "0.0.0.0"
+- --port
+- {{ int $w.port | quote }}
+- --max_batch_size
+- {{ int $w.maxNumSeqs | quote }}
+- --max_seq_len
+- {{ int $w.maxModelLen | quote }}
+- --tp_size
+- {{ int $w.tensorParallelSize | quote }}
+- --max_num_tokens
+- {{ max 8192 (mul (int $w.maxNumSeqs) (add1 $drafts)) | quote }}
+- --extra_llm_api_options
+- {{ include "dflash.worker.trtllmOptionsPath" . | quote }}
+{{- range $w.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
 {{/* Node label key of worker.gpu.platform (nodeLabelKey overrides it). */}}
 {{- define "dflash.worker.gpuLabelKey" -}}
 {{- $keys := dict "gpu-operator" "nvidia.com/gpu.product" "gke" "cloud.google.com/gke-accelerator" "eks" "node.kubernetes.io/instance-type" "generic" "" -}}
@@ -275,7 +366,9 @@
 {{- $embedded := include "dflash.embedded" $ -}}
 {{- $serves := ne .role "node" -}}
 {{- $direct := include "dflash.worker.direct" $ -}}
+{{- $engine := $.Values.mode -}}
 {{- $image := ternary $.Values.embedded.image (ternary $w.vllmImage $w.image (not (empty $direct))) (not (empty $embedded)) -}}
+{{- if has $engine (list "sglang" "trtllm") }}{{ $image = (get $.Values $engine).image }}{{ end -}}
 {{- with $.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -294,13 +387,22 @@ securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 # preStop sleep (gateways see the pod leave DNS), then SIGTERM: vLLM drains for
-# --shutdown-timeout seconds; the grace period covers both.
+# --shutdown-timeout seconds, SGLang until its requests end (its /health answers 503 meanwhile),
+# TensorRT-LLM as its HTTP server stops; the grace period bounds them all.
 terminationGracePeriodSeconds: {{ $w.terminationGracePeriodSeconds }}
 containers:
   - name: worker
     image: {{ include "dflash.image" (dict "ctx" $ "image" $image) }}
     imagePullPolicy: {{ $image.pullPolicy }}
-    {{- if $direct }}
+    {{- if eq $engine "sglang" }}
+    command: ["python3", "-m", "sglang.launch_server"]
+    args:
+      {{- include "dflash.worker.sglangArgs" $ | nindent 6 }}
+    {{- else if eq $engine "trtllm" }}
+    command: ["trtllm-serve"]
+    args:
+      {{- include "dflash.worker.trtllmArgs" $ | nindent 6 }}
+    {{- else if $direct }}
     command: ["vllm", "serve"]
     args:
       {{- include "dflash.worker.vllmArgs" (dict "ctx" $ "role" .role) | nindent 6 }}
@@ -359,12 +461,22 @@ containers:
         readOnly: true
         {{- end }}
       {{- end }}
+      {{- if eq $engine "trtllm" }}
+      - name: trtllm-options
+        mountPath: {{ include "dflash.worker.trtllmOptionsPath" $ | dir }}
+        readOnly: true
+      {{- end }}
       {{- with $w.extraVolumeMounts }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
 volumes:
   - name: tmp
     emptyDir: {}
+  {{- if eq $engine "trtllm" }}
+  - name: trtllm-options
+    configMap:
+      name: {{ include "dflash.worker.fullname" $ }}-trtllm
+  {{- end }}
   {{- if not $embedded }}
   - name: dshm
     emptyDir:
