@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Builds an isolated virtual environment holding SGLang 0.5.23's own server-argument parser
-# and validation (prepare_server_args, ServerArgs.resolve_once, check_server_args) on a
-# CPU-only machine: SGLang's wheel without its dependency list (which pulls a CUDA torch),
-# the CPU torch, and exactly the pure-Python packages that path imports (about 2.5 GB, most
-# of it torch and triton). Used only by tests/engine/worker/test_sglang_backend.py, which
-# checks `dflash-worker --backend sglang` command lines with SGLang itself. torchvision is
-# left out (PyPI's is a CUDA build); the test gives SGLang's config modules a stand-in.
+# Builds an isolated virtual environment holding SGLang 0.5.23 on a CPU-only machine: its own
+# server-argument parser and validation (prepare_server_args, ServerArgs.resolve_once,
+# check_server_args), and its real OpenAI-compatible server for PLAIN decoding on a CPU torch
+# (DFlash itself needs cuda/npu/xpu). SGLang's wheel without its dependency list (which pulls
+# a CUDA torch), the CPU torch, and exactly the pure-Python packages those paths import (about
+# 2.5 GB, most of it torch and triton). Used by tests/engine/worker/test_sglang_backend.py and
+# tests/deploy/test_chart_engines.py (argv checks) and tests/e2e/test_sglang_cpu.py (the server
+# behind the gateway). torchvision is left out (PyPI's is a CUDA build): the tests give SGLang
+# a stand-in (tests/fixtures/sglang_cpu/sitecustomize.py), with a pure-torch rotary kernel.
 set -euo pipefail
 VENV=${1:-.venv-sglang}
 PY="$VENV/bin/python"
@@ -44,7 +46,14 @@ echo "torch==2.13.0" > "$CONS"
   typing-inspection==0.4.5 typing_extensions==4.16.0 urllib3==2.8.0 wcwidth==0.9.4 \
   yarl==1.25.1
 
-# 4. Guard: no CUDA torch, no torchvision (PyPI's is a CUDA build that breaks on CPU torch;
+# 4. What the HTTP server and its scheduler import besides (uvicorn, FastAPI, xgrammar, ...).
+"$PY" -m pip install -q --no-deps -c "$CONS" \
+  cffi==2.1.1 fastapi==0.165.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
+  opentelemetry-api==1.45.2 prometheus_client==0.26.0 pycparser==3.12 python-multipart==0.0.34 \
+  referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 soundfile==0.13.1 \
+  uvicorn==0.54.0 uvloop==0.23.0 xgrammar==0.2.7
+
+# 5. Guard: no CUDA torch, no torchvision (PyPI's is a CUDA build that breaks on CPU torch;
 #    check_argv.py stubs it), no nvidia-* wheels.
 "$PY" - <<'PY'
 import importlib.metadata as m, sys
@@ -54,5 +63,6 @@ bad = [d.metadata["Name"] for d in m.distributions()
 if not v.endswith("+cpu") or bad:
     sys.exit(f"unexpected install: torch={v} extra={bad}")
 import sglang.srt.server_args  # noqa: F401
+import fastapi, uvicorn, xgrammar  # noqa: F401,E401
 print(f"sglang-env ready: torch {v}, sglang {m.version('sglang')}")
 PY

@@ -9,7 +9,8 @@ client did not ask for, and where its queue length is on its Prometheus endpoint
   `serving_completions.py`, `protocol.py`): only a request with `return_spec_tokens_details:
   true` gets `sglext.spec_tokens_details` (a list when n > 1): top level of a response, and in a
   chunk of its own with `"choices": []` before the usage chunk of a stream. The gateway always
-  asks, and drops it again for a client that did not. Queue: `sglang:num_queue_reqs`.
+  asks, and drops it again for a client that did not. Its error bodies are top-level
+  (`"object": "error"`): put under `error` as OpenAI's are. Queue: `sglang:num_queue_reqs`.
 - TensorRT-LLM (the 1.3/1.4 pre-releases; `serve/openai_protocol.py`,
   `postprocess_handlers.py`): `avg_decoded_tokens_per_iter` (accepted drafts per step + 1) on
   every choice, on every content chunk of a stream as a running average. It refuses unknown
@@ -52,6 +53,10 @@ class Wire:
         """True for a stream event that only the gateway asked for."""
         return False
 
+    def error_body(self, body: bytes) -> bytes:
+        """A worker's 4xx body in OpenAI's shape ({"error": {...}}) for the client."""
+        return body
+
 
 class SglangWire(Wire):
     name = "sglang"
@@ -85,6 +90,18 @@ class SglangWire(Wire):
             and isinstance(sglext, dict)
             and set(sglext) == {"spec_tokens_details"}
         )
+
+    def error_body(self, body: bytes) -> bytes:
+        """SGLang answers `{"object": "error", "message", "type", "param", "code"}` at the top
+        level (its ErrorResponse); OpenAI's clients read `{"error": {...}}`."""
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return body
+        if not isinstance(parsed, dict) or parsed.get("object") != "error" or "error" in parsed:
+            return body
+        fields = {key: parsed.get(key) for key in ("message", "type", "param", "code")}
+        return json.dumps({"error": fields}, separators=(",", ":")).encode()
 
 
 class TrtllmWire(Wire):

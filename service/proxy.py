@@ -288,6 +288,8 @@ class Proxy:
             body = worker.wire.strip(body, parsed, call.spec_details)
             if call.ticket is not None:  # charged before the client has the answer
                 await call.ticket.settle(usage)
+        else:
+            body = worker.wire.error_body(body)
         outcome.status = response.status
         content_type = response.headers.get("content-type", "application/json").encode()
         await send_body(
@@ -324,7 +326,7 @@ class Proxy:
                 outcome.status = response.status
                 content_type = response.headers.get("content-type", "application/json").encode()
                 headers = [(b"content-type", content_type), *ids(call, worker)]
-                await send_body(send, response.status, body, headers)
+                await send_body(send, response.status, worker.wire.error_body(body), headers)
                 return
             if not first:
                 raise UpstreamFailure("read", "the worker closed the stream at once")

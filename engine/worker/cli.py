@@ -35,7 +35,7 @@ _OPTIONS: tuple[tuple[str, type, str], ...] = (
     ("--tensor-parallel-size", int, "vLLM only; the embedded backend needs 1"),
     ("--gpu-memory-utilization", float, "vLLM only"),
     ("--dtype", str, "auto|float32|float16|bfloat16"),
-    ("--device", str, "embedded only: torch device (default cpu)"),
+    ("--device", str, "embedded (torch device, default cpu) and sglang (its --device)"),
     ("--max-waiting", int, "embedded only: waiting-queue bound; beyond it requests get 503"),
     (
         "--threads",

@@ -86,7 +86,8 @@ class WorkerSettings(BaseModel):
     # `dflash-bench engine --adaptive --json` writes `adaptive_costs` / `adaptive_rates`) from
     # which vLLM's num_speculative_tokens_per_batch_size schedule is derived.
     spec_cost_model: str | None = None
-    # Embedded-only knobs (no `vllm serve` equivalent; never put into the vLLM argv).
+    # Embedded-only knobs (no `vllm serve` equivalent; never put into the vLLM argv); SGLang
+    # takes `device` too, when given.
     device: str = "cpu"
     # adaptive: each step verifies the k in [0, num_speculative_tokens] that a start-up cost
     # model and the live acceptance favour (0 = plain decoding), so speculation never costs
@@ -200,6 +201,11 @@ def _check_backend_fields(s: WorkerSettings) -> None:
         if s.drafter_int8:
             raise ValueError(
                 "drafter_int8: the embedded engine's (vLLM: a quantized draft checkpoint)"
+            )
+        if "device" in s.model_fields_set and s.backend != "sglang":
+            raise ValueError(
+                f"device: the embedded engine's and SGLang's (--device); {s.backend} picks "
+                "its device from its build"
             )
         return
     spec = s.speculative_config

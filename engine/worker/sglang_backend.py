@@ -30,6 +30,8 @@ def build_sglang_argv(settings: WorkerSettings, *, redact: bool = False) -> list
     argv += ["--random-seed", str(s.seed), "--dtype", s.dtype]
     argv += ["--tp-size", str(s.tensor_parallel_size)]
     argv += ["--mem-fraction-static", str(s.gpu_memory_utilization)]
+    if "device" in s.model_fields_set:  # SGLang's default: its platform's (cuda on a GPU)
+        argv += ["--device", s.device]
     if s.api_key:
         if len(s.api_key) > 1:
             raise ConfigError("api_key: SGLang takes one --api-key (rotate through the gateway)")

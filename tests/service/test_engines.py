@@ -51,6 +51,30 @@ def test_sglang_is_asked_for_its_details_and_they_are_dropped_for_the_client() -
     assert WIRES["trtllm"].request_body(b'{"a":1}') == b'{"a":1}'  # it refuses unknown fields
 
 
+def test_sglangs_error_bodies_take_openais_shape() -> None:
+    """SGLang's ErrorResponse is top level (read from 0.5.23's protocol.py; tests/e2e/
+    test_sglang_cpu.py sees it from the real server); OpenAI's clients read `error`."""
+    sglang = WIRES["sglang"]
+    body = (
+        b'{"object":"error","message":"The input (3011 tokens) is longer than the model\'s '
+        b'context length (1024 tokens).","type":"BadRequestError","param":null,"code":400}'
+    )
+    assert json.loads(sglang.error_body(body)) == {
+        "error": {
+            "message": "The input (3011 tokens) is longer than the model's context length "
+            "(1024 tokens).",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
+    }
+    openai_shaped = b'{"error":{"message":"x","type":"t","param":null,"code":400}}'
+    for kept in (openai_shaped, b"not json", b"[1]", b'{"detail":"x"}'):
+        assert sglang.error_body(kept) == kept
+    for engine in ("vllm", "trtllm"):
+        assert WIRES[engine].error_body(body) == body  # relayed as the engine sent it
+
+
 def test_malformed_or_missing_speculation_is_skipped_never_raised() -> None:
     for engine in ENGINES:
         wire = WIRES[engine]

@@ -152,3 +152,13 @@ def test_the_bundled_pair_for_sglang_is_the_portable_one(
     argv = dry_run(capsys)
     assert flag(argv, "--model-path") == str(BUNDLED_TARGET)
     assert flag(argv, "--speculative-draft-model-path") == str(BUNDLED_PORTABLE_DRAFTER)
+
+
+def test_device_goes_to_sglang_only_when_given(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--device" not in dry_run(capsys)  # SGLang's own default (its platform's)
+    assert flag(dry_run(capsys, "--device", "cpu"), "--device") == "cpu"
+    for backend in ("vllm", "trtllm"):
+        assert main(["--backend", backend, "--device", "cpu", "--dry-run"]) == 2
+        assert f"device: the embedded engine's and SGLang's (--device); {backend}" in (
+            capsys.readouterr().err
+        )
