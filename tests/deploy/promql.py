@@ -55,8 +55,14 @@ def substitute_grafana_vars(expr: str) -> str:
     return expr
 
 
+# A name selected in either spelling, `prefix:name` or `prefix_name` (escaped by an exporter).
+_EITHER_SPELLING = re.compile(r'__name__=~"([a-z]+)\[:_\]([a-z0-9_]+)"')
+
+
 def metric_names(expr: str) -> set[str]:
-    """Metric names an expression reads (functions and keywords excluded)."""
+    """Metric names an expression reads (functions and keywords excluded); a name selected as
+    `{__name__=~"a[:_]b"}` counts as `a:b`."""
+    either = {f"{prefix}:{name}" for prefix, name in _EITHER_SPELLING.findall(expr)}
     text = _STRING.sub('""', substitute_grafana_vars(expr))
     text = _MATCHERS.sub(" ", text)
     text = _RANGE.sub(" ", text)
@@ -70,7 +76,7 @@ def metric_names(expr: str) -> set[str]:
         if match.group(0).lower() in KEYWORDS:
             continue
         names.add(match.group(0))
-    return names
+    return names | either
 
 
 def dashboard_targets(path: Path) -> list[tuple[str, str]]:

@@ -192,7 +192,8 @@ def test_autoscaling_reads_each_engines_queue() -> None:
         if d["kind"] == "ScaledObject"
     }
     assert queries["vllm"].startswith("sum(vllm:num_requests_waiting{")
-    assert queries["sglang"].startswith("sum(sglang:num_queue_reqs{")
+    # Either spelling: a Prometheus 2 scrape of SGLang escapes ':' to '_'.
+    assert queries["sglang"].startswith('sum({__name__=~"sglang[:_]num_queue_reqs",')
     assert queries["sglang"].endswith(',priority=""})')  # the total over priorities
     assert queries["trtllm"].startswith("sum(trtllm_num_requests_waiting{")
     for pool, query in queries.items():

@@ -19,7 +19,14 @@ groups:
 {{- $parts := list -}}
 {{- range $engine := list "vllm" "sglang" "trtllm" -}}
 {{- with get $ $engine -}}
-{{- $parts = append $parts (printf "label_replace(%s, \"engine\", \"%s\", \"\", \"\")" . $engine) -}}
+{{- $expr := . -}}
+{{- if eq $engine "sglang" -}}
+{{- /* SGLang serves /metrics with prometheus_client's content negotiation: a Prometheus 2
+       that asks for OpenMetrics without an escaping scheme gets `sglang_*` names (':' escaped
+       to '_'); Prometheus 3 gets `sglang:*`. Both spellings are read. */ -}}
+{{- $expr = regexReplaceAll "sglang:([a-z0-9_]+)\\{" $expr "{__name__=~\"sglang[:_]${1}\"," -}}
+{{- end -}}
+{{- $parts = append $parts (printf "label_replace(%s, \"engine\", \"%s\", \"\", \"\")" $expr $engine) -}}
 {{- end -}}
 {{- end -}}
 {{- join " or " $parts -}}

@@ -145,18 +145,19 @@ dflash-serving/pool: {{ $pool }}
 {{- with include "dflash.poolName" . }},pool="{{ . }}"{{ end -}}
 {{- end -}}
 
-{{/* A worker's load gauges in its engine's own names (YAML: waiting, running, and `only`, a
-     selector suffix that keeps one series per worker), from each engine's source: vLLM
+{{/* A worker's load gauges in its engine's own names (YAML: waiting, running: the selector up
+     to its labels; `only`: a selector suffix that keeps one series per worker), from each engine's source: vLLM
      (and the embedded worker) vllm:num_requests_*, SGLang 0.5.23 sglang:num_queue_reqs /
      num_running_reqs (the total of every priority is priority=""), TensorRT-LLM
      trtllm_num_requests_*. */}}
 {{- define "dflash.engine.loadSeries" -}}
 {{- if eq .Values.mode "sglang" -}}
-{waiting: "sglang:num_queue_reqs", running: "sglang:num_running_reqs", only: ',priority=""'}
+{{- /* Either spelling: see dflash.rules.perEngine (a Prometheus 2 scrape escapes ':'). */ -}}
+{waiting: '{__name__=~"sglang[:_]num_queue_reqs",', running: '{__name__=~"sglang[:_]num_running_reqs",', only: ',priority=""'}
 {{- else if eq .Values.mode "trtllm" -}}
-{waiting: trtllm_num_requests_waiting, running: trtllm_num_requests_running, only: ""}
+{waiting: "trtllm_num_requests_waiting{", running: "trtllm_num_requests_running{", only: ""}
 {{- else -}}
-{waiting: "vllm:num_requests_waiting", running: "vllm:num_requests_running", only: ""}
+{waiting: "vllm:num_requests_waiting{", running: "vllm:num_requests_running{", only: ""}
 {{- end -}}
 {{- end -}}
 
