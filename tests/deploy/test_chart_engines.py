@@ -8,8 +8,6 @@ do fails at `helm template`, naming the value."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from engine.worker.settings import BUNDLED_PORTABLE_DRAFTER, BUNDLED_TARGET
 from service.settings import GatewaySettings
 from tests.deploy.chart import ROOT, find, helm, render, template_args
 from tests.fixtures.sglang_parser import parse_with_sglang, require_sglang_env
+from tests.fixtures.worker import worker_dry_run
 
 KEY = "wk-test-key-0123456789"
 NO_KEY = ("worker.requireApiKey=false",)
@@ -39,21 +38,12 @@ def argv(c: dict[str, Any]) -> list[str]:
     return [str(a).replace("$(DFLASH_WORKER_API_KEY)", KEY) for a in c["command"] + c["args"]]
 
 
-def worker_dry_run(backend: str, sets: tuple[str, ...]) -> str:
+def translated(backend: str, sets: tuple[str, ...]) -> str:
     """`dflash-worker --backend BACKEND <the chart's vLLM-mode worker args> --dry-run`: the
     same values rendered for our own image, translated by the worker itself."""
     ours = argv(container(render(sets=sets)))
     assert ours[:3] == ["dflash-worker", "--backend", "vllm"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "engine.worker.cli", "--backend", backend, *ours[3:], "--dry-run"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
+    return worker_dry_run("--backend", backend, *ours[3:])
 
 
 def test_sglang_pod_runs_what_the_worker_builds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,7 +55,7 @@ def test_sglang_pod_runs_what_the_worker_builds(monkeypatch: pytest.MonkeyPatch)
     assert (pool.name, pool.engine, pool.model) == ("default", "sglang", "qwen3-8b-dflash")
     c = container(docs)
     assert c["image"] == "lmsysorg/sglang:v0.5.23"
-    expected = json.loads(worker_dry_run("sglang", ()))
+    expected = json.loads(translated("sglang", ()))
     assert argv(c) == [a if a != "<redacted>" else KEY for a in expected]
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000}
@@ -75,7 +65,7 @@ def test_trtllm_pod_runs_what_the_worker_builds() -> None:
     docs = render(sets=("mode=trtllm", *NO_KEY))
     c = container(docs)
     assert c["image"] == "nvcr.io/nvidia/tensorrt-llm/release:1.4.0rc1"
-    dry = worker_dry_run("trtllm", NO_KEY)
+    dry = translated("trtllm", NO_KEY)
     line, document = dry.split("\n---\n", 1)
     expected = json.loads(line)
     path = "/etc/dflash-trtllm/llm-api-options.yaml"

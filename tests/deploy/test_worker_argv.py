@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 from engine.worker.cli import build_parser, settings_from_args
 from engine.worker.settings import BUNDLED_TARGET
 from tests.deploy.chart import ROOT, find, render
+from tests.fixtures.worker import worker_dry_run
 
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_PRESETS = {"default": (), "b200": ("values-b200.yaml",), "b300": ("values-b300.yaml",)}
@@ -60,22 +60,8 @@ def worker_command(
 @cache
 def dry_run(values: tuple[str, ...], sets: tuple[str, ...] = (), role: str = "single") -> list[str]:
     """The real CLI, as the container runs it: `dflash-worker <args> --dry-run`."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "engine.worker.cli",
-            *worker_command(values, sets, role),
-            "--dry-run",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr
-    argv: list[str] = json.loads(proc.stdout)
+    stdout = worker_dry_run(*worker_command(values, sets, role))
+    argv: list[str] = json.loads(stdout)
     return argv
 
 
