@@ -54,7 +54,7 @@ echo "torch==2.13.0" > "$CONS"
   uvicorn==0.54.0 uvloop==0.23.0 xgrammar==0.2.7
 
 # 5. Guard: no CUDA torch, no torchvision (PyPI's is a CUDA build that breaks on CPU torch;
-#    check_argv.py stubs it), no nvidia-* wheels.
+#    the tests give SGLang a stand-in), no nvidia-* wheels.
 "$PY" - <<'PY'
 import importlib.metadata as m, sys
 v = m.version("torch")

@@ -98,12 +98,13 @@ groups:
           "vllm" (printf "sum by (%s, position) (rate(vllm:spec_decode_num_accepted_tokens_per_pos_total{%s}[5m]))" $keep $w)
           "trtllm" (printf "sum by (%s, position) (label_replace(rate(trtllm_spec_decode_accepted_tokens_total{%s}[5m]), \"position\", \"$1\", \"token_position\", \"(.*)\"))" $keep $w)) }}
 {{- range $name, $series := dict "time_to_first_token" (list "vllm:time_to_first_token_seconds" "sglang:time_to_first_token_seconds" "trtllm_time_to_first_token_seconds") "inter_token_latency" (list "vllm:inter_token_latency_seconds" "sglang:inter_token_latency_seconds" "trtllm_time_per_output_token_seconds") "e2e_request_latency" (list "vllm:e2e_request_latency_seconds" "sglang:e2e_request_latency_seconds" "trtllm_e2e_request_latency_seconds") }}
+{{- $p95 := "histogram_quantile(0.95, sum by (namespace, job, pool, model_name, le) (rate(%s_bucket{%s}[5m])))" }}
       # Each engine has its own buckets: quantiles per engine, never across engines' buckets.
       - record: engine:dflash_worker_{{ $name }}_seconds:p95_5m
         expr: {{ include "dflash.rules.perEngine" (dict
-          "vllm" (printf "histogram_quantile(0.95, sum by (namespace, job, pool, model_name, le) (rate(%s_bucket{%s}[5m])))" (index $series 0) $w)
-          "sglang" (printf "histogram_quantile(0.95, sum by (namespace, job, pool, model_name, le) (rate(%s_bucket{%s}[5m])))" (index $series 1) $w)
-          "trtllm" (printf "histogram_quantile(0.95, sum by (namespace, job, pool, model_name, le) (rate(%s_bucket{%s}[5m])))" (index $series 2) $w)) }}
+          "vllm" (printf $p95 (index $series 0) $w)
+          "sglang" (printf $p95 (index $series 1) $w)
+          "trtllm" (printf $p95 (index $series 2) $w)) }}
 {{- end }}
 {{- end -}}
 

@@ -146,10 +146,10 @@ dflash-serving/pool: {{ $pool }}
 {{- end -}}
 
 {{/* A worker's load gauges in its engine's own names (YAML: waiting, running: the selector up
-     to its labels; `only`: a selector suffix that keeps one series per worker), from each engine's source: vLLM
-     (and the embedded worker) vllm:num_requests_*, SGLang 0.5.23 sglang:num_queue_reqs /
-     num_running_reqs (the total of every priority is priority=""), TensorRT-LLM
-     trtllm_num_requests_*. */}}
+     to its labels; `only`: a selector suffix that keeps one series per worker), from each
+     engine's source: vLLM (and the embedded worker) vllm:num_requests_*, SGLang 0.5.23
+     sglang:num_queue_reqs / num_running_reqs (the total of every priority is priority=""),
+     TensorRT-LLM trtllm_num_requests_*. */}}
 {{- define "dflash.engine.loadSeries" -}}
 {{- if eq .Values.mode "sglang" -}}
 {{- /* Either spelling: see dflash.rules.perEngine (a Prometheus 2 scrape escapes ':'). */ -}}
