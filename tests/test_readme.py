@@ -25,8 +25,9 @@ BUNDLED = ROOT / "engine/assets/tiny-coder"
 README_PORT = "127.0.0.1:8000"
 
 
-def code_blocks(language: str) -> list[str]:
-    text = (ROOT / "README.md").read_text()
+def code_blocks(language: str, doc: str = "README.md") -> list[str]:
+    """The fenced blocks of one of the project's Markdown files (README.md, docs/...)."""
+    text = (ROOT / doc).read_text()
     return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.M | re.S)
 
 
@@ -128,7 +129,7 @@ def test_ctrl_c_stops_everything(stack: tuple[int, subprocess.Popen[str]]) -> No
 def test_readme_compatibility_table_is_the_field_table() -> None:
     from engine.worker.fields import compatibility_table
 
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs/api.md").read_text()
     table = text.split("<!-- fields:begin -->\n")[1].split("<!-- fields:end -->")[0]
     assert table == compatibility_table()
 
@@ -137,12 +138,12 @@ def test_readme_gateway_table_names_every_setting() -> None:
     """'Every setting is a flag or a DFLASH_GATEWAY_<NAME> variable': each one is in the table."""
     from service.settings import GatewaySettings
 
-    text = (ROOT / "README.md").read_text()
-    section = text.split("## The gateway\n")[1].split("\n## ")[0]
+    text = (ROOT / "docs/gateway.md").read_text()
+    section = text.split("\n## ")[0]  # the settings table comes before the first section
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     names = {name for row in rows for name in re.findall(r"`([A-Z_]+)`", row)}
     missing = {f.upper() for f in GatewaySettings.model_fields} - names
-    assert not missing, f"README's gateway settings table lacks {sorted(missing)}"
+    assert not missing, f"docs/gateway.md's settings table lacks {sorted(missing)}"
 
 
 def test_make_serve_takes_a_port_and_flags() -> None:
@@ -192,7 +193,9 @@ def readme_serve(serve_line: str, *extra: str) -> Iterator[tuple[int, subprocess
 
 
 def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
-    (block,) = [b for b in code_blocks("bash") if "dflash-serve --pools examples/" in b]
+    (block,) = [
+        b for b in code_blocks("bash", "docs/gateway.md") if "dflash-serve --pools examples/" in b
+    ]
     serve_line, metrics_line = block.strip().splitlines()
     with readme_serve(serve_line) as (port, proc):
         assert proc.stdout is not None
@@ -227,7 +230,9 @@ def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
 def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -> None:
     """The Tenants block as written: dflash-serve with the example key file, the curl that
     shows the x-ratelimit headers, and the admin's usage read."""
-    (block,) = [b for b in code_blocks("bash") if "--api-key-file examples/" in b]
+    (block,) = [
+        b for b in code_blocks("bash", "docs/tenants.md") if "--api-key-file examples/" in b
+    ]
     serve_line, headers_line, usage_line = block.strip().splitlines()
     with readme_serve(serve_line, *worker_args(tiny_checkpoint)) as (port, proc):
         assert proc.stdout is not None
@@ -263,7 +268,7 @@ def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -
 
 
 def test_readme_engine_commands_print_each_engines_command_line() -> None:
-    (block,) = [b for b in code_blocks("bash") if "--backend sglang" in b]
+    (block,) = [b for b in code_blocks("bash", "docs/engines.md") if "--backend sglang" in b]
     sglang_line, trtllm_line = block.strip().splitlines()
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     sglang = subprocess.run(["bash", "-c", sglang_line], capture_output=True, text=True, env=env)

@@ -12,7 +12,11 @@ import pytest
 
 from tests.deploy.chart import ROOT, helm
 
-DOCS = (ROOT / "README.md", ROOT / "helm" / "dflash-serving" / "README.md")
+DOCS = (
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "helm" / "dflash-serving" / "README.md",
+)
 
 
 def shell_commands(doc: Path) -> list[list[str]]:

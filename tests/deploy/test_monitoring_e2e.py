@@ -323,7 +323,7 @@ def test_both_pools_show_side_by_side(stack: Stack) -> None:
 
 
 def test_the_readmes_pool_comparison_query_returns_both_pools(stack: Stack) -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs/gateway.md").read_text()
     (promql,) = re.findall(r"^```promql\n(.*?)^```", readme, flags=re.M | re.S)
     result = query(stack.prometheus, promql.replace('"tiny-coder"', f'"{MODEL}"'))
     assert {r["metric"]["pool"] for r in result} == {"baseline", "canary"}

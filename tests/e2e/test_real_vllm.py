@@ -700,7 +700,7 @@ def announcement(out: IO[str]) -> str:
 
 
 def _readme_vllm_command() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs/worker.md").read_text()
     lines = [ln for ln in text.splitlines() if "dflash-serve --backend vllm" in ln]
     assert lines and "--port 8000" in lines[0], lines
     return lines[0].split()
