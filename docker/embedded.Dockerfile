@@ -9,6 +9,8 @@ RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 COPY pyproject.toml README.md ./
 COPY service/ service/
+COPY wire/ wire/
+COPY launcher/ launcher/
 COPY engine/ engine/
 # engine/assets/tiny-coder (target + DFlash drafter) ships as package data.
 RUN /opt/venv/bin/pip install --no-cache-dir '.[engine]' \

@@ -6,6 +6,8 @@ WORKDIR /src
 # Only the gateway's sources: the core install has no torch and no engine dependencies.
 COPY pyproject.toml README.md ./
 COPY service/ service/
+COPY wire/ wire/
+COPY launcher/ launcher/
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
  && /opt/venv/bin/pip install --no-cache-dir . \

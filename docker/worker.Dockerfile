@@ -6,6 +6,8 @@ FROM vllm/vllm-openai:v0.33.0
 WORKDIR /opt/dflash-serving
 COPY pyproject.toml README.md ./
 COPY service/ service/
+COPY wire/ wire/
+COPY launcher/ launcher/
 COPY engine/ engine/
 # The core dependencies only: vLLM's image already has its torch and CUDA stack, which must
 # not be replaced (the [engine] extra pins a CPU torch; the [vllm] extra is this base image).

@@ -27,23 +27,22 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
-from loadtest.engine_bench import int_list
+from launcher.processes import cpu_seconds, free_port, rss_mib, stop, wait_healthy
+from loadtest.harness import closed_loop, git_commit, int_list
 
 REPO = Path(__file__).resolve().parents[1]
-T = TypeVar("T")
 BACKENDS = ("embedded", "vllm")
 MODES = ("plain", "dflash")
 MODEL_NAME = "tiny-coder"
@@ -283,37 +282,6 @@ class RunningWorker:
     startup_s: float = 0.0
 
 
-def wait_healthy(worker: RunningWorker, timeout: float) -> None:
-    """Poll GET /health (bounded), saying every 15 s that the worker is still loading."""
-    start = time.monotonic()
-    next_note = start + 15.0
-    while time.monotonic() - start < timeout:
-        if worker.process.poll() is not None:
-            tail = worker.log_path.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{worker.spec.name} exited ({worker.process.returncode}):\n{tail}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{worker.url}/health", timeout=2.0).status_code == 200:
-                worker.startup_s = time.monotonic() - start
-                return
-        if time.monotonic() > next_note:
-            print(
-                f"  {worker.spec.name}: loading ({time.monotonic() - start:.0f} s) ...", flush=True
-            )
-            next_note += 15.0
-        time.sleep(0.5)
-    raise TimeoutError(f"{worker.spec.name} not healthy after {timeout:.0f} s ({worker.log_path})")
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-
-
 @contextlib.contextmanager
 def running_workers(
     specs: Sequence[WorkerSpec],
@@ -328,7 +296,7 @@ def running_workers(
     workers: list[RunningWorker] = []
     try:
         for i, spec in enumerate(specs):
-            port = args.port_base + i if args.port_base else _free_port()
+            port = args.port_base + i if args.port_base else free_port()
             log_path = log_dir / f"{spec.name}.log"
             print(f"starting {spec.name} on port {port} (log {log_path})", flush=True)
             with log_path.open("wb") as log:
@@ -341,58 +309,20 @@ def running_workers(
                 )
             worker = RunningWorker(spec, f"http://127.0.0.1:{port}", process, log_path)
             workers.append(worker)
-            wait_healthy(worker, args.startup_timeout)
+            worker.startup_s = wait_healthy(
+                f"{worker.url}/health",
+                process,
+                args.startup_timeout,
+                name=spec.name,
+                log=log_path,
+                report_every=15.0,
+                interval=0.5,
+            )
             print(f"  {spec.name}: ready after {worker.startup_s:.0f} s", flush=True)
         yield workers
     finally:
         for worker in workers:
-            stop(worker.process)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def process_tree(pid: int) -> list[int]:
-    """A process and all its descendants (vLLM runs an engine-core child)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo += children.get(current, [])
-    return tree
-
-
-def tree_rss_mib(pid: int) -> int:
-    total_kib = 0
-    for member in process_tree(pid):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            for line in Path(f"/proc/{member}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total_kib += int(line.split()[1])
-    return total_kib // 1024
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by a process tree's live members."""
-    ticks = 0
-    for member in process_tree(pid):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = Path(f"/proc/{member}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+            stop(worker.process, timeout=60)
 
 
 # ---- load -----------------------------------------------------------------------------------
@@ -419,24 +349,6 @@ async def one_request(
         print(f"  {url}: HTTP {response.status_code}: {response.text[:300]}", file=sys.stderr)
         return None
     return parse_result(response.json(), latency)
-
-
-async def closed_loop(
-    n: int, concurrency: int, send: Callable[[int], Awaitable[T]]
-) -> tuple[list[T | None], float]:
-    """`concurrency` users each sending request i (0..n-1, in order) as soon as their last
-    one is answered, until all n are; the results by i and the wall seconds."""
-    results: list[T | None] = [None] * n
-    queue = list(range(n))[::-1]
-
-    async def user() -> None:
-        while queue:
-            i = queue.pop()
-            results[i] = await send(i)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(concurrency)))
-    return results, time.perf_counter() - start
 
 
 async def run_round(
@@ -473,11 +385,11 @@ async def settle(workers: Sequence[RunningWorker]) -> float:
     about a second after its last request, which would slow whichever worker runs next."""
     start = time.perf_counter()
     while time.perf_counter() - start < SETTLE_LIMIT_S:
-        before = [tree_cpu_s(w.process.pid) for w in workers]
+        before = [cpu_seconds(w.process.pid) for w in workers]
         window = time.perf_counter()
         await asyncio.sleep(0.25)
         elapsed = time.perf_counter() - window
-        after = [tree_cpu_s(w.process.pid) for w in workers]
+        after = [cpu_seconds(w.process.pid) for w in workers]
         if all((b - a) / elapsed < QUIET_CORES for a, b in zip(before, after, strict=True)):
             break
     return time.perf_counter() - start
@@ -522,11 +434,11 @@ async def _measured_round(
 ) -> None:
     idle.settle_s += await settle(workers)
     others = [w for w in workers if w is not worker]
-    cpu_before = {w.spec.name: tree_cpu_s(w.process.pid) for w in workers}
+    cpu_before = {w.spec.name: cpu_seconds(w.process.pid) for w in workers}
     results, seconds = await run_round(client, worker.url, batch, cell.concurrency, args.max_tokens)
-    cell.cpu_s += tree_cpu_s(worker.process.pid) - cpu_before[worker.spec.name]
+    cell.cpu_s += cpu_seconds(worker.process.pid) - cpu_before[worker.spec.name]
     for w in others:
-        idle.cpu_s[w.spec.name] += tree_cpu_s(w.process.pid) - cpu_before[w.spec.name]
+        idle.cpu_s[w.spec.name] += cpu_seconds(w.process.pid) - cpu_before[w.spec.name]
         idle.wall_s[w.spec.name] += seconds
     cell.add_round(results, seconds)
     for i, res in enumerate(results[: args.num_prompts]):
@@ -638,7 +550,7 @@ def build_report(
     args: argparse.Namespace,
     workers: Sequence[RunningWorker],
     cells: dict[tuple[str, int], Cell],
-    rss: dict[str, int],
+    rss: dict[str, float],
     load: tuple[list[float], list[float]],
     idle: Idle,
 ) -> dict[str, Any]:
@@ -647,7 +559,7 @@ def build_report(
     return {
         "benchmark": "backends",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "model": MODEL_NAME,
         "config": config,
         "workers": {
@@ -667,18 +579,6 @@ def build_report(
     }
 
 
-def _git_commit() -> str | None:
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return out.stdout.strip() or None
-    return None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     problem = check_vllm(args)
@@ -692,10 +592,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
         with running_workers(worker_specs(args), args, log_dir) as workers:
-            rss = {w.spec.name: tree_rss_mib(w.process.pid) for w in workers}
+            rss = {w.spec.name: rss_mib(w.process.pid) for w in workers}
             load_before = list(os.getloadavg())
             cells, idle = asyncio.run(measure(workers, prompts, args))
-            rss = {w.spec.name: max(rss[w.spec.name], tree_rss_mib(w.process.pid)) for w in workers}
+            rss = {w.spec.name: max(rss[w.spec.name], rss_mib(w.process.pid)) for w in workers}
             load = (load_before, list(os.getloadavg()))
             report = build_report(args, workers, cells, rss, load, idle)
     print(format_table(report))

@@ -145,7 +145,7 @@ class RequestRecord:
 
     @property
     def tpot_s(self) -> float | None:
-        """(end - first token) / (tokens - 1): DESIGN §3b; None when undefined."""
+        """(end - first token) / (tokens - 1), as the gateway's TPOT; None when undefined."""
         if self.ttft_s is None or self.output_tokens < 2 or self.latency_s <= self.ttft_s:
             return None
         return (self.latency_s - self.ttft_s) / (self.output_tokens - 1)

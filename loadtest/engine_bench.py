@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-BUNDLED = Path(__file__).resolve().parents[1] / "engine" / "assets" / "tiny-coder"
+from loadtest.harness import BUNDLED, bench_prompts, int_list
 
 
 @dataclass
@@ -71,17 +71,6 @@ class Cell:
             return []
         pairs = zip(self.runs_tokens_per_second, baseline.runs_tokens_per_second, strict=True)
         return [mine / base for mine, base in pairs if base > 0]
-
-
-def int_list(text: str) -> list[int]:
-    """argparse type: comma-separated positive integers (every bench's lists)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
-    return values
 
 
 def parse_args(argv: Seq[str]) -> argparse.Namespace:
@@ -143,20 +132,6 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def load_prompts(path: Path | None, n: int) -> list[str]:
-    if path is None:
-        from engine.train.corpus import heldout_prompts
-
-        return heldout_prompts(n)
-    text = path.read_text(encoding="utf-8")
-    if text.lstrip().startswith("["):
-        items = json.loads(text)
-    else:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    prompts = [i if isinstance(i, str) else str(i["prompt"]) for i in items]
-    return prompts[:n] if n > 0 else prompts
-
-
 def main(argv: Seq[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     for name, folder in (("target", args.model), ("drafter", args.drafter)):
@@ -167,7 +142,7 @@ def main(argv: Seq[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    prompts = load_prompts(args.prompts, args.num_prompts)
+    prompts = bench_prompts(args.prompts, args.num_prompts)
     report = run_benchmark(args, prompts)
     print(format_table(report))
     if args.background_load:

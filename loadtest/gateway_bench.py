@@ -22,17 +22,16 @@ import json
 import os
 import platform
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
+from launcher.processes import free_port, stop_all, wait_healthy
+from loadtest.harness import aligned, percentile, timed_loop
 
 _STAMP = re.compile(rb'"t":(\d+)')
 
@@ -51,14 +50,6 @@ class Sample:
     def error(self, kind: str) -> None:
         self.errors += 1
         self.error_kinds[kind] = self.error_kinds.get(kind, 0) + 1
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 BENCH_KEY = "sk-bench-load"
@@ -147,9 +138,8 @@ async def closed_loop(
 ) -> Sample:
     """`users` clients, each sending its next request as soon as the last one finished."""
     sample = Sample()
-    deadline = time.perf_counter() + duration
 
-    async def user() -> None:
+    async def user(deadline: float) -> None:
         client = RawClient(port)
         try:
             while time.perf_counter() < deadline:
@@ -157,9 +147,7 @@ async def closed_loop(
         finally:
             client.close()
 
-    start = time.perf_counter()
-    await asyncio.gather(*(user() for _ in range(users)))
-    sample.elapsed_s = time.perf_counter() - start
+    sample.elapsed_s = await timed_loop(users, duration, user)
     return sample
 
 
@@ -214,24 +202,6 @@ def added(direct: dict[str, Any], gateway: dict[str, Any], key: str) -> dict[str
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {process.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url, timeout=1.0).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
-
-
 @contextlib.contextmanager
 def subprocesses(events: int) -> Iterator[tuple[int, int]]:
     """(stub port, gateway port): the stub and one gateway process in front of it."""
@@ -244,19 +214,12 @@ def subprocesses(events: int) -> Iterator[tuple[int, int]]:
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(subprocess.Popen([*stub_cmd, "--events", str(events)], env=env))
-        wait_healthy(f"http://127.0.0.1:{stub_port}/health", procs[0])
+        wait_healthy(f"http://127.0.0.1:{stub_port}/health", procs[0], 30.0, interval=0.1)
         procs.append(subprocess.Popen(gw_cmd, env=env))
-        wait_healthy(f"http://127.0.0.1:{gw_port}/ready", procs[1])
+        wait_healthy(f"http://127.0.0.1:{gw_port}/ready", procs[1], 30.0, interval=0.1)
         yield stub_port, gw_port
     finally:
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_all(procs, timeout=15)
 
 
 PHASES = ("unary", "stream", "max_rps_unary", "max_rps_stream")
@@ -355,12 +318,6 @@ def table(results: dict[str, Any], args: argparse.Namespace) -> str:
         )
         rows.append((labels[name], "errors", cell(d["errors"]), cell(g["errors"]), ""))
     return aligned(rows)
-
-
-def aligned(rows: Sequence[Sequence[str]], sep: str = "  ") -> str:
-    """Rows of cells as text columns, each as wide as its widest cell."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join(sep.join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -42,20 +42,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.processes import cpu_seconds, free_port, rss_mib, stop, wait_healthy
 from loadtest.gateway_bench import (
     BENCH_KEY,
     RawClient,
     Sample,
-    aligned,
     body,
     closed_loop,
-    free_port,
-    percentile,
-    wait_healthy,
     without_collector,
     write_report,
 )
-from service.http import package_version
+from loadtest.harness import aligned, percentile, pinned
+from wire.http import package_version
 
 ROOT = Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"
@@ -118,66 +116,6 @@ class PeerResult:
     burst: Sample = field(default_factory=Sample)
     first_burst: Sample = field(default_factory=Sample)  # opens the upstream connections
     rss_mb: float | None = None
-
-
-_TAKEN: set[int] = set()
-
-
-def fresh_port() -> int:
-    """A free port no other peer of this run was given (free_port alone may hand the same
-    port twice before the first process binds it)."""
-    for _ in range(100):
-        port = free_port()
-        if port not in _TAKEN:
-            _TAKEN.add(port)
-            return port
-    raise RuntimeError("no free port")
-
-
-def pinned(cpus: str | None, argv: list[str]) -> list[str]:
-    return ["taskset", "-c", cpus, *argv] if cpus and shutil.which("taskset") else argv
-
-
-def tree_pids(pid: int) -> list[int]:
-    """The process and its descendants (nginx's master and worker, a launcher's child)."""
-    found, frontier = [pid], [pid]
-    while frontier:
-        parent = frontier.pop()
-        try:
-            children = Path(f"/proc/{parent}/task/{parent}/children").read_text().split()
-        except OSError:
-            continue
-        for child in map(int, children):
-            found.append(child)
-            frontier.append(child)
-    return found
-
-
-def cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of the process and its descendants."""
-    return sum(cpu_by_process(pid).values())
-
-
-def cpu_by_process(pid: int) -> dict[int, float]:
-    """CPU seconds of the process and of each descendant, by pid."""
-    found: dict[int, float] = {}
-    for one in tree_pids(pid):
-        try:
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        found[one] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return found
-
-
-def rss_mb(pid: int) -> float:
-    total = 0
-    for one in tree_pids(pid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{one}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-    return round(total / 1024, 1)
 
 
 def missing_peers(args: argparse.Namespace) -> dict[str, str]:
@@ -262,29 +200,29 @@ def start_peers(
     if args.baseline_src is not None:
         sources.append(("dflash-gateway@baseline", args.baseline_src.resolve()))
     for name, src in sources:
-        port = fresh_port()
+        port = free_port()
         process = start_gateway(port, upstream, [], args.proxy_cpu, src)
         peers.append(Peer(name, port, process, "/ready"))
     if args.pools:
-        port, pools = fresh_port(), workdir / "pools.yaml"
+        port, pools = free_port(), workdir / "pools.yaml"
         pools.write_text(json.dumps(canary_pools(upstream)))
         process = start_gateway(port, upstream, [], args.proxy_cpu, ROOT, pools)
         peers.append(Peer("dflash-gateway (pools)", port, process, "/ready"))
     if args.limits:
         peers += limit_peers(args, upstream, workdir, missing)
     if "nginx" not in missing:
-        port = fresh_port()
+        port = free_port()
         conf = workdir / "nginx.conf"
         conf.write_text(NGINX_CONF.format(dir=workdir, upstream=upstream, port=port))
         argv = [NGINX, "-c", str(conf), "-p", str(workdir)]
         process = subprocess.Popen(pinned(args.proxy_cpu, argv), stderr=subprocess.DEVNULL)
         peers.append(Peer("nginx", port, process, "/health"))
     if "vllm-router" not in missing:
-        port = fresh_port()
+        port = free_port()
         worker = f"http://127.0.0.1:{upstream}"
         argv = [str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", worker]
         argv += ["--policy", "round_robin", "--log-level", "warning"]
-        argv += ["--prometheus-port", str(fresh_port())]
+        argv += ["--prometheus-port", str(free_port())]
         process = subprocess.Popen(
             pinned(args.proxy_cpu, argv), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )
@@ -307,7 +245,7 @@ def limit_peers(
         ("dflash-gateway (limits)", {"api_key_file": str(keys)}),
     ]
     if "redis-server" not in missing:
-        redis_port = fresh_port()
+        redis_port = free_port()
         argv = [REDIS, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""]
         argv += ["--appendonly", "no", "--dir", str(workdir)]
         redis = subprocess.Popen(pinned(args.aux_cpus, argv), stdout=subprocess.DEVNULL)
@@ -316,7 +254,7 @@ def limit_peers(
         variants.append(("dflash-gateway (limits, redis)", shared))
     peers = []
     for name, settings in variants:
-        port = fresh_port()
+        port = free_port()
         process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings)
         peers.append(Peer(name, port, process, "/ready"))
     if "redis-server" not in missing:
@@ -354,7 +292,7 @@ def canary_pools(upstream: int) -> list[dict[str, Any]]:
 
 
 def start_litellm(args: argparse.Namespace, upstream: int, workdir: Path) -> Peer:
-    port = fresh_port()
+    port = free_port()
     conf = workdir / "litellm.yaml"
     conf.write_text(LITELLM_CONF.format(upstream=upstream))
     env = {
@@ -545,25 +483,15 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 @contextlib.contextmanager
 def stub_process(events: int, cpus: str | None) -> Iterator[int]:
     """The stub upstream (SSE streams of `events` events), pinned to `cpus` when given."""
-    port = fresh_port()
+    port = free_port()
     argv = [sys.executable, "-m", "loadtest.stub_upstream", "--port", str(port)]
     argv += ["--events", str(events)]
     process = subprocess.Popen(pinned(cpus, argv), cwd=ROOT)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/health", process)
+        wait_healthy(f"http://127.0.0.1:{port}/health", process, 30.0, interval=0.1)
         yield port
     finally:
         stop(process)
-
-
-def stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 async def run(args: argparse.Namespace, stub: int, peers: list[Peer]) -> list[dict[str, Any]]:
@@ -576,7 +504,7 @@ async def run(args: argparse.Namespace, stub: int, peers: list[Peer]) -> list[di
     for _ in range(args.rounds):
         await one_round(args, peers, results, stub)
     for peer in peers:
-        results[peer.name].rss_mb = rss_mb(peer.process.pid)
+        results[peer.name].rss_mb = rss_mib(peer.process.pid)
     return [
         row(peer.name, results[peer.name], results[f"direct:{peer.name}"], args.events)
         for peer in peers
@@ -626,7 +554,9 @@ def main(argv: list[str] | None = None) -> int:
         peers = start_peers(args, stub, Path(tmp), missing)
         try:
             for peer in peers:
-                wait_healthy(f"http://127.0.0.1:{peer.port}{peer.ready_path}", peer.process, 60)
+                wait_healthy(
+                    f"http://127.0.0.1:{peer.port}{peer.ready_path}", peer.process, 60, interval=0.1
+                )
             rows = asyncio.run(run(args, stub, peers))
             versions = peer_versions(peers)
         finally:

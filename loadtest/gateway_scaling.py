@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from launcher.processes import cpu_by_process, free_port, stop, wait_healthy
 from loadtest.gateway_bench import (
     Sample,
-    aligned,
     body,
     closed_loop,
-    wait_healthy,
     without_collector,
     write_report,
 )
-from loadtest.gateway_peers import cpu_by_process, fresh_port, start_gateway, stop, stub_process
+from loadtest.gateway_peers import start_gateway, stub_process
+from loadtest.harness import aligned
 
 
 @dataclass
@@ -102,10 +102,10 @@ async def measure(
 
 def one_slice(processes: int, upstream: int, args: argparse.Namespace, into: Totals) -> None:
     """A fresh gateway with this many processes, measured, stopped."""
-    port = fresh_port()
+    port = free_port()
     gateway = start_gateway(port, upstream, ["--processes", str(processes)], None)
     try:
-        wait_healthy(f"http://127.0.0.1:{port}/ready", gateway, 60)
+        wait_healthy(f"http://127.0.0.1:{port}/ready", gateway, 60, interval=0.1)
         wait_listening(port, processes, gateway)
         pids = serving_pids(gateway, processes)
         sample, cpu = asyncio.run(measure(port, pids, gateway.pid, args))

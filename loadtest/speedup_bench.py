@@ -41,14 +41,12 @@ from loadtest.backends_bench import (
     MODEL_NAME,
     RunningWorker,
     WorkerSpec,
-    _git_commit,
-    closed_loop,
     running_workers,
     settle,
     worker_env,
 )
 from loadtest.chat_stream import iter_sse_data
-from loadtest.engine_bench import int_list
+from loadtest.harness import closed_loop, git_commit, int_list
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("dflash", "plain")
@@ -402,7 +400,7 @@ def build_report(
     return {
         "benchmark": "speedup",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(),
+        "commit": git_commit(),
         "model": MODEL_NAME,
         "config": config,
         "workers": {m: worker_argv(WorkerSpec("embedded", m), 0, args)[1:] for m in MODES},

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.engine_bench import BUNDLED, int_list, load_prompts
+from loadtest.harness import BUNDLED, bench_prompts, int_list, percentile
 
 PHASES = ("prepare", "draft", "verify", "accept", "context", "commit")
 
@@ -61,8 +61,8 @@ class Column:
             "drafter": self.drafter,
             "steps": self.steps,
             "step_ms_median": statistics.median(self.step_ms),
-            "step_ms_p10": _quantile(self.step_ms, 0.1),
-            "step_ms_p90": _quantile(self.step_ms, 0.9),
+            "step_ms_p10": percentile(self.step_ms, 10),
+            "step_ms_p90": percentile(self.step_ms, 90),
             "cpu_ms_median": median,
             "phases_ms": phases,
             "cost_plain_steps": cost,
@@ -70,11 +70,6 @@ class Column:
             "tokens_per_row_step": tokens_per_step,
             "speedup_bound": tokens_per_step / cost if cost else 0.0,
         }
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def parse_args(argv: Seq[str]) -> argparse.Namespace:
@@ -192,7 +187,7 @@ class StepBench:
         if int8:
             self.drafter.use_int8()
         tokenizer = Tokenizer.from_dir(args.model)
-        texts = load_prompts(args.prompts, max(args.batch_sizes))
+        texts = bench_prompts(args.prompts, max(args.batch_sizes))
         self.prompts = [tokenizer.encode(t)[-args.prompt_tokens :] for t in texts]
         widths = [w for w in args.block_sizes if 1 < w <= self.drafter.block_size]
         self.widths = [1, *sorted(set(widths))]

@@ -11,15 +11,18 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.auth import ApiKeyAuth
-from service.errors import ModelNotFound, NoHealthyWorker, NotFound, Unavailable
-from service.http import package_version, read_json
-from service.ledger import TenantUsage
-from service.limits import RateLimiter
 from service.metrics import GatewayMetrics
-from service.pool import WorkerPool
 from service.proxy import Proxy, ProxyCall
-from service.schemas import (
+from service.routing.fleet import WorkerFleet
+from service.routing.upstream import ConnectionPool
+from service.settings import GatewaySettings
+from service.tenancy.auth import ApiKeyAuth
+from service.tenancy.ledger import TenantUsage
+from service.tenancy.limits import RateLimiter
+from service.tenancy.tenants import LIMIT_FIELDS, Tenant
+from wire.errors import ModelNotFound, NoHealthyWorker, NotFound, Unavailable
+from wire.http import package_version, read_json
+from wire.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -27,9 +30,6 @@ from service.schemas import (
     prompt_text,
     validate_request,
 )
-from service.settings import GatewaySettings
-from service.tenants import LIMIT_FIELDS, Tenant
-from service.upstream import Pool
 
 REQUEST_ID_KEY = "dflash.request_id"
 STARTED_KEY = "dflash.started"
@@ -37,7 +37,7 @@ STARTED_KEY = "dflash.started"
 # after that point (no healthy worker, draining) is counted under that model.
 MODEL_LABEL_KEY = "dflash.model_label"
 MODELS_NAMED = 10  # a 404 for an unknown model names at most this many served ones
-# The Tenant of the request's key, when the key file names tenants (service/tenants.py).
+# The Tenant of the request's key, when the key file names tenants (service/tenancy/tenants.py).
 TENANT_KEY = "dflash.tenant"
 # Generation endpoints: the ones tenants' limits count and charge.
 LIMITED_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -46,13 +46,13 @@ ADMIN_USAGE_PATH = "/admin/usage"
 
 @dataclass
 class Runtime:
-    """What the lifespan opens: the upstream clients, the pool and the proxy over them.
-    httpx serves the pool's health checks; service.upstream the request path (a lean
+    """What the lifespan opens: the upstream clients, the fleet of workers and the proxy over them.
+    httpx serves the fleet's health checks; service.routing.upstream the request path (a lean
     keep-alive HTTP/1.1 client: most of a proxied request's CPU was client setup)."""
 
     client: httpx.AsyncClient
-    upstream: Pool
-    pool: WorkerPool
+    upstream: ConnectionPool
+    fleet: WorkerFleet
     proxy: Proxy
 
 
@@ -93,15 +93,15 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     parsed = validate_request(schema, payload)
     runtime = state.live()
     retry_after = {"Retry-After": str(state.settings.retry_after_s)}
-    if not runtime.pool.routable():
+    if not runtime.fleet.routable():
         raise NoHealthyWorker("No healthy worker is available.", headers=retry_after)
-    if not runtime.pool.knows_model(parsed.model):
-        if runtime.pool.configures(parsed.model):
+    if not runtime.fleet.knows_model(parsed.model):
+        if runtime.fleet.configures(parsed.model):
             raise NoHealthyWorker(
                 f"No healthy worker serves `{parsed.model}` right now.", headers=retry_after
             )
-        raise unknown_model(parsed.model, runtime.pool)
-    known = runtime.pool.configures(parsed.model) or runtime.pool.lists_model(parsed.model)
+        raise unknown_model(parsed.model, runtime.fleet)
+    known = runtime.fleet.configures(parsed.model) or runtime.fleet.lists_model(parsed.model)
     label = parsed.model if known else "unknown"
     request.scope[MODEL_LABEL_KEY] = label
     tenant: Tenant | None = request.scope.get(TENANT_KEY)
@@ -132,10 +132,10 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     return runtime.proxy.response(call)
 
 
-def unknown_model(model: str, pool: WorkerPool | None) -> ModelNotFound:
+def unknown_model(model: str, fleet: WorkerFleet | None) -> ModelNotFound:
     """404 naming the model asked for and the ones served (OpenAI's wording, plus the list
     a newcomer needs: the name in their client rarely matches a served name at first)."""
-    served = pool.model_names() if pool is not None else []
+    served = fleet.model_names() if fleet is not None else []
     shown = ", ".join(f"`{name}`" for name in served[:MODELS_NAMED])
     more = f" and {len(served) - MODELS_NAMED} more" if len(served) > MODELS_NAMED else ""
     where = f" Served models: {shown}{more}." if served else " No model is served right now."
@@ -194,10 +194,10 @@ async def detokenize(request: Request) -> Response:
 @router.get("/v1/models/{model_id:path}", summary="One model served by the healthy workers")
 async def retrieve_model(request: Request, model_id: str) -> dict[str, Any]:
     runtime = gateway(request).runtime
-    for card in runtime.pool.models() if runtime is not None else []:
+    for card in runtime.fleet.models() if runtime is not None else []:
         if card.get("id") == model_id:
             return dict(card)
-    raise unknown_model(model_id, runtime.pool if runtime is not None else None)
+    raise unknown_model(model_id, runtime.fleet if runtime is not None else None)
 
 
 @router.get("/version", summary="The gateway's version")
@@ -208,7 +208,7 @@ async def version() -> dict[str, str]:
 @router.get("/v1/models", summary="Models served by the healthy workers")
 async def list_models(request: Request) -> dict[str, Any]:
     runtime = gateway(request).runtime
-    data = runtime.pool.models() if runtime is not None else []
+    data = runtime.fleet.models() if runtime is not None else []
     return {"object": "list", "data": data}
 
 
@@ -261,7 +261,7 @@ async def health() -> dict[str, str]:
 @router.get("/ready", summary="Readiness: a healthy worker exists and no drain is under way")
 async def ready(request: Request) -> JSONResponse:
     state = gateway(request)
-    healthy = len(state.runtime.pool.routable()) if state.runtime is not None else 0
+    healthy = len(state.runtime.fleet.routable()) if state.runtime is not None else 0
     if state.draining or not healthy:
         reason = "draining" if state.draining else "no healthy worker"
         raise Unavailable(f"Not ready: {reason}.", code="not_ready")

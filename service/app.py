@@ -29,31 +29,31 @@ from service.api import (
     proxy_endpoint,
     router,
 )
-from service.auth import ApiKeyAuth, KeyFileWatcher
-from service.errors import (
+from service.metrics import GatewayMetrics, code_label
+from service.proxy import CLIENT_CLOSED, Proxy
+from service.routing.fleet import WorkerFleet
+from service.routing.upstream import ConnectionPool
+from service.settings import GatewaySettings
+from service.tenancy.auth import ApiKeyAuth, KeyFileWatcher
+from service.tenancy.ledger import Ledger, MemoryLedger
+from service.tenancy.limits import RateLimiter
+from service.tenancy.redis_client import RedisClient
+from service.tenancy.redis_ledger import RedisLedger
+from service.tenancy.tenants import KeyRing, Tenant
+from wire.errors import (
     ApiError,
     AuthenticationFailed,
     InternalError,
     install_handlers,
     render,
 )
-from service.http import client_request_id
-from service.ledger import Ledger, MemoryLedger
-from service.limits import RateLimiter
-from service.metrics import GatewayMetrics, code_label
-from service.pool import WorkerPool
-from service.proxy import CLIENT_CLOSED, Proxy
-from service.redis_client import RedisClient
-from service.redis_ledger import RedisLedger
-from service.schemas import (
+from wire.http import client_request_id
+from wire.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from service.settings import GatewaySettings
-from service.tenants import KeyRing, Tenant
-from service.upstream import Pool
 
 log = logging.getLogger("dflash.gateway")
 
@@ -204,10 +204,10 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     return app.openapi_schema
 
 
-def upstream_pool(settings: GatewaySettings) -> Pool:
+def upstream_pool(settings: GatewaySettings) -> ConnectionPool:
     """The request path's client. Only the TCP connect has a timeout here: the proxy applies
     first-byte, idle-stream and whole-request deadlines itself."""
-    return Pool(
+    return ConnectionPool(
         connect_timeout_s=settings.connect_timeout_s,
         headers=worker_headers(settings),
         max_idle=settings.max_upstream_connections,
@@ -271,11 +271,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             )
         client = upstream_client(settings)
         upstream = upstream_pool(settings)
-        pool = WorkerPool(settings, client, metrics)
-        await pool.start()
-        proxy = Proxy(settings, pool, upstream, metrics)
-        state.runtime = Runtime(client, upstream, pool, proxy)
-        log.info("gateway ready: %d of %d workers healthy", len(pool.routable()), len(pool.workers))
+        fleet = WorkerFleet(settings, client, metrics)
+        await fleet.start()
+        proxy = Proxy(settings, fleet, upstream, metrics)
+        state.runtime = Runtime(client, upstream, fleet, proxy)
+        log.info(
+            "gateway ready: %d of %d workers healthy", len(fleet.routable()), len(fleet.workers)
+        )
         reloader = None
         if settings.api_key_file is not None:
             watcher = KeyFileWatcher(
@@ -291,7 +293,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if reloader is not None:
                 reloader.cancel()
             state.runtime = None
-            await pool.stop()
+            await fleet.stop()
             await client.aclose()
             await proxy.watchdog.close()
             upstream.close()

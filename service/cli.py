@@ -22,12 +22,12 @@ from pydantic import ValidationError
 
 from service.api import GatewayState
 from service.app import create_app
-from service.http import DrainingServer, run_servers, tune_gc_for_serving
 from service.http_server import guarded_protocol, listening_socket
 from service.metrics import MULTIPROC_ENV
 from service.proxy import Proxy
 from service.settings import GatewaySettings
-from service.tenants import KeyFileError
+from service.tenancy.tenants import KeyFileError
+from wire.http import DrainingServer, run_servers, tune_gc_for_serving
 
 log = logging.getLogger("dflash.gateway")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from service.errors import error_body
+from wire.errors import error_body
 
 log = logging.getLogger("dflash.gateway.http")
 

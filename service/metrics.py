@@ -1,18 +1,19 @@
-"""The gateway's Prometheus metrics (DESIGN §3b) and defensive parsing of what workers report."""
+"""The gateway's Prometheus series: requests, latency, tokens, per-request speculation, tenants
+and workers (names in ARCHITECTURE.md, "The gateway's metrics")."""
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+
+from service.reports import SpecStats, Usage
 
 # prometheus_client chooses where values live (memory or per-process mmap files) from this
 # variable when it is imported; the gateway's supervisor sets it for `--processes N`.
@@ -32,110 +33,13 @@ STORE_OUTCOMES = (
 # The `pool` label of a response no worker was tried for (refused by the gateway itself).
 NO_POOL = "none"
 # An error code is a label value only when it looks like one of ours (they are all literals
-# in service/errors.py and service/proxy.py); anything else is counted as "other".
+# in wire/errors.py and service/proxy.py); anything else is counted as "other".
 _CODE = re.compile(r"[a-z0-9_]{1,48}")
 
 
 def code_label(code: str | None, error_type: str) -> str:
     value = code or error_type
     return value if _CODE.fullmatch(value) else "other"
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class SpecStats:
-    """One request's speculation summary, as far as the worker reported it."""
-
-    steps: int
-    draft_tokens: int | None  # None: the engine does not report it (TensorRT-LLM)
-    accepted_tokens: int
-    acceptance_length: float | None
-    acceptance_rate: float | None
-
-
-def _count(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    if not math.isfinite(value) or value < 0:
-        return None
-    return int(value)
-
-
-def _ratio(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value) if math.isfinite(value) and value >= 0 else None
-
-
-def parse_usage(body: object) -> Usage | None:
-    """`usage` of a response body or final chunk; None when missing or malformed."""
-    usage = body.get("usage") if isinstance(body, dict) else None
-    if not isinstance(usage, dict):
-        return None
-    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-    if prompt is None and completion is None:
-        return None
-    return Usage(prompt or 0, completion or 0)
-
-
-def _histogram_counts(hist: object) -> dict[int, int]:
-    """`acceptance_histogram` as {accepted: steps}: a list, or a sparse map with str/int keys."""
-    items: list[tuple[object, object]] = []
-    if isinstance(hist, list):
-        items = list(enumerate(hist))
-    elif isinstance(hist, dict):
-        items = list(hist.items())
-    counts: dict[int, int] = {}
-    for key, value in items:
-        index, count = (
-            _count(int(key) if isinstance(key, str) and key.isdigit() else key),
-            _count(value),
-        )
-        if index is not None and count:
-            counts[index] = counts.get(index, 0) + count
-    return counts
-
-
-def _one_spec(spec: object) -> SpecStats | None:
-    if not isinstance(spec, dict):
-        return None
-    hist = _histogram_counts(spec.get("acceptance_histogram"))
-    steps = _count(spec.get("num_spec_steps"))
-    accepted = _count(spec.get("num_accepted_draft_tokens"))
-    drafted = _count(spec.get("num_draft_tokens"))
-    steps = steps if steps is not None else sum(hist.values())
-    accepted = accepted if accepted is not None else sum(k * v for k, v in hist.items())
-    if drafted is None:
-        per_step = _count(spec.get("num_spec_tokens"))
-        drafted = steps * per_step if per_step is not None else 0
-    length = _ratio(spec.get("mean_acceptance_length"))
-    if length is None and steps:
-        length = 1.0 + accepted / steps
-    rate = _ratio(spec.get("draft_acceptance_rate"))
-    if rate is None and drafted:
-        rate = accepted / drafted
-    if not steps and length is None:
-        return None
-    return SpecStats(steps, drafted, accepted, length, rate)
-
-
-def parse_spec(body: object) -> list[SpecStats]:
-    """`metrics.speculative_decoding` of a body or final chunk: missing, null, or a list per
-    choice (n > 1) all parse; what is malformed is skipped, never raised."""
-    metrics = body.get("metrics") if isinstance(body, dict) else None
-    entries = metrics if isinstance(metrics, list) else [metrics]
-    found = []
-    for entry in entries:
-        if isinstance(entry, dict):
-            stats = _one_spec(entry.get("speculative_decoding"))
-            if stats is not None:
-                found.append(stats)
-    return found
 
 
 class GatewayMetrics:
@@ -349,7 +253,7 @@ class GatewayMetrics:
             self.child(self.tenant_completion_tokens, tenant, model).inc(usage.completion_tokens)
 
     def observe_spec(self, model: str, pool: str, found: list[SpecStats]) -> None:
-        """Per-choice speculation, as each engine's wire reported it (service/engines.py)."""
+        """Per-choice speculation, as each engine's wire reported it (routing/engines.py)."""
         for stats in found:
             self.child(self.spec_steps, model, pool).inc(stats.steps)
             if stats.draft_tokens is not None:

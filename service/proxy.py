@@ -14,7 +14,16 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from service.errors import (
+from service.metrics import NO_POOL, GatewayMetrics, code_label
+from service.reports import parse_usage
+from service.routing.fleet import Worker, WorkerFleet
+from service.routing.upstream import Body, ConnectFailed, ConnectionPool, Target, UpstreamIOError
+from service.routing.upstream import Response as UpstreamResponse
+from service.settings import GatewaySettings
+from service.sse import SseTap
+from service.tenancy.limits import Headers, Ticket
+from service.watch import Draining, Watch, Watchdog
+from wire.errors import (
     ApiError,
     NoHealthyWorker,
     Unavailable,
@@ -23,14 +32,6 @@ from service.errors import (
     WorkersBusy,
     render,
 )
-from service.limits import Headers, Ticket
-from service.metrics import NO_POOL, GatewayMetrics, code_label, parse_usage
-from service.pool import Worker, WorkerPool
-from service.settings import GatewaySettings
-from service.sse import SseTap
-from service.upstream import Body, ConnectFailed, Pool, Target, UpstreamIOError
-from service.upstream import Response as UpstreamResponse
-from service.watch import Draining, Watch, Watchdog
 
 log = logging.getLogger("dflash.gateway.proxy")
 CLIENT_CLOSED = 499  # status label of requests the client abandoned (nginx's convention)
@@ -157,11 +158,11 @@ class Proxy:
     def __init__(
         self,
         settings: GatewaySettings,
-        pool: WorkerPool,
-        upstream: Pool,
+        fleet: WorkerFleet,
+        upstream: ConnectionPool,
         metrics: GatewayMetrics,
     ) -> None:
-        self.settings, self.pool, self.upstream, self.metrics = settings, pool, upstream, metrics
+        self.settings, self.fleet, self.upstream, self.metrics = settings, fleet, upstream, metrics
         tick = (
             min(
                 settings.first_byte_timeout_s,
@@ -202,7 +203,7 @@ class Proxy:
         last: UpstreamFailure | None = None
         deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_s
         for attempt in range(self.settings.max_retries + 1):
-            worker = self.pool.pick(call.model, call.affinity_key, tried)
+            worker = self.fleet.pick(call.model, call.affinity_key, tried)
             if worker is None:
                 break
             if attempt:
@@ -220,7 +221,7 @@ class Proxy:
                 log.warning(
                     "request %s: worker %s failed: %s", call.request_id, worker.url, failure
                 )
-                self.pool.report_failure(worker, failure.kind, serial, counts=failure.counts)
+                self.fleet.report_failure(worker, failure.kind, serial, counts=failure.counts)
                 last = failure
             except Draining:
                 await send_error(send, draining(self.settings), call, outcome)
@@ -232,8 +233,8 @@ class Proxy:
 
     async def _post(self, worker: Worker, call: ProxyCall, watch: Watch) -> UpstreamResponse:
         """Send the request; the watch follows the connection it goes out on (its first-byte
-        deadline, then the body's). The pool adds Accept-Encoding: identity and the worker
-        key (app.worker_headers)."""
+        deadline, then the body's). The connection pool adds Accept-Encoding: identity and the
+        worker key (app.worker_headers)."""
         target = self._targets.get(worker.url)
         if target is None:
             target = self._targets[worker.url] = Target.of(worker.url)
@@ -279,7 +280,7 @@ class Proxy:
                 raise malformed(f"HTTP {response.status} with a body that is not JSON") from None
             if not isinstance(parsed, dict):
                 raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
-        self.pool.report_success(worker)
+        self.fleet.report_success(worker)
         if parsed is not None:
             usage = parse_usage(parsed)
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
@@ -322,7 +323,7 @@ class Proxy:
                 failure = status_failure(response.status) or encoding_failure(response)
                 if failure is not None:
                     raise failure
-                self.pool.report_success(worker)
+                self.fleet.report_success(worker)
                 outcome.status = response.status
                 content_type = response.headers.get("content-type", "application/json").encode()
                 headers = [(b"content-type", content_type), *ids(call, worker)]
@@ -388,12 +389,12 @@ class Proxy:
             )
             # A fresh serial: this request never failed on this worker before (a worker is
             # tried once per request), so it counts as one more distinct request.
-            self.pool.report_failure(
+            self.fleet.report_failure(
                 worker, failure.kind, next(self._serial), counts=failure.counts
             )
             tail = UpstreamError(f"Upstream failure: {failure.message}.", code=failure.kind).sse()
         else:
-            self.pool.report_success(worker)
+            self.fleet.report_success(worker)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         observe_stream(self.metrics, call, worker, tap)
         return failure is None and not drained

@@ -9,11 +9,11 @@ from typing import Annotated, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.redis_client import RedisAddress
-from service.tenants import KeyRing, parse_key_file
+from service.tenancy.redis_client import RedisAddress
+from service.tenancy.tenants import KeyRing, parse_key_file
 
 RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
-# What serves a pool: its wire is adapted by service/engines.py (embedded speaks vLLM's).
+# What serves a pool: its wire is adapted by service/routing/engines.py (embedded speaks vLLM's).
 Engine = Literal["vllm", "embedded", "sglang", "trtllm"]
 # The name of the one pool of a gateway configured with plain `workers`/`worker_dns`.
 DEFAULT_POOL = "default"
@@ -121,7 +121,7 @@ class GatewaySettings(BaseSettings):
     api_key_file: Path | None = None
     key_reload_interval_s: float = Field(default=5.0, gt=0)  # how often the key file is checked
     metrics_auth: bool = False
-    # Tenants' limits (a key file in the tenant format, service/tenants.py) are kept in a
+    # Tenants' limits (a key file in the tenant format, service/tenancy/tenants.py) are kept in a
     # ledger: in this process by default, or in Redis (redis://[:password@]host:port/db),
     # shared by every process and replica.
     redis_url: str | None = Field(default=None, repr=False)

@@ -6,7 +6,7 @@ import json
 import time
 from typing import Any
 
-from service.engines import WIRES, Wire
+from service.routing.engines import WIRES, Wire
 
 
 def carries_tokens(choices: object) -> bool:

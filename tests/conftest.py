@@ -16,3 +16,22 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[n
     from tests.fixtures.tiny_models import build_tiny_checkpoint
 
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny-checkpoint"))
+
+
+@pytest.fixture(scope="session")
+def worker(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """One DFlash worker shared by the tests that do not stop it (gateway and wire tests)."""
+    from tests.fixtures.worker import running_worker
+    from tests.service.conftest import worker_args
+
+    with running_worker(*worker_args(tiny_checkpoint)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="session")
+def gateway(worker):  # type: ignore[no-untyped-def]
+    """A gateway in front of the shared worker."""
+    from tests.service.conftest import running_gateway
+
+    with running_gateway(workers=[worker.base_url]) as gw:
+        yield gw

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("service", "wire", "engine", "launcher", "loadtest")
+MAX_CLASS_LINES = 250
 WEB = {"fastapi", "starlette", "uvicorn", "aiohttp", "httpx", "prometheus_client"}
 
 
@@ -36,7 +38,7 @@ def _core(path: Path) -> bool:
 
 @pytest.mark.parametrize("path", [p for p in _modules("engine") if _core(p)], ids=lambda p: p.name)
 def test_engine_core_imports_no_web_framework_and_no_gateway(path: Path) -> None:
-    bad = {m for m in _imports(path) if m.split(".")[0] in WEB | {"service"}}
+    bad = {m for m in _imports(path) if m.split(".")[0] in WEB | {"service", "wire"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
@@ -48,8 +50,47 @@ def test_engine_control_side_holds_no_tensors() -> None:
 
 @pytest.mark.parametrize("path", _modules("service"), ids=lambda p: p.name)
 def test_gateway_never_imports_the_engine_or_torch(path: Path) -> None:
-    bad = {m for m in _imports(path) if m.split(".")[0] in {"engine", "torch"}}
+    bad = {m for m in _imports(path) if m.split(".")[0] in {"engine", "torch", "launcher"}}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _modules("wire"), ids=lambda p: p.name)
+def test_shared_plumbing_imports_neither_side(path: Path) -> None:
+    """wire/ is what the gateway and the worker share: it may import neither of them."""
+    bad = {
+        m for m in _imports(path) if m.split(".")[0] in {"service", "engine", "launcher", "torch"}
+    }
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _modules("engine/worker"), ids=lambda p: p.name)
+def test_worker_never_imports_the_gateway(path: Path) -> None:
+    """The worker shares the gateway's plumbing through wire/, never the gateway package."""
+    bad = {m for m in _imports(path) if m.split(".")[0] in {"service", "launcher"}}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("path", _modules("launcher"), ids=lambda p: p.name)
+def test_launcher_starts_workers_as_processes_only(path: Path) -> None:
+    """dflash-serve runs in the gateway's install (no torch): workers are processes to it."""
+    bad = {m for m in _imports(path) if m.split(".")[0] in {"engine", "torch", "loadtest"}}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def _classes() -> list[tuple[str, int]]:
+    found = []
+    for package in PACKAGES:
+        for path in _modules(package):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef):
+                    assert node.end_lineno is not None
+                    name = f"{path.relative_to(ROOT)}:{node.name}"
+                    found.append((name, node.end_lineno - node.lineno + 1))
+    return found
+
+
+def test_no_class_is_longer_than_a_few_screens() -> None:
+    assert [(name, n) for name, n in _classes() if n > MAX_CLASS_LINES] == []
 
 
 def test_importing_the_engine_core_loads_no_web_framework() -> None:
@@ -70,7 +111,12 @@ def _needs_test(path: Path) -> bool:
 
 @pytest.mark.parametrize(
     "path",
-    [p for pkg in ("service", "engine") for p in _modules(pkg) if _needs_test(p)],
+    [
+        p
+        for pkg in ("service", "wire", "engine", "launcher")
+        for p in _modules(pkg)
+        if _needs_test(p)
+    ],
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_every_module_has_a_same_named_test_module(path: Path) -> None:
@@ -81,7 +127,7 @@ def test_every_module_has_a_same_named_test_module(path: Path) -> None:
 
 def _project_modules() -> dict[str, Path]:
     found = {}
-    for package in ("service", "engine", "loadtest"):
+    for package in PACKAGES:
         for path in _modules(package):
             found[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
     return found

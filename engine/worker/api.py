@@ -1,7 +1,7 @@
 """The worker's HTTP surface: OpenAI endpoints, models, probes and metrics.
 
 A completion request goes: admit (draining? key? loaded?) -> read and validate the body
-(service/http.py, engine/worker/schemas.py) -> tokens and sampling parameters -> the engine
+(wire/http.py, engine/worker/schemas.py) -> tokens and sampling parameters -> the engine
 (generate.py) -> a JSON body or an SSE stream (responses.py). This module is the only place
 where engine exceptions become HTTP errors.
 """
@@ -37,7 +37,7 @@ from engine.worker.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from service.errors import (
+from wire.errors import (
     AuthenticationFailed,
     ClientClosedRequest,
     InvalidRequest,
@@ -45,7 +45,7 @@ from service.errors import (
     Unavailable,
     from_validation_errors,
 )
-from service.http import client_request_id, package_version, read_json
+from wire.http import client_request_id, package_version, read_json
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine

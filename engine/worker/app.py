@@ -22,8 +22,8 @@ from fastapi import FastAPI
 from engine.worker.api import router
 from engine.worker.settings import WorkerSettings
 from engine.worker.state import WorkerState
-from service.errors import install_handlers
-from service.http import DrainingServer, run_servers
+from wire.errors import install_handlers
+from wire.http import DrainingServer, run_servers
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine

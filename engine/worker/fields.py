@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from service.errors import InvalidRequest
+from wire.errors import InvalidRequest
 
 VLLM_BACKEND = "the vLLM backend supports it"
 

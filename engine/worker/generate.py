@@ -19,8 +19,8 @@ from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from engine.worker.metrics import WorkerMetrics
 from engine.worker.responses import Formatter, metrics_object, usage
 from engine.worker.schemas import AnyRequest
-from service.errors import ApiError, InternalError, Unavailable
-from service.http import SSE_DONE, sse_event
+from wire.errors import ApiError, InternalError, Unavailable
+from wire.http import SSE_DONE, sse_event
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine

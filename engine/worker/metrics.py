@@ -1,4 +1,5 @@
-"""The worker's Prometheus exposition, with vLLM's metric names (DESIGN §3).
+"""The worker's Prometheus exposition, with vLLM's metric names (ARCHITECTURE.md, "The worker
+wire contract").
 
 Load and speculation counters are read from `Engine.stats()` at scrape time by a custom
 collector (the engine owns the counts; nothing is double-booked), latency histograms are

@@ -1,5 +1,5 @@
 """The request bodies the embedded worker accepts: the gateway's own models
-(service/schemas.py: the same strict types, the same 400s) plus the fields only the worker
+(wire/schemas.py: the same strict types, the same 400s) plus the fields only the worker
 reads. Which fields are honoured and which refused (with a 400 naming them, never silently
 dropped) is fields.py.
 """
@@ -10,18 +10,18 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
-from service import schemas as gateway
-from service.errors import InvalidRequest
+from wire import schemas as shared
+from wire.errors import InvalidRequest
 
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 Endpoint = Literal["chat", "completion"]
 
 
-class _WorkerFields(gateway.SamplingFields):
+class _WorkerFields(shared.SamplingFields):
     # A worker serves one model: like vLLM, a request may leave `model` out.
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # type: ignore[assignment]
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    seed: gateway.Seed | None = None  # torch's int64
+    seed: shared.Seed | None = None  # torch's int64
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -68,7 +68,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset(
 )
 
 
-class ChatCompletionRequest(_WorkerFields, gateway.ChatCompletionRequest):
+class ChatCompletionRequest(_WorkerFields, shared.ChatCompletionRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
@@ -114,7 +114,7 @@ class ChatCompletionRequest(_WorkerFields, gateway.ChatCompletionRequest):
         return "max_tokens", self.max_tokens
 
 
-# Message keys the gateway passes to vLLM (service/nested.py) that the embedded worker cannot
+# Message keys the gateway passes to vLLM (wire/nested.py) that the embedded worker cannot
 # honour: a 400 naming them, never dropped.
 _NO_TOOLS = "the embedded engine has no tool-call parser; the vLLM backend supports it"
 UNHONOURED_MESSAGE_KEYS = {
@@ -131,7 +131,7 @@ UNHONOURED_MESSAGE_KEYS = {
 }
 
 
-def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
+def _flatten(index: int, message: shared.ChatMessage) -> dict[str, str]:
     where = f"messages[{index}]"
     if message.role not in CHAT_ROLES:
         raise InvalidRequest(
@@ -150,7 +150,7 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
         return {"role": role, "content": content}
     texts: list[str] = []
     for j, part in enumerate(content):
-        # The gateway's shapes (service/nested.py) have checked each part's keys.
+        # The gateway's shapes (wire/nested.py) have checked each part's keys.
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             kind = part.get("type", "untyped")
             raise InvalidRequest(
@@ -168,8 +168,8 @@ def _flatten(index: int, message: gateway.ChatMessage) -> dict[str, str]:
     return {"role": role, "content": "".join(texts)}
 
 
-class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
-    max_tokens: gateway.EchoCount | None = None  # the gateway's rule, not _WorkerFields'
+class CompletionRequest(_WorkerFields, shared.CompletionRequest):
+    max_tokens: shared.EchoCount | None = None  # the gateway's rule, not _WorkerFields'
     logprobs: int | None = None
     add_special_tokens: bool = True  # vLLM's completions default
 
@@ -194,7 +194,7 @@ class CompletionRequest(_WorkerFields, gateway.CompletionRequest):
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
 
-class TokenizeRequest(gateway.TokenizeRequest):
+class TokenizeRequest(shared.TokenizeRequest):
     """The gateway's model; a worker serves one model, so `model` may be left out."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -204,6 +204,6 @@ class TokenizeRequest(gateway.TokenizeRequest):
         return [_flatten(i, m) for i, m in enumerate(self.messages or [])]
 
 
-class DetokenizeRequest(gateway.DetokenizeRequest):
+class DetokenizeRequest(shared.DetokenizeRequest):
     model_config = ConfigDict(extra="forbid", strict=True)
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # type: ignore[assignment]

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine.worker.metrics import EngineStatsView, WorkerMetrics
 from engine.worker.settings import WorkerSettings
-from service.auth import ApiKeyAuth
+from wire.bearer import BearerKeys
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -55,7 +55,7 @@ class WorkerState:
     def __init__(self, settings: WorkerSettings, engine: AsyncEngine | None) -> None:
         self.settings = settings
         self.engine = engine
-        self.auth = ApiKeyAuth(list(settings.api_key), protect_metrics=False)
+        self.auth = BearerKeys(settings.api_key)
         self.ready = False
         self.draining = False
         self.load_error: str | None = None

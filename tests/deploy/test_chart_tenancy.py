@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from service.tenants import Limits, parse_key_file
+from service.tenancy.tenants import Limits, parse_key_file
 from tests.deploy.chart import find, helm, render, template_args
 from tests.deploy.test_gateway_config import gateway_settings
 

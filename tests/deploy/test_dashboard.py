@@ -1,5 +1,5 @@
 """The Grafana dashboard and the monitoring objects: every query parses (promtool), reads
-only metrics DESIGN §3/§3b promise, and the panels the runbook needs are there."""
+only metrics ARCHITECTURE.md promises, and the panels the runbook needs are there."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from tests.deploy.promql import (
 )
 from tests.fixtures.engine_expositions import EXPOSITIONS
 
-# DESIGN §3 (worker) and §3b (gateway); histograms expose _bucket/_sum/_count.
+# ARCHITECTURE.md: the worker wire contract and the gateway's metrics; histograms expose
+# _bucket/_sum/_count.
 _HISTOGRAMS = {
     "vllm:time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds",
@@ -63,7 +64,7 @@ _PLAIN = {
     "dflash_tenant_limit",
     "dflash_rate_limit_store_errors_total",
 }
-DESIGN_METRICS = _PLAIN | {h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
+PROMISED_METRICS = _PLAIN | {h + s for h in _HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
 # SGLang's and TensorRT-LLM's own series, which the recording rules map to common names.
 ENGINE_METRICS = {name for render in EXPOSITIONS.values() for name in exposition_names(render(1))}
 
@@ -90,7 +91,7 @@ def test_metric_name_lexer() -> None:
 
 def test_queries_use_only_designed_metric_names() -> None:
     used = used_metric_names()
-    assert used <= DESIGN_METRICS | ENGINE_METRICS, used - DESIGN_METRICS - ENGINE_METRICS
+    assert used <= PROMISED_METRICS | ENGINE_METRICS, used - PROMISED_METRICS - ENGINE_METRICS
     # The required views are really there, for every engine.
     assert {
         "dflash_spec_acceptance_length_bucket",

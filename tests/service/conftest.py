@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
-import pytest
 import uvicorn
 from fastapi import FastAPI
 
 from service.api import GatewayState
 from service.app import create_app
 from service.settings import GatewaySettings
-from tests.fixtures.worker import WorkerHandle, free_port, running_worker
+from tests.fixtures.worker import WorkerHandle, free_port
 
 MODEL = "tiny-coder"
 
@@ -104,19 +103,6 @@ def wait_until(predicate: Any, timeout: float = 15.0, interval: float = 0.05) ->
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(interval)
-
-
-@pytest.fixture(scope="session")
-def worker(tiny_checkpoint: Any) -> Iterator[WorkerHandle]:
-    """One DFlash worker shared by the tests that do not stop it."""
-    with running_worker(*worker_args(tiny_checkpoint)) as handle:
-        yield handle
-
-
-@pytest.fixture(scope="session")
-def gateway(worker: WorkerHandle) -> Iterator[Gateway]:
-    with running_gateway(workers=[worker.base_url]) as gw:
-        yield gw
 
 
 @contextlib.contextmanager

@@ -14,9 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from launcher.local_stack import build_parser, plan
 from service.cli import main as gateway_main
 from service.cli import settings_from_args
-from service.local_stack import build_parser, plan
 from tests.fixtures.worker import WorkerHandle, free_port
 from tests.service.conftest import MODEL, scrape, wait_until
 from tests.service.fake_upstream import MODEL as FAKE

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import openai
 
-from service.pool import worker_id
+from service.routing.fleet import worker_id
 from tests.fixtures.worker import WorkerHandle, free_port
 from tests.service.conftest import (
     MODEL,

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.pool import worker_id
+from service.routing.fleet import worker_id
 from tests.service.conftest import Gateway, running_gateway
 from tests.service.fake_upstream import (
     CHUNK,
@@ -153,7 +153,7 @@ def test_malformed_2xx_is_a_502_and_counts_as_a_failure(gw_over: Any) -> None:
     assert answer.status_code == 502
     assert answer.json()["error"]["type"] == "upstream_error"
     assert gw.metric("dflash_upstream_errors_total", kind="malformed") == 1
-    (worker,) = gw.state.live().pool.workers.values()
+    (worker,) = gw.state.live().fleet.workers.values()
     assert worker.failures == 1
 
 
@@ -189,10 +189,10 @@ def test_a_dead_workers_connect_error_names_no_address() -> None:
             fake_port = fake.port
         gone = f"http://127.0.0.1:{fake_port}"
     with running_gateway(workers=[gone], **FAST) as gw:
-        pool = gw.state.live().pool
-        for worker in pool.workers.values():
+        fleet = gw.state.live().fleet
+        for worker in fleet.workers.values():
             worker.healthy = True  # as if the last active check had passed
-        pool.invalidate()
+        fleet.invalidate()
         answer = post(gw, CHAT)
     assert answer.status_code == 502
     message = answer.json()["error"]["message"]
@@ -203,7 +203,7 @@ def test_a_workers_4xx_never_counts(gw_over: Any) -> None:
     gw, _ = gw_over(bad_request, eject_after_failures=2)
     for _ in range(5):
         assert post(gw, CHAT).status_code == 400
-    (worker,) = gw.state.live().pool.workers.values()
+    (worker,) = gw.state.live().fleet.workers.values()
     assert worker.failures == 0 and worker.healthy
 
 

@@ -23,7 +23,7 @@ def gw() -> Iterator[Gateway]:
         fake_worker() as fake,
         running_gateway(workers=[fake.url], api_keys=[KEY], max_body_bytes=2048) as gateway,
     ):
-        wait_until(lambda: gateway.state.live().pool.routable() != [])
+        wait_until(lambda: gateway.state.live().fleet.routable() != [])
         yield gateway
 
 

@@ -140,7 +140,7 @@ groups:
         expr: pool:dflash_completion_tokens:rate5m / on (namespace, job, pool) group_left () (pool:dflash_healthy_gpus:sum > 0)
 {{- end -}}
 
-{{/* Alerts on the gateway's and the workers' own metrics (DESIGN §3, §3b). */}}
+{{/* Alerts on the gateway's and the workers' own metrics (ARCHITECTURE.md: the worker wire contract, the gateway's metrics). */}}
 {{- define "dflash.rules.alerts" -}}
 {{- $a := .Values.monitoring.alerts -}}
 {{- $g := include "dflash.gatewaySelector" . -}}

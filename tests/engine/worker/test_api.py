@@ -11,7 +11,7 @@ from engine.errors import QueueFull, RequestRejected
 from engine.sequence import SamplingParams
 from engine.worker import api
 from engine.worker.schemas import ChatCompletionRequest, CompletionRequest
-from service.errors import InvalidRequest, Unavailable
+from wire.errors import InvalidRequest, Unavailable
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -18,8 +18,8 @@ from engine.worker.fields import (
     REFUSED,
     check_fields,
 )
-from service.errors import InvalidRequest
 from tests.fixtures.worker import ROOT
+from wire.errors import InvalidRequest
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -9,7 +9,7 @@ import pytest
 
 from engine.sequence import RequestMetrics, RequestOutput
 from engine.worker.generate import ClientGone, finish_reason, guard_disconnect
-from service.errors import Unavailable
+from wire.errors import Unavailable
 
 
 class _Request:

@@ -18,7 +18,7 @@ from tests.fixtures.worker import AppHandle, metric, scrape, serving_app
 
 NAME = "tiny"
 K = 3
-DESIGN_NAMES = {
+CONTRACT_NAMES = {
     "vllm:num_requests_running": "gauge",
     "vllm:num_requests_waiting": "gauge",
     "vllm:kv_cache_usage_perc": "gauge",
@@ -136,7 +136,7 @@ def test_stream_usage_chunk_metrics_agree_with_prometheus(
 
 def test_exposition_has_vllm_names_and_types(worker: AppHandle) -> None:
     text = httpx.get(f"{worker.base_url}/metrics").text
-    for name, kind in DESIGN_NAMES.items():
+    for name, kind in CONTRACT_NAMES.items():
         exposed = f"{name}_total" if kind == "counter" else name  # text format 0.0.4
         assert f"# TYPE {exposed} {kind}" in text, name
     assert f'model_name="{NAME}"' in text

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from engine.worker.schemas import ChatCompletionRequest, CompletionRequest
-from service.errors import InvalidRequest
-from service.schemas import validate_request
+from wire.errors import InvalidRequest
+from wire.schemas import validate_request
 
 HI = [{"role": "user", "content": "hi"}]
 

@@ -1,0 +1,105 @@
+"""What workers report about one request, read defensively: `usage` and the per-request
+speculation summary (`metrics.speculative_decoding`). Malformed parts are skipped, never raised:
+the metrics, the tenants' charges and the engines' adapters all read these."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """One request's speculation summary, as far as the worker reported it."""
+
+    steps: int
+    draft_tokens: int | None  # None: the engine does not report it (TensorRT-LLM)
+    accepted_tokens: int
+    acceptance_length: float | None
+    acceptance_rate: float | None
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < 0:
+        return None
+    return int(value)
+
+
+def _ratio(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def parse_usage(body: object) -> Usage | None:
+    """`usage` of a response body or final chunk; None when missing or malformed."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    if prompt is None and completion is None:
+        return None
+    return Usage(prompt or 0, completion or 0)
+
+
+def _histogram_counts(hist: object) -> dict[int, int]:
+    """`acceptance_histogram` as {accepted: steps}: a list, or a sparse map with str/int keys."""
+    items: list[tuple[object, object]] = []
+    if isinstance(hist, list):
+        items = list(enumerate(hist))
+    elif isinstance(hist, dict):
+        items = list(hist.items())
+    counts: dict[int, int] = {}
+    for key, value in items:
+        index, count = (
+            _count(int(key) if isinstance(key, str) and key.isdigit() else key),
+            _count(value),
+        )
+        if index is not None and count:
+            counts[index] = counts.get(index, 0) + count
+    return counts
+
+
+def _one_spec(spec: object) -> SpecStats | None:
+    if not isinstance(spec, dict):
+        return None
+    hist = _histogram_counts(spec.get("acceptance_histogram"))
+    steps = _count(spec.get("num_spec_steps"))
+    accepted = _count(spec.get("num_accepted_draft_tokens"))
+    drafted = _count(spec.get("num_draft_tokens"))
+    steps = steps if steps is not None else sum(hist.values())
+    accepted = accepted if accepted is not None else sum(k * v for k, v in hist.items())
+    if drafted is None:
+        per_step = _count(spec.get("num_spec_tokens"))
+        drafted = steps * per_step if per_step is not None else 0
+    length = _ratio(spec.get("mean_acceptance_length"))
+    if length is None and steps:
+        length = 1.0 + accepted / steps
+    rate = _ratio(spec.get("draft_acceptance_rate"))
+    if rate is None and drafted:
+        rate = accepted / drafted
+    if not steps and length is None:
+        return None
+    return SpecStats(steps, drafted, accepted, length, rate)
+
+
+def parse_spec(body: object) -> list[SpecStats]:
+    """`metrics.speculative_decoding` of a body or final chunk: missing, null, or a list per
+    choice (n > 1) all parse; what is malformed is skipped, never raised."""
+    metrics = body.get("metrics") if isinstance(body, dict) else None
+    entries = metrics if isinstance(metrics, list) else [metrics]
+    found = []
+    for entry in entries:
+        if isinstance(entry, dict):
+            stats = _one_spec(entry.get("speculative_decoding"))
+            if stats is not None:
+                found.append(stats)
+    return found

@@ -1,0 +1,271 @@
+"""`dflash-serve --compare`: a DFlash pool and a plain pool side by side, each behind its own
+gateway, and Ctrl-C stops all of it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from tests.fixtures.keys import keys_of
+from tests.fixtures.worker import ROOT, free_port, metric, scrape
+from tests.service.conftest import MODEL
+
+URLS = {"dflash": ["http://127.0.0.1:1"]}
+
+
+def one_pool() -> Any:
+    from launcher.local_stack import LocalGateway, LocalPool
+
+    return LocalGateway(8000, (LocalPool(name="dflash"),))
+
+
+def test_compare_serves_dflash_and_plain_side_by_side(tiny_checkpoint: Any) -> None:
+    port = free_port()
+    spec = {"method": "dflash", "model": str(tiny_checkpoint.drafter_dir)}
+    argv = [
+        sys.executable,
+        "-m",
+        "launcher.local_stack",
+        "--port",
+        str(port),
+        "--compare",
+        "--compare-port",
+        str(free_port()),
+        "--log-level",
+        "warning",
+        f"--worker-arg={tiny_checkpoint.target_dir}",
+        f"--worker-arg=--speculative-config={json.dumps(spec)}",
+        f"--worker-arg=--served-model-name={MODEL}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        while len(lines) < 2:
+            line = proc.stdout.readline()
+            assert line, "dflash-serve ended before announcing its pools"
+            if "still loading" not in line:
+                lines.append(line)
+        urls = [line.rsplit(" ", 1)[1].strip() for line in lines]
+        assert "dflash (DFlash speculative" in lines[0] and "plain (plain" in lines[1]
+        metrics = []
+        for url in urls:
+            sdk = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            reply = sdk.completions.create(model=MODEL, prompt="def f():", max_tokens=4)
+            metrics.append((reply.model_extra or {})["metrics"])
+        assert metrics[0]["speculative_decoding"]["num_spec_steps"] >= 1
+        assert "speculative_decoding" not in metrics[1]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_the_gateway_reuses_worker_connections_for_less_than_the_workers_keep_them(
+    monkeypatch: Any,
+) -> None:
+    from launcher.local_stack import gateway_settings, worker_env
+
+    monkeypatch.delenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", raising=False)
+    monkeypatch.delenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", raising=False)
+    pool = one_pool()
+    env = worker_env()
+    assert env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"] == "61"
+    assert gateway_settings(pool, URLS, "info", env).upstream_keepalive_s == 60
+    monkeypatch.setenv("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5")  # the user's value wins
+    assert gateway_settings(pool, URLS, "info", worker_env()).upstream_keepalive_s == 4
+    monkeypatch.setenv("DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S", "2")
+    assert gateway_settings(pool, URLS, "info", worker_env()).upstream_keepalive_s == 2
+
+
+def test_dflash_serve_leaves_a_lone_worker_its_own_thread_default(monkeypatch: Any) -> None:
+    from launcher.local_stack import LocalPool, shared_threads, worker_env
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert "OMP_NUM_THREADS" not in worker_env()  # no override of the worker's measured default
+    one = LocalPool(name="dflash")
+    assert shared_threads(one, 1, 2) == []
+    # Several workers share the CPUs: each its share less one for its HTTP side.
+    assert shared_threads(one, 2, 8) == ["--threads", "3"]
+    assert shared_threads(one, 2, 2) == ["--threads", "1"]
+    chosen = LocalPool(name="dflash", workers=2, worker_args=("--threads=2",))
+    assert shared_threads(chosen, 2, 8) == []  # the user's choice wins
+    vllm = LocalPool(name="d", workers=2, engine="vllm")
+    assert shared_threads(vllm, 2, 8) == []  # embedded only
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert shared_threads(one, 2, 8) == []
+
+
+def test_dflash_serve_api_key_protects_the_gateway() -> None:
+    from launcher.local_stack import build_parser, gateway_settings
+
+    args = build_parser().parse_args(["--api-key", "k1", "--api-key", "k2"])
+    pool = one_pool()
+    settings = gateway_settings(pool, URLS, "info", {}, args.api_key)
+    assert keys_of(settings.load_key_ring(), ["k1", "k2", "k3"]) == ["k1", "k2"]
+    assert not gateway_settings(pool, URLS, "info", {}, []).load_key_ring().by_digest
+
+
+BUNDLED_DRAFTER = ROOT / "engine" / "assets" / "tiny-coder" / "dflash"
+PROMPTS = [
+    "def fibonacci(n):",
+    "def is_prime(n):",
+    "class Stack:\n    def __init__(self):",
+    "def reverse_words(text):",
+]
+
+
+def canary_pools(tmp_path: Path) -> Path:
+    """The bundled pair drafting 15 tokens per step (weight 75) and a canary drafting 1
+    (weight 25) for one model, and the same target under a second model name."""
+    one = {"method": "dflash", "model": str(BUNDLED_DRAFTER), "num_speculative_tokens": 1}
+    pools = [
+        {"name": "b16", "model": "tiny-coder", "weight": 75},
+        {
+            "name": "k1",
+            "model": "tiny-coder",
+            "weight": 25,
+            "worker_args": [f"--speculative-config={json.dumps(one)}"],
+        },
+        {"name": "second", "model": "tiny-coder-2", "speculation": False},
+    ]
+    path = tmp_path / "pools.yaml"
+    path.write_text(yaml.safe_dump({"pools": pools}))
+    return path
+
+
+def listening_pid(port: int) -> int:
+    """The dflash-worker process started with --port PORT."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if b"engine.worker.cli" in argv and str(port).encode() in argv:
+                    return int(entry.name)
+    raise AssertionError(f"no worker on port {port}")
+
+
+def test_pools_split_a_model_by_weight_losslessly_and_survive_a_dead_pool(
+    tmp_path: Path,
+) -> None:
+    port, first_worker = free_port(), free_port()
+    argv = [sys.executable, "-m", "launcher.local_stack", "--pools", str(canary_pools(tmp_path))]
+    argv += ["--port", str(port), "--worker-port", str(first_worker), "--log-level", "warning"]
+    argv += ["--worker-arg=--speculation=fixed"]  # acceptance as configured, for the comparison
+    proc = subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        lines = []
+        while len(lines) < 3:
+            line = proc.stdout.readline()
+            assert line, "dflash-serve ended before announcing its pools"
+            if "still loading" not in line:
+                lines.append(line)
+        assert (
+            "b16 (DFlash speculative decoding, 1 embedded worker(s), model tiny-coder, "
+            "weight 75)" in lines[0]
+        )
+        base = f"http://127.0.0.1:{port}"
+        client = httpx.Client(base_url=base, timeout=60)
+
+        # Two models behind one gateway, each listed once; an unknown one is a 404 naming it.
+        listed = [card["id"] for card in client.get("/v1/models").json()["data"]]
+        assert sorted(listed) == ["tiny-coder", "tiny-coder-2"]
+        other = client.post(
+            "/v1/completions", json={"model": "tiny-coder-2", "prompt": "x", "max_tokens": 1}
+        )
+        assert other.status_code == 200 and other.headers["x-dflash-pool"] == "second"
+        missing = client.post("/v1/completions", json={"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404 and "`nope`" in missing.json()["error"]["message"]
+
+        # The split: 300 requests, each pool within a few percent of its weight.
+        pools = Counter()
+        for i in range(300):
+            body = {"model": "tiny-coder", "prompt": PROMPTS[i % 4], "max_tokens": 1}
+            reply = client.post("/v1/completions", json=body)
+            assert reply.status_code == 200
+            pools[reply.headers["x-dflash-pool"]] += 1
+        assert abs(pools["b16"] / 300 - 0.75) < 0.03 and pools["b16"] + pools["k1"] == 300
+
+        # Lossless: greedy answers are the same tokens on both pools; acceptance differs.
+        answers: dict[str, dict[str, str]] = {"b16": {}, "k1": {}}
+        for prompt in [p for p in PROMPTS for _ in range(4)]:  # 4 in a row: both pools
+            body = {"model": "tiny-coder", "prompt": prompt, "max_tokens": 48, "temperature": 0}
+            reply = client.post("/v1/completions", json=body)
+            answers[reply.headers["x-dflash-pool"]][prompt] = reply.json()["choices"][0]["text"]
+        both = answers["b16"].keys() & answers["k1"].keys()
+        assert len(both) == 4 and all(answers["b16"][p] == answers["k1"][p] for p in both)
+        samples = scrape(base)
+        length = {
+            pool: 1
+            + metric(samples, "dflash_spec_accepted_tokens_total", pool=pool)
+            / metric(samples, "dflash_spec_steps_total", pool=pool)
+            for pool in ("b16", "k1")
+        }
+        assert length["k1"] <= 2.0 < length["b16"], length  # k=1 accepts at most 1 per step
+        assert metric(samples, "dflash_spec_acceptance_length_count", pool="k1") > 0
+
+        # The canary's worker dies: its share moves to b16 with no client error.
+        os.kill(listening_pid(first_worker + 1), signal.SIGKILL)
+        served = Counter()
+        for i in range(40):
+            body = {"model": "tiny-coder", "prompt": PROMPTS[i % 4], "max_tokens": 1}
+            reply = client.post("/v1/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            served[reply.headers["x-dflash-pool"]] += 1
+        assert served == {"b16": 40}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def test_the_example_pools_file_loads_and_bad_files_are_refused(tmp_path: Path) -> None:
+    from launcher.local_stack import load_pools, main
+
+    b16, k3 = load_pools(ROOT / "examples" / "canary-pools.yaml")
+    assert (b16.weight, k3.weight, b16.model, k3.model) == (90, 10, "tiny-coder", "tiny-coder")
+    bad = tmp_path / "bad.yaml"
+    for text, named in (
+        ("pools: [{name: a, engine: trtllm}]", "pools.0.engine"),
+        ("pools: [{name: a, model: m}, {name: a, model: m}]", "duplicate pool names: a"),
+        ("pools: [{name: a, model: m, weight: 0}]", "every pool of model m has weight 0"),
+        ("pools: [{name: a, colour: red}]", "pools.0.colour"),
+    ):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(named)):
+            load_pools(bad)
+    bad.write_text("pools: [{name: a}]")
+    assert main(["--pools", str(bad), "--workers", "2"]) == 2  # set per pool, not ignored

@@ -1,0 +1,79 @@
+"""The benchmarks' shared pieces: loops, percentiles, argument types, tables, prompts."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from loadtest.harness import (
+    aligned,
+    bench_prompts,
+    closed_loop,
+    int_list,
+    percentile,
+    pinned,
+    timed_loop,
+)
+
+
+def test_closed_loop_serves_every_request_with_at_most_its_concurrency() -> None:
+    in_flight, peak = 0, 0
+
+    async def send(i: int) -> int:
+        nonlocal in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.001)
+        in_flight -= 1
+        return i * i
+
+    results, wall = asyncio.run(closed_loop(10, 3, send))
+    assert results == [i * i for i in range(10)]
+    assert peak == 3 and wall > 0
+
+
+def test_timed_loop_runs_every_user_until_the_deadline() -> None:
+    ends: list[float] = []
+
+    async def user(deadline: float) -> None:
+        await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+        ends.append(time.perf_counter() - deadline)
+
+    wall = asyncio.run(timed_loop(3, 0.1, user))
+    assert len(ends) == 3 and all(0 <= late < 0.1 for late in ends)
+    assert 0.1 <= wall < 1.0
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [([], 50, None), ([3.0], 99, 3.0), ([1, 2, 3, 4, 5], 50, 3), ([1, 2, 3, 4, 5], 100, 5)],
+)
+def test_percentile_is_nearest_rank(values: list[float], q: float, expected: float | None) -> None:
+    assert percentile(values, q) == expected
+
+
+def test_int_list_takes_positive_integers_only() -> None:
+    assert int_list("1, 8,32") == [1, 8, 32]
+    for bad in ("", "0", "a,b", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            int_list(bad)
+
+
+def test_aligned_pads_columns() -> None:
+    assert aligned([("a", "bbb"), ("cc", "d")]) == "a   bbb\ncc  d  "
+
+
+def test_pinned_without_cpus_is_the_command() -> None:
+    assert pinned(None, ["x"]) == ["x"]
+
+
+def test_bench_prompts_read_json_and_json_lines(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps(["p1", {"prompt": "p2"}]))
+    (tmp_path / "b.jsonl").write_text('{"prompt": "q1"}\n\n"q2"\n')
+    assert bench_prompts(tmp_path / "a.json", 0) == ["p1", "p2"]
+    assert bench_prompts(tmp_path / "b.jsonl", 1) == ["q1"]

@@ -1,0 +1,73 @@
+"""What the gateway accepts: OpenAI fields it depends on are checked, extras pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from wire.errors import InvalidRequest
+from wire.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    prompt_text,
+    validate_request,
+)
+
+CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_unknown_fields_are_kept() -> None:
+    payload = {**CHAT, "top_k": 5, "chat_template_kwargs": {"x": 1}}
+    parsed = validate_request(ChatCompletionRequest, payload)
+    assert parsed.model_extra == {"top_k": 5, "chat_template_kwargs": {"x": 1}}
+
+
+@pytest.mark.parametrize(
+    ("patch", "param"),
+    [
+        ({"model": 3}, "model"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream_options": {"include_usage": True}}, None),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(patch: dict[str, Any], param: str | None) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate_request(ChatCompletionRequest, {**CHAT, **patch})
+    assert info.value.status_code == 400
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize("prompt", ["x", ["a", "b"], [1, 2], [[1], [2]]])
+def test_completion_prompt_shapes(prompt: Any) -> None:
+    assert validate_request(CompletionRequest, {"model": "m", "prompt": prompt})
+
+
+def test_not_an_object() -> None:
+    with pytest.raises(InvalidRequest):
+        validate_request(CompletionRequest, [1, 2])
+
+
+def test_affinity_key_is_a_bounded_prefix() -> None:
+    long = {**CHAT, "messages": [{"role": "user", "content": "a" * 1000}]}
+    key = prompt_text(validate_request(ChatCompletionRequest, long), 64)
+    assert len(key) == 64
+    assert key.startswith("user")
+
+
+def test_tokenize_adds_special_tokens_by_vllms_defaults() -> None:
+    """True for a prompt, false for chat messages (the template writes its own), else as
+    sent: the worker honours it both ways."""
+    chat = [{"role": "user", "content": "x"}]
+    assert TokenizeRequest.model_validate({"model": "m", "prompt": "x"}).special_tokens()
+    assert not TokenizeRequest.model_validate({"model": "m", "messages": chat}).special_tokens()
+    both = {"model": "m", "messages": chat, "add_special_tokens": True}
+    assert TokenizeRequest.model_validate(both).special_tokens()
