@@ -56,6 +56,15 @@ class CacheIndex:
         return cls(slot_t, span, None, rows, positions.reshape(-1).index_select(0, select), select)
 
 
+@dataclass(frozen=True)
+class KVCacheShape:
+    """What a cache holds: `num_slots` slots of `capacity` positions, in `dtype`."""
+
+    num_slots: int
+    capacity: int
+    dtype: str  # torch's name without the prefix: float32, bfloat16, ...
+
+
 class KVCache:
     """K/V storage for `num_layers` layers and `num_slots` request slots."""
 
@@ -149,6 +158,10 @@ class KVCache:
     def usage(self) -> float:
         """Committed positions over allocated positions, 0..1."""
         return sum(self.lengths) / float(self.num_slots * self.capacity)
+
+    def shape(self) -> KVCacheShape:
+        dtype = str(self.k[0].dtype).removeprefix("torch.") if self.k else "float32"
+        return KVCacheShape(self.num_slots, self.capacity, dtype)
 
 
 class PendingFeatures:
