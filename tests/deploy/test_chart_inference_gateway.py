@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -20,6 +21,7 @@ import pytest
 import yaml
 
 from tests.deploy.chart import CHART, ROOT, helm, render, template_args
+from tests.deploy.test_chart_operations import notes  # NOTES.txt rendered
 from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import WorkerHandle, running_worker
 
@@ -439,3 +441,13 @@ def test_lint_strict_passes_with_the_examples() -> None:
     for values in (GKE, KGATEWAY):
         proc = helm("lint", "--strict", str(CHART), "-f", str(CHART / values))
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_notes_tell_the_inference_door_and_no_gateway_of_ours(tmp_path: Path) -> None:
+    only = notes(tmp_path / "a", "-f", str(CHART / GKE))
+    assert "Inference gateway (inferenceGateway.mode=inference)" in only
+    assert "Clients call the Gateway inference-gateway" in only
+    assert "port-forward svc/dflash-gateway" not in only
+    both = notes(tmp_path / "b", "-f", str(CHART / KGATEWAY))
+    assert "Inference gateway (inferenceGateway.mode=both)" in both
+    assert "port-forward svc/dflash-gateway" in both
