@@ -48,7 +48,6 @@ class EngineStats:
     # owns one preallocated slot, so a "block" is a slot and its size the slot's positions.
     kv_block_size: int
     kv_num_blocks: int
-    kv_cache_dtype: str
     num_spec_tokens: int  # 0 without a drafter
     num_drafts: int  # verify steps (one per running request per spec step)
     num_draft_tokens: int
@@ -251,7 +250,6 @@ class Engine:
             kv_cache_usage=self.runner.kv_cache_usage(),
             kv_block_size=shape.capacity,
             kv_num_blocks=shape.num_slots,
-            kv_cache_dtype=shape.dtype,
             num_spec_tokens=self.num_spec_tokens or 0,
             num_drafts=c.num_drafts,
             num_draft_tokens=c.num_draft_tokens,

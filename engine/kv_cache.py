@@ -58,11 +58,10 @@ class CacheIndex:
 
 @dataclass(frozen=True)
 class KVCacheShape:
-    """What a cache holds: `num_slots` slots of `capacity` positions, in `dtype`."""
+    """What a cache holds: `num_slots` slots of `capacity` positions."""
 
     num_slots: int
     capacity: int
-    dtype: str  # torch's name without the prefix: float32, bfloat16, ...
 
 
 class KVCache:
@@ -160,8 +159,7 @@ class KVCache:
         return sum(self.lengths) / float(self.num_slots * self.capacity)
 
     def shape(self) -> KVCacheShape:
-        dtype = str(self.k[0].dtype).removeprefix("torch.") if self.k else "float32"
-        return KVCacheShape(self.num_slots, self.capacity, dtype)
+        return KVCacheShape(self.num_slots, self.capacity)
 
 
 class PendingFeatures:

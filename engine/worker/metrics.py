@@ -100,8 +100,6 @@ class EngineStatsView(Protocol):
     @property
     def kv_num_blocks(self) -> int: ...
     @property
-    def kv_cache_dtype(self) -> str: ...
-    @property
     def num_drafts(self) -> int: ...
     @property
     def num_draft_tokens(self) -> int: ...
@@ -173,13 +171,14 @@ class EngineCollector(Collector):
 
     def _cache_config_info(self, s: EngineStatsView) -> Metric:
         """vLLM's info gauge (always 1): its cache config as labels, named as vLLM's
-        CacheConfig fields, with no model_name (vLLM labels it by engine only). The Gateway API
-        Inference Extension's endpoint picker reads block_size x num_gpu_blocks as the cache's
-        size in tokens; here a block is a request's slot (capacity = max_model_len)."""
+        CacheConfig fields (a few of real vLLM 0.32's many), without model_name (vLLM labels it
+        by engine only). The Gateway API Inference Extension's endpoint picker reads
+        block_size x num_gpu_blocks as the cache's size in tokens; here a block is a request's
+        slot (max_model_len positions plus room for one draft block)."""
         info = {
             "block_size": str(s.kv_block_size),
             "num_gpu_blocks": str(s.kv_num_blocks),
-            "cache_dtype": s.kv_cache_dtype,
+            "cache_dtype": "auto",  # vLLM's word for the model's dtype: the cache's here
             "enable_prefix_caching": "False",  # a slot starts empty: no prefix is reused
             "engine": self._labels["engine"],
         }
