@@ -252,9 +252,8 @@ def test_model_server_protocol_series_are_real_vllms(backends: Backends) -> None
     """What upstream's endpoint picker scrapes from a vLLM pod (its engine config for vllm at
     Gateway API Inference Extension v1.5.0): the embedded worker exports the same families, of
     the same types, with real vLLM's label names; the cache info's sizes are whole numbers."""
-    from tests.deploy.test_chart_inference_gateway import EPP
-
-    names = EPP["engines"]["vllm"]
+    fixture = ROOT / "tests" / "fixtures" / "inference-extension" / "epp-v1.5.0.json"
+    names = json.loads(fixture.read_text())["engines"]["vllm"]
     real, ours = _families(backends.vllm.base_url), _families(backends.embedded.base_url)
     for key in ("queued", "running", "kv_usage", "cache_info"):
         name = names[key]
