@@ -21,7 +21,9 @@ import pytest
 import yaml
 
 from tests.deploy.chart import CHART, ROOT, helm, render, template_args
+from tests.deploy.promql import exposition_names
 from tests.deploy.test_chart_operations import notes  # NOTES.txt rendered
+from tests.fixtures import engine_expositions as fx
 from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import WorkerHandle, running_worker
 
@@ -451,3 +453,16 @@ def test_notes_tell_the_inference_door_and_no_gateway_of_ours(tmp_path: Path) ->
     both = notes(tmp_path / "b", "-f", str(CHART / KGATEWAY))
     assert "Inference gateway (inferenceGateway.mode=both)" in both
     assert "port-forward svc/dflash-gateway" in both
+
+
+@pytest.mark.parametrize(("engine", "upstream"), [("sglang", "sglang"), ("trtllm", "trtllm-serve")])
+def test_each_engines_workers_export_the_load_series_its_epp_scrapes(
+    engine: str, upstream: str
+) -> None:
+    """SGLang's and TensorRT-LLM's expositions as their source writes them (the fixture that
+    test_monitoring_engines.py checks against SGLang 0.5.23's source) carry the queue, running
+    and KV-cache names of the EPP's engine config. vLLM and the embedded worker:
+    tests/e2e/test_real_vllm.py and tests/engine/worker/test_metrics.py."""
+    exported = exposition_names(fx.EXPOSITIONS[engine](1))
+    for key in ("queued", "running", "kv_usage"):
+        assert EPP["engines"][upstream][key] in exported, key
