@@ -466,3 +466,13 @@ def test_each_engines_workers_export_the_load_series_its_epp_scrapes(
     exported = exposition_names(fx.EXPOSITIONS[engine](1))
     for key in ("queued", "running", "kv_usage"):
         assert EPP["engines"][upstream][key] in exported, key
+
+
+def test_istio_gets_a_destination_rule_per_epp_as_upstream_renders_it() -> None:
+    docs = docs_of("", (*INFERENCE, "inferenceGateway.provider=istio"))
+    (pool,) = kind(docs, "InferencePool")
+    (rule,) = kind(docs, "DestinationRule")
+    service = pool["spec"]["endpointPickerRef"]["name"]
+    assert rule["spec"]["host"] == f"{service}.llm.svc.cluster.local"
+    assert rule["spec"]["trafficPolicy"]["tls"] == {"mode": "SIMPLE", "insecureSkipVerify": True}
+    assert not kind(docs_of("", INFERENCE), "DestinationRule")  # other providers: none
