@@ -44,6 +44,10 @@ class EngineStats:
     num_running: int
     num_waiting: int
     kv_cache_usage: float  # 0..1
+    # The KV cache's shape in vLLM's cache-config terms (vllm:cache_config_info): a request
+    # owns one preallocated slot, so a "block" is a slot and its size the slot's positions.
+    kv_block_size: int
+    kv_num_blocks: int
     num_spec_tokens: int  # 0 without a drafter
     num_drafts: int  # verify steps (one per running request per spec step)
     num_draft_tokens: int
@@ -239,10 +243,13 @@ class Engine:
 
     def stats(self) -> EngineStats:
         c = self._counters
+        shape = self.runner.kv_cache_shape()
         return EngineStats(
             num_running=self._scheduler.num_running,
             num_waiting=self._scheduler.num_waiting,
             kv_cache_usage=self.runner.kv_cache_usage(),
+            kv_block_size=shape.capacity,
+            kv_num_blocks=shape.num_slots,
             num_spec_tokens=self.num_spec_tokens or 0,
             num_drafts=c.num_drafts,
             num_draft_tokens=c.num_draft_tokens,

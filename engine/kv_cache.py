@@ -56,6 +56,14 @@ class CacheIndex:
         return cls(slot_t, span, None, rows, positions.reshape(-1).index_select(0, select), select)
 
 
+@dataclass(frozen=True)
+class KVCacheShape:
+    """What a cache holds: `num_slots` slots of `capacity` positions."""
+
+    num_slots: int
+    capacity: int
+
+
 class KVCache:
     """K/V storage for `num_layers` layers and `num_slots` request slots."""
 
@@ -149,6 +157,9 @@ class KVCache:
     def usage(self) -> float:
         """Committed positions over allocated positions, 0..1."""
         return sum(self.lengths) / float(self.num_slots * self.capacity)
+
+    def shape(self) -> KVCacheShape:
+        return KVCacheShape(self.num_slots, self.capacity)
 
 
 class PendingFeatures:

@@ -14,6 +14,7 @@ import torch
 from engine.adaptive import AcceptanceStats, SpecPolicy
 from engine.calibration import calibrate_state
 from engine.config import EngineConfig, block_size_for
+from engine.kv_cache import KVCacheShape
 from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target
 from engine.logits_processors import LogitsProcessing
@@ -125,6 +126,9 @@ class ModelRunner:
 
     def kv_cache_usage(self) -> float:
         return self._state.kv_cache_usage()
+
+    def kv_cache_shape(self) -> KVCacheShape:
+        return self._state.caches.target.shape()
 
     def _row_sampling(self, seq: Sequence) -> RowSampling:
         params = seq.params

@@ -97,6 +97,10 @@ class EngineStatsView(Protocol):
     @property
     def kv_cache_usage(self) -> float: ...
     @property
+    def kv_block_size(self) -> int: ...
+    @property
+    def kv_num_blocks(self) -> int: ...
+    @property
     def num_drafts(self) -> int: ...
     @property
     def num_draft_tokens(self) -> int: ...
@@ -138,6 +142,7 @@ class EngineCollector(Collector):
             yield from self._gauges(0, 0, 0.0)
             return
         yield from self._gauges(s.num_running, s.num_waiting, s.kv_cache_usage)
+        yield self._cache_config_info(s)
         yield self._counter("vllm:spec_decode_num_drafts", "Verify steps.", s.num_drafts)
         yield self._counter(
             "vllm:spec_decode_num_draft_tokens", "Draft tokens proposed.", s.num_draft_tokens
@@ -164,6 +169,25 @@ class EngineCollector(Collector):
         yield by_k
         yield self._counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
+
+    def _cache_config_info(self, s: EngineStatsView) -> Metric:
+        """vLLM's info gauge (always 1): its cache config as labels, named as vLLM's
+        CacheConfig fields (a few of real vLLM 0.32's many), without model_name (vLLM labels it
+        by engine only). The Gateway API Inference Extension's endpoint picker reads
+        block_size x num_gpu_blocks as the cache's size in tokens; here a block is a request's
+        slot (max_model_len positions plus room for one draft block)."""
+        info = {
+            "block_size": str(s.kv_block_size),
+            "num_gpu_blocks": str(s.kv_num_blocks),
+            "cache_dtype": "auto",  # vLLM's word for the model's dtype: the cache's here
+            "enable_prefix_caching": "False",  # a slot starts empty: no prefix is reused
+            "engine": self._labels["engine"],
+        }
+        g = GaugeMetricFamily(
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", labels=list(info)
+        )
+        g.add_metric(list(info.values()), 1)
+        return g
 
     def _gauges(self, running: int, waiting: int, kv: float) -> Iterator[Metric]:
         yield self._gauge("vllm:num_requests_running", "Requests in engine slots.", running)

@@ -35,6 +35,9 @@ CRD_KINDS = {
     "LeaderWorkerSet",
     "HTTPRoute",
     "GCPBackendPolicy",  # GKE's networking.gke.io/v1, checked field by field below
+    # Upstream's CRD schemas: test_chart_inference_gateway.py; GKE's policy by field there.
+    "InferencePool",
+    "HealthCheckPolicy",
 }
 PRESETS: dict[str, tuple[str, ...]] = {
     "default": (),
@@ -53,11 +56,22 @@ EVERYTHING = (
 )
 
 
+# What inferenceGateway.mode=inference refuses: objects of the dflash gateway it does not run.
+GATEWAY_ONLY = {s for s in EVERYTHING if s.startswith("gateway.")}
+
+
 @cache
 def rendered(
     preset: str, sets: tuple[str, ...] = (), monitoring: bool = False
 ) -> list[dict[str, Any]]:
-    return render(PRESETS[preset], sets, MONITORING_APIS if monitoring else ())
+    files = PRESETS[preset]
+    modes = {
+        (yaml.safe_load((CHART / f).read_text()).get("inferenceGateway") or {}).get("mode")
+        for f in files
+    }
+    if "inference" in modes:
+        sets = tuple(s for s in sets if s not in GATEWAY_ONLY)
+    return render(files, sets, MONITORING_APIS if monitoring else ())
 
 
 def workload(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -435,7 +449,15 @@ def test_pods_pass_pod_security_restricted(preset: str) -> None:
     for lws in (d for d in docs if d["kind"] == "LeaderWorkerSet"):
         lwt = lws["spec"]["leaderWorkerTemplate"]
         pods += [lwt["leaderTemplate"]["spec"], lwt["workerTemplate"]["spec"]]
-    problems = [p for pod in pods for p in pod_security_violations(pod)]
+    problems = []
+    for pod in pods:
+        found = pod_security_violations(pod)
+        # The endpoint picker watches its InferencePool and the pool's pods: it mounts its
+        # token explicitly, the one exception to the chart's own no-token rule.
+        if pod.get("serviceAccountName", "").endswith("-epp"):
+            assert pod["automountServiceAccountToken"] is True
+            found.remove("service-account token mounted")
+        problems += found
     if preset in RESTRICTED_EXEMPT:
         assert problems == ["hostPath volume"]  # documented: needs a baseline-exempt namespace
     else:
@@ -503,10 +525,14 @@ def test_one_object_per_template_file_with_a_component_prefix() -> None:
         "worker-modelcache-pvc.yaml",
         "worker-scaledobject.yaml",
         "worker-trtllm-configmap.yaml",  # test_chart_engines.py
+        "inference-httproute.yaml",  # test_chart_inference_gateway.py
+        "inference-pool.yaml",
+        "tests/inference-test-chat.yaml",
     }
     assert sorted([*sources, *optional]) == files  # everything rendered once, nothing extra
     assert all(
-        f.split("/")[-1].startswith(("gateway-", "worker-", "monitoring-", "redis-")) for f in files
+        f.split("/")[-1].startswith(("gateway-", "worker-", "monitoring-", "redis-", "inference-"))
+        for f in files
     )
 
 

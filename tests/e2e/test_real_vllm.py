@@ -237,6 +237,40 @@ def test_prometheus_scrapes_real_vllm_and_the_worker_panels_have_data(
 # ---- embedded vs real vLLM ---------------------------------------------------------------
 
 
+def _families(base_url: str) -> dict[str, tuple[str, list[dict[str, str]]]]:
+    """/metrics as {family: (type, [labels of each sample])}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {
+        f.name: (f.type, [dict(x.labels) for x in f.samples])
+        for f in text_string_to_metric_families(text)
+    }
+
+
+def test_model_server_protocol_series_are_real_vllms(backends: Backends) -> None:
+    """What upstream's endpoint picker scrapes from a vLLM pod (its engine config for vllm at
+    Gateway API Inference Extension v1.5.0): the embedded worker exports the same families, of
+    the same types, with real vLLM's label names; the cache info's sizes are whole numbers."""
+    fixture = ROOT / "tests" / "fixtures" / "inference-extension" / "epp-v1.5.0.json"
+    names = json.loads(fixture.read_text())["engines"]["vllm"]
+    real, ours = _families(backends.vllm.base_url), _families(backends.embedded.base_url)
+    for key in ("queued", "running", "kv_usage", "cache_info"):
+        name = names[key]
+        assert name in real and name in ours, name
+        assert real[name][0] == ours[name][0] == "gauge", name
+        real_labels = {k for labels in real[name][1] for k in labels}
+        our_labels = {k for labels in ours[name][1] for k in labels}
+        if key == "cache_info":  # vLLM labels it with every CacheConfig field: ours a subset
+            assert our_labels <= real_labels, sorted(our_labels - real_labels)
+            assert {names["block_size_label"], names["num_blocks_label"]} <= our_labels
+            for labels in real[name][1] + ours[name][1]:
+                assert int(labels[names["block_size_label"]]) > 0
+                assert int(labels[names["num_blocks_label"]]) > 0
+        else:
+            assert our_labels == real_labels, (name, real_labels, our_labels)
+
+
 def _greedy(base_url: str, prompt: str) -> tuple[str, float]:
     body = chat(prompt, max_tokens=48, temperature=0)
     reply = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=120).json()

@@ -6,7 +6,10 @@
 {{- define "dflash.ruleGroups" -}}
 groups:
   {{ include "dflash.rules.engines" . }}
+  {{- /* The gateway's series: none without it (inferenceGateway.mode=inference). */}}
+  {{- if include "dflash.gateway.enabled" . }}
   {{ include "dflash.rules.recording" . }}
+  {{- end }}
   {{ include "dflash.rules.alerts" . }}
   {{ include "dflash.rules.cluster" . }}
 {{- end -}}
@@ -149,6 +152,7 @@ groups:
 {{- $low := round (mulf $a.acceptanceLowRatio $spec.expectedAcceptanceLength) 3 -}}
   - name: dflash-serving.alerts
     rules:
+{{- if include "dflash.gateway.enabled" . }}
       - alert: DFlashAcceptanceLengthLow
         expr: model:dflash_spec_acceptance_length:mean1h < {{ $low }}
         for: 15m
@@ -173,6 +177,7 @@ groups:
           summary: A canary pool's drafter accepts clearly less than its model's baseline pool
           description: >-
             {{`Pool {{ $labels.pool }} of model {{ $labels.model }} commits {{ $value | printf "%.2f" }} tokens per verify step over 1 h`}}, below {{ $a.canaryAcceptanceRatio }} × its model's baseline pool (the pool with the highest weight) on the same traffic. Outputs are unaffected (DFlash is lossless), but the canary is slower: compare the pools row of the dashboard, and lower the canary's weight or roll its drafter back.
+{{- end }}
       - alert: DFlashDrafterMismatch
         expr: >-
           (1 + worker:dflash_spec_accepted_tokens:rate5m{ {{- $w -}} }
@@ -185,6 +190,7 @@ groups:
           summary: DFlash drafter does not match the target
           description: >-
             {{`Worker {{ $labels.instance }} commits {{ $value | printf "%.2f" }} tokens per verify step`}} (a matching drafter: about {{ $spec.expectedAcceptanceLength }}). The drafter probably does not match the target (wrong checkpoint, tokenizer or revision); every step pays for a useless draft. Roll back.
+{{- if include "dflash.gateway.enabled" . }}
       - alert: DFlashTTFTP95AboveSLO
         expr: model:dflash_time_to_first_token_seconds:p95_5m > {{ $a.ttftP95Seconds }}
         for: 10m
@@ -226,6 +232,7 @@ groups:
           summary: No healthy DFlash worker
           description: >-
             The gateway has no healthy worker; every request gets a 503.
+{{- end }}
 {{- if gt (int (include "dflash.worker.minReplicas" .)) 0 }}
       # From the workers' side: no worker is scraped at all (dead, pending, or never started).
       - alert: DFlashWorkerMetricsAbsent
@@ -238,6 +245,7 @@ groups:
           description: >-
             No worker series ({{ $w }}) for 10 minutes: every worker is down, pending or still loading its model, or the PodMonitor selects nothing.
 {{- end }}
+{{- if include "dflash.gateway.enabled" . }}
       - alert: DFlashHigh5xxRatio
         expr: model:dflash_requests_5xx:ratio5m > {{ $a.errorRatio5xx }}
         for: 5m
@@ -247,6 +255,7 @@ groups:
           summary: Too many 5xx responses
           description: >-
             {{`Model {{ $labels.model }}: {{ $value | humanizePercentage }} of requests end in 5xx`}} (threshold {{ $a.errorRatio5xx }}).
+{{- end }}
       - alert: DFlashQueueBacklog
         expr: worker:dflash_requests_waiting:sum{ {{- $w -}} } > {{ $a.queueBacklog }}
         for: 10m
@@ -290,6 +299,7 @@ groups:
           summary: A DFlash worker stopped answering
           description: >-
             {{`Worker {{ $labels.instance }} answered scrapes before and has not for 3 minutes (crash loop, OOM kill or a hung engine).`}}
+{{- if include "dflash.gateway.enabled" . }}
       - alert: DFlashGatewayDown
         expr: (sum by (namespace, job) (up{ {{- $g -}} }) == 0) or absent(up{ {{- $g -}} })
         for: 5m
@@ -299,6 +309,7 @@ groups:
           summary: No DFlash gateway answers
           description: >-
             No gateway pod ({{ $g }}) has answered a scrape for 5 minutes: clients get connection errors.
+{{- end }}
 {{- if include "dflash.multiNode" . }}
       - alert: DFlashWorkerReplicasUnavailable
         expr: kube_statefulset_status_replicas_ready{namespace="{{ $ns }}",statefulset="{{ $name }}"} < kube_statefulset_replicas{namespace="{{ $ns }}",statefulset="{{ $name }}"}

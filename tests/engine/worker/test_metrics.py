@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -155,3 +157,89 @@ def test_promtool_accepts_the_exposition(worker: AppHandle) -> None:
     assert proc.returncode in (0, 3), report
     findings = [line for line in report.splitlines() if line.strip()]
     assert all("should not contain ':'" in line for line in findings), report
+
+
+# ---- the model-server protocol series under load ------------------------------------------
+# The Gateway API Inference Extension's endpoint picker scores a vLLM pod on
+# vllm:num_requests_waiting, vllm:num_requests_running, vllm:kv_cache_usage_perc and the
+# block_size / num_gpu_blocks labels of vllm:cache_config_info (its engine config for vllm at
+# v1.5.0: tests/fixtures/inference-extension/epp-v1.5.0.json).
+
+SLOTS = 2
+LONG = {"prompt": "x", "max_tokens": 900, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoint: TinyCheckpoint) -> Iterator[tuple[AppHandle, Any]]:
+    settings = load_settings(
+        model=str(tiny_checkpoint.target_dir),
+        served_model_name=NAME,
+        max_model_len=1024,
+        max_num_seqs=SLOTS,
+        max_waiting=4,
+    )
+    engine = build_engine(settings)
+    with serving_app(settings, engine=engine) as handle:
+        yield handle, engine
+
+
+def wait_until(check: Any, timeout: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def cache_info(samples: dict[str, float]) -> dict[str, str]:
+    """The labels of the one vllm:cache_config_info sample (its value must be 1)."""
+    keys = [k for k in samples if k.startswith("vllm:cache_config_info{")]
+    assert len(keys) == 1, keys
+    assert samples[keys[0]] == 1
+    return dict(re.findall(r'(\w+)="([^"]*)"', keys[0]))
+
+
+def test_model_server_protocol_series_follow_the_engine_under_load(
+    loaded: tuple[AppHandle, Any],
+) -> None:
+    handle, engine = loaded
+    idle = scrape(handle.base_url)
+    info = cache_info(idle)
+    stats = engine.stats()
+    assert info["num_gpu_blocks"] == str(SLOTS) == str(stats.kv_num_blocks)
+    assert info["block_size"] == str(stats.kv_block_size) and stats.kv_block_size >= 1024
+    assert info["cache_dtype"] == "auto" and info["engine"] == "0"
+    assert metric(idle, "vllm:kv_cache_usage_perc") == 0
+    url = f"{handle.base_url}/v1/completions"
+    with httpx.Client(timeout=120) as http, contextlib.ExitStack() as streams:
+        lines = []
+        for _ in range(SLOTS + 1):  # one more than the slots: it waits
+            r = streams.enter_context(http.stream("POST", url, json=LONG))
+            lines.append(r.iter_lines())
+        for it in lines[:SLOTS]:
+            next(line for line in it if line.startswith("data: "))
+        assert wait_until(lambda: engine.stats().num_waiting == 1)
+        before = engine.stats()
+        samples = scrape(handle.base_url)
+        after = engine.stats()
+        assert metric(samples, "vllm:num_requests_running") == before.num_running == SLOTS
+        assert metric(samples, "vllm:num_requests_waiting") == before.num_waiting == 1
+        usage = metric(samples, "vllm:kv_cache_usage_perc")
+        # Running rows only grow while none finishes: the scrape lies between two readings.
+        assert 0 < before.kv_cache_usage <= usage <= after.kv_cache_usage < 1
+        tokens = usage * stats.kv_block_size * stats.kv_num_blocks  # positions committed
+        assert tokens == pytest.approx(round(tokens))
+        assert wait_until(
+            lambda: metric(scrape(handle.base_url), "vllm:kv_cache_usage_perc") > usage
+        )
+    # Clients gone: the engine drops their rows and the gauges fall back to zero.
+    assert wait_until(lambda: engine.stats().num_running == engine.stats().num_waiting == 0)
+    done = scrape(handle.base_url)
+    assert (
+        metric(done, "vllm:num_requests_running") == metric(done, "vllm:num_requests_waiting") == 0
+    )
+    assert metric(done, "vllm:kv_cache_usage_perc") == 0
+    assert cache_info(done) == info
