@@ -29,6 +29,8 @@ STORE_OUTCOMES = (
     ("settle", "served"),
     ("usage", "served"),
 )
+# Why a ledger settlement was given up (dflash_rate_limit_ledger_lost_total).
+LEDGER_LOSSES = ("backlog_full", "rejected", "shutdown")
 # The `pool` label of a response no worker was tried for (refused by the gateway itself).
 NO_POOL = "none"
 # An error code is a label value only when it looks like one of ours (they are all literals
@@ -271,6 +273,31 @@ class GatewayMetrics:
         # At zero from the start: an alert on failures needs the series before the first one.
         for operation, outcome in STORE_OUTCOMES:
             self.child(self.store_errors, operation, outcome)
+        self._ledger_series(r)
+
+    def _ledger_series(self, r: CollectorRegistry) -> None:
+        """Settlements retried until they land (service/ledger_backlog.py), and what is lost."""
+        self.settle_retries = Counter(
+            "dflash_rate_limit_settle_retries",
+            "Ledger settlements (and requests served while the store did not answer) retried "
+            "because the store did not take them yet",
+            registry=r,
+        )
+        self.ledger_lost = Counter(
+            "dflash_rate_limit_ledger_lost",
+            "Ledger settlements given up: their requests and tokens are not counted "
+            "(backlog_full, rejected, shutdown)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in LEDGER_LOSSES:
+            self.child(self.ledger_lost, reason)
+        self.ledger_backlog = Gauge(
+            "dflash_rate_limit_ledger_backlog",
+            "Ledger settlements waiting for the store to take them",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
 
     def count_tenant(self, tenant: str, model: str, status: int) -> None:
         self.child(self.tenant_requests, tenant, model, str(status)).inc()
@@ -280,6 +307,12 @@ class GatewayMetrics:
 
     def count_store_error(self, operation: str, outcome: str) -> None:
         self.child(self.store_errors, operation, outcome).inc()
+
+    def count_settle_retries(self, count: int) -> None:
+        self.settle_retries.inc(count)
+
+    def count_ledger_lost(self, reason: str, count: int = 1) -> None:
+        self.child(self.ledger_lost, reason).inc(count)
 
     def describe_tenants(self, limits: dict[str, dict[str, int | None]]) -> None:
         """The configured limits (tenant -> limit name -> value); a limit removed by a

@@ -112,9 +112,10 @@ def two_gateways(worker: FakeWorker, env: dict[str, str]) -> Iterator[tuple[str,
 
 def hour_windows(tmp_path: Path, redis: RedisServer, **limits: int) -> dict[str, str]:
     """Settings of gateways sharing `redis` whose windows last an hour (an exactness test must
-    not see one end), started at least 30 s before the current window ends."""
+    not see one end, nor a deadline missed on a loaded machine: that is served open), started
+    at least 30 s before the current window ends."""
     fresh_window(3600, 30)
-    window = {"rate_limit_window_s": "3600", "redis_url": redis.url}
+    window = {"rate_limit_window_s": "3600", "redis_url": redis.url, "rate_limit_deadline_s": "2"}
     return {"api_key_file": str(key_file(tmp_path, **limits)), **window}
 
 
@@ -264,6 +265,50 @@ def test_redis_killed_under_load_open_serves_closed_refuses_nothing_hangs(
         redis.start()  # limits come back once it answers again
         wait_until(lambda: chat(closed).status_code == 200, timeout=10)
         assert chat(open_).status_code == 200
+
+
+def test_a_redis_stall_under_load_loses_no_lease_and_no_request(
+    worker: FakeWorker, redis: RedisServer, tmp_path: Path
+) -> None:
+    """Redis paused (SIGSTOP) for 5 s while two gateways serve a capped tenant: admissions and
+    settlements miss their deadline and are served open; once it resumes, every lease comes
+    back and the month counts each request served, and its tokens, once."""
+    limits = key_file(tmp_path, rpm=10**6, tpm=10**8, cap=4)
+    env = {"api_key_file": str(limits), "redis_url": redis.url}
+    with two_gateways(worker, env) as (a, b):
+        served: list[int] = []
+        stop = time.monotonic() + 8.0
+
+        def load(base: str, stream: bool) -> None:
+            while time.monotonic() < stop:
+                if chat(base, stream=stream).status_code == 200:
+                    served.append(1)
+
+        threads = [
+            threading.Thread(target=load, args=(base, index % 2 == 0))
+            for index, base in enumerate((a, b) * 4)
+        ]
+        for thread in threads:
+            thread.start()
+        time.sleep(1.0)
+        redis.pause()
+        try:
+            time.sleep(5.0)
+        finally:
+            redis.resume()
+        for thread in threads:
+            thread.join(30)
+        month = time.strftime("%Y-%m", time.gmtime())
+        counted = f"{{dflash:search}}:mr:{month}"
+        wait_until(lambda: redis.command("GET", counted) == str(len(served)), timeout=10)
+        assert redis.command("ZCARD", "{dflash:search}:c") == "0"  # no lease held
+        assert redis.command("GET", f"{{dflash:search}}:mt:{month}") == str(10 * len(served))
+        for base in (a, b):
+            assert scrape(base, "dflash_rate_limit_ledger_backlog") == 0
+            assert scrape(base, "dflash_rate_limit_ledger_lost_total") == 0
+        assert sum(scrape(x, "dflash_rate_limit_settle_retries_total") for x in (a, b)) > 0
+        assert sum(scrape(x, "dflash_rate_limit_store_errors_total") for x in (a, b)) > 0
+        assert all(chat(base).status_code == 200 for base in (a, b) * 3)  # not locked out
 
 
 def test_a_bad_tenant_file_or_unshared_limits_stop_startup(tmp_path: Path) -> None:
