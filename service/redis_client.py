@@ -319,18 +319,26 @@ class RedisClient:
             raise reply
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        parser = RespParser()
+        parser, replied = RespParser(), False
         try:
             while True:
                 data = await reader.read(65536)
                 if not data:
                     raise ConnectionResetError("Redis closed the connection")
                 for reply in parser.feed(data):
+                    replied = True
                     future = self._waiting.popleft()
                     if not future.done():
                         future.set_result(reply)
         except (OSError, RedisUnavailable, IndexError) as exc:
             # IndexError: a reply nobody asked for (the stream is out of step).
+            if isinstance(exc, OSError) and self._tls is not None and not replied:
+                # TLS 1.3 ends the handshake before the server checks the client's
+                # certificate: its refusal comes as a reset of the first command.
+                exc = ConnectionResetError(
+                    f"{exc!r}: Redis closed the TLS connection before its first reply: does "
+                    "it require a client certificate (redis_tls_cert_file, redis_tls_key_file)?"
+                )
             self._fail(exc)
 
     def _expire(self, future: asyncio.Future[Reply]) -> None:

@@ -20,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.fixtures.redis import RedisServer, running_redis
+from tests.fixtures.redis import RedisServer, ServerTls, running_redis
+from tests.fixtures.tls_certs import make_certs
 from tests.service.conftest import scrape, wait_until
 from tests.service.fake_upstream import (
     MODEL,
@@ -152,6 +153,29 @@ def test_two_gateways_sharing_redis_admit_exactly_the_request_limit(
             scrape(base, "dflash_tenant_rate_limited_total", limit="requests") for base in (a, b)
         ]
         assert sum(limited) == 13
+
+
+def test_two_gateways_on_one_tls_redis_as_an_acl_user_admit_exactly_the_limit(
+    worker: FakeWorker, tmp_path: Path
+) -> None:
+    """Managed Redis's way: rediss:// checked against a CA, an ACL user whose password comes
+    apart from the URL, and a client certificate (mutual TLS)."""
+    certs = make_certs(tmp_path)
+    tls = ServerTls(certs.path("server.crt"), certs.path("server.key"), certs.ca, "yes")
+    acl = ["--user", "ledger", "on", ">ledger-pw", "~{dflash:*", "+@all"]
+    with running_redis(tmp_path, tls=tls, args=acl) as redis:
+        env = hour_windows(tmp_path, redis, rpm=5)
+        env["redis_url"] = f"rediss://ledger@127.0.0.1:{redis.port}/0"
+        env |= {"redis_password": "ledger-pw", "redis_tls_ca_file": str(certs.ca)}
+        env["redis_tls_cert_file"] = str(certs.path("client.crt"))
+        env["redis_tls_key_file"] = str(certs.path("client.key"))
+        with two_gateways(worker, env) as (a, b):
+            answers = in_parallel([lambda base=base: chat(base) for base in (a, b) * 6])
+            assert sorted(r.status_code for r in answers) == [200] * 5 + [429] * 7
+            assert scrape(a, "dflash_rate_limit_store_errors_total") == 0
+        month = time.strftime("%Y-%m", time.gmtime())
+        assert redis.command("GET", f"{{dflash:search}}:mr:{month}") == "5"
+        assert redis.command("GET", f"{{dflash:search}}:mt:{month}") == "50"
 
 
 def test_tokens_are_charged_at_the_end_streams_included(
