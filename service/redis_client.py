@@ -274,6 +274,11 @@ class RedisClient:
     async def close(self) -> None:
         self._drop(RedisUnavailable("client closed"))
 
+    def discard(self, reason: BaseException) -> None:
+        """A reply that Redis would never send for the command (the wrong shape): the stream
+        may be out of step, so the connection goes, as after any failure."""
+        self._fail(reason)
+
     async def _connect(self, deadline: float) -> None:
         """Open the connection, or wait for the opening under way (a connect that outlives
         one call's deadline goes on and serves the calls after it)."""

@@ -27,7 +27,7 @@ import time
 from typing import get_args
 
 from service.ledger import Charge, Refusal, TenantUsage, Verdict, month_of
-from service.redis_client import ProtocolError, RedisClient, Script
+from service.redis_client import ProtocolError, RedisClient, RedisUnavailable, Script
 from service.tenants import Limits, Tenant
 
 MONTH_TTL_S = 40 * 24 * 3600
@@ -157,8 +157,15 @@ class RedisLedger:
         month = month_of(time.time())
         args = [self.window_ms, month, self.lease_ms, lease, *limit_args(tenant.limits)]
         reply = await self.client.evalsha(ADMIT, [prefix(tenant)], args)
-        refused, usage, now = usage_of(reply, month)
+        try:
+            refused, usage, now = usage_of(reply, month)
+        except ProtocolError as exc:
+            self.client.discard(exc)
+            raise
+        if refused == "settled":  # only a caller that gave up on it could have sent it
+            raise RedisUnavailable(f"lease {lease} was settled before its admission arrived")
         if refused not in REFUSALS:
+            self.client.discard(ProtocolError(f"the admission script refused for {refused!r}"))
             raise ProtocolError(f"the admission script refused for {refused!r}")
         return Verdict(refused, usage, now)
 
@@ -173,7 +180,11 @@ class RedisLedger:
         month = month_of(time.time())
         args = [self.window_ms, month, self.lease_ms, "", 0, NO_LIMIT, NO_LIMIT, NO_LIMIT]
         reply = await self.client.evalsha(ADMIT, [prefix(tenant)], args)
-        return usage_of(reply, month)[1]
+        try:
+            return usage_of(reply, month)[1]
+        except ProtocolError as exc:
+            self.client.discard(exc)
+            raise
 
     async def close(self) -> None:
         await self.client.close()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from service.ledger import Charge, Verdict, month_of
-from service.redis_client import ProtocolError, RedisClient, RedisUnavailable
+from service.redis_client import RedisClient, RedisUnavailable
 from service.redis_ledger import RedisLedger, limit_args, prefix
 from service.tenants import Limits, Tenant
 from tests.fixtures.redis import running_redis
@@ -65,7 +65,7 @@ async def test_an_admission_that_missed_its_deadline_is_counted_once(tmp_path: P
         assert (await ledger.admit(who, "late")).refused is None  # ran; its reply was lost
         await ledger.settle(who, "late", Charge(3, month, None))
         await ledger.settle(who, "after", Charge(2, month, None))  # settled first...
-        with pytest.raises(ProtocolError, match="settled"):
+        with pytest.raises(RedisUnavailable, match="settled before"):
             await ledger.admit(who, "after")  # ...then the admission arrives: ignored
         usage = await ledger.usage(who)
         assert (usage.month_requests, usage.month_tokens, usage.concurrent) == (2, 5, 0)
