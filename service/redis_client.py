@@ -156,7 +156,7 @@ class RespParser:
         return replies
 
     def _line(self, at: int) -> tuple[bytes, int] | None:
-        line_end = self._buf.find(b"\r\n", at, at + MAX_LINE + 1)
+        line_end = self._buf.find(b"\r\n", at, at + MAX_LINE + 2)
         if line_end < 0:
             if len(self._buf) - at > MAX_LINE:
                 raise ProtocolError(f"a RESP line longer than {MAX_LINE} bytes")
