@@ -21,6 +21,8 @@ import service.app
 from service.cli import main as gateway_main
 from service.redis_client import RedisUnavailable, ReplyError, Script
 
+POOL_SIZE = 64  # the bench's closed loop: one connection per client at most
+
 
 class RedisPyClient:
     """What RedisLedger calls (evalsha, call, discard, close), on redis-py: its connection
@@ -41,7 +43,13 @@ class RedisPyClient:
         if tls is not None:  # redis-py takes files, not a context: the same CA, names checked
             options["ssl_ca_certs"] = os.environ.get("DFLASH_GATEWAY_REDIS_TLS_CA_FILE")
             options |= {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
-        self.redis = aioredis.from_url(url, **options)
+        # A bounded pool that waits for a free connection, as redis-py advises under
+        # concurrency: its default pool refuses (MaxConnectionsError) past its size, and one
+        # command holds one connection until its reply (no pipelining across callers).
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=POOL_SIZE, timeout=deadline_s, **options
+        )
+        self.redis = aioredis.Redis(connection_pool=pool)
         self.deadline_s = deadline_s
 
     async def call(self, *args: Any) -> Any:
