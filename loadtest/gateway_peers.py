@@ -7,7 +7,9 @@ proxy (`--litellm`; PyPI: `scripts/install-litellm-proxy.sh`), a second gateway 
 another source tree (`--baseline-src`, e.g. a checkout of main) to compare a change, and the
 gateway configured with pools (`--pools`: routing by model, then by weight, on every
 request), and with API keys, then tenants' limits counted in the process and in Redis
-(`--limits`: every limit set, none reached, so every request is checked and charged). A peer
+(`--limits`: every limit set, none reached, so every request is checked and charged), Redis
+reached over TCP and over TLS, by the gateway's own client and, for the record, by redis-py's
+asyncio client (loadtest/redispy_gateway.py). A peer
 that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +119,20 @@ class PeerResult:
     burst: Sample = field(default_factory=Sample)
     first_burst: Sample = field(default_factory=Sample)  # opens the upstream connections
     rss_mb: float | None = None
+    store_errors: float | None = None  # a gateway with a ledger: its calls that failed
+
+
+def store_errors(port: int) -> float | None:
+    """dflash_rate_limit_store_errors_total of a gateway (None: not a gateway). A ledger that
+    failed would serve open and look cheap: its row would measure nothing."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return None
+    name = "dflash_rate_limit_store_errors_total{"
+    found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name)]
+    return sum(found) if found else None
 
 
 def missing_peers(args: argparse.Namespace) -> dict[str, str]:
@@ -165,6 +182,7 @@ def start_gateway(
     src: Path = ROOT,
     pools: Path | None = None,
     settings: dict[str, str] | None = None,
+    module: str = "service.cli",
 ) -> subprocess.Popen[bytes]:
     """`dflash-gateway` from source tree `src` in front of the stub, without API keys (unless
     `settings`, DFLASH_GATEWAY_* values, give some); with `pools`, configured by that pools
@@ -186,7 +204,7 @@ def start_gateway(
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
     for name, value in (settings or {}).items():
         env[f"DFLASH_GATEWAY_{name.upper()}"] = value
-    argv = [sys.executable, "-m", "service.cli", "--port", str(port)]
+    argv = [sys.executable, "-m", module, "--port", str(port)]
     argv += ["--pools", str(pools)] if pools else ["--worker", f"http://127.0.0.1:{upstream}"]
     argv += ["--log-level", "warning", *extra]
     return subprocess.Popen(pinned(cpus, argv), env=env, cwd=src)
@@ -244,22 +262,52 @@ def limit_peers(
         ("dflash-gateway (keys)", {"api_keys": BENCH_KEY}),
         ("dflash-gateway (limits)", {"api_key_file": str(keys)}),
     ]
+    redis = None
     if "redis-server" not in missing:
-        redis_port = free_port()
-        argv = [REDIS, "--port", str(redis_port), "--bind", "127.0.0.1", "--save", ""]
-        argv += ["--appendonly", "no", "--dir", str(workdir)]
-        redis = subprocess.Popen(pinned(args.aux_cpus, argv), stdout=subprocess.DEVNULL)
-        url = f"redis://127.0.0.1:{redis_port}/0"
-        shared = {"api_key_file": str(keys), "redis_url": url}
-        variants.append(("dflash-gateway (limits, redis)", shared))
+        redis, shared = start_redis(args, workdir)
+        variants += [
+            (f"dflash-gateway (limits, {name})", {**settings, "api_key_file": str(keys)})
+            for name, settings in shared.items()
+        ]
     peers = []
     for name, settings in variants:
         port = free_port()
-        process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings)
+        module = "loadtest.redispy_gateway" if "redis-py" in name else "service.cli"
+        process = start_gateway(
+            port, upstream, [], args.proxy_cpu, settings=settings, module=module
+        )
         peers.append(Peer(name, port, process, "/ready"))
-    if "redis-server" not in missing:
+    if redis is not None:
         peers[-1].companions.append(redis)
     return peers
+
+
+def start_redis(
+    args: argparse.Namespace, workdir: Path
+) -> tuple[subprocess.Popen[bytes], dict[str, dict[str, str]]]:
+    """One redis-server on the stub's cores, listening on TCP and on TLS (a certificate for
+    127.0.0.1 made by `openssl`), and the gateway settings of each way to reach it: the lean
+    client and redis-py's asyncio client, each over TCP and over TLS."""
+    cert, key = workdir / "redis.crt", workdir / "redis.key"
+    openssl = ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt"]
+    openssl += ["ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+    openssl += ["-keyout", str(key), "-out", str(cert), "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(openssl, check=True, capture_output=True)
+    plain, tls = free_port(), free_port()
+    argv = [REDIS, "--port", str(plain), "--bind", "127.0.0.1", "--save", ""]
+    argv += ["--appendonly", "no", "--dir", str(workdir), "--tls-port", str(tls)]
+    argv += ["--tls-cert-file", str(cert), "--tls-key-file", str(key)]
+    argv += ["--tls-ca-cert-file", str(cert), "--tls-auth-clients", "no"]
+    redis = subprocess.Popen(pinned(args.aux_cpus, argv), stdout=subprocess.DEVNULL)
+    # A deadline no call misses on a loaded machine: a missed one is served open, unmeasured
+    # (the rows' store_errors say that none was).
+    deadline = {"rate_limit_deadline_s": "5"}
+    over_tcp = {"redis_url": f"redis://127.0.0.1:{plain}/0", **deadline}
+    over_tls = {"redis_url": f"rediss://127.0.0.1:{tls}/0", "redis_tls_ca_file": str(cert)}
+    over_tls |= deadline
+    shared = {"redis": over_tcp, "rediss": over_tls}
+    shared |= {"redis-py": over_tcp, "redis-py, rediss": over_tls}
+    return redis, shared
 
 
 # Limits no bench run reaches: every check runs, nothing is refused.
@@ -443,6 +491,7 @@ def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[
             if sample.error_kinds
         },
         "rss_mb": result.rss_mb,
+        "store_errors": result.store_errors,
     }
 
 
@@ -458,6 +507,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "first burst added TTFT p50/p99 ms",
         "RSS MB",
         "errors",
+        "store errors",
     )
     lines = [head]
     for r in rows:
@@ -475,6 +525,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 f"{first['p50']} / {first['p99']}",
                 str(r["rss_mb"]),
                 str(errors),
+                "-" if r["store_errors"] is None else str(int(r["store_errors"])),
             )
         )
     return aligned(lines, " | ")
@@ -505,6 +556,8 @@ async def run(args: argparse.Namespace, stub: int, peers: list[Peer]) -> list[di
         await one_round(args, peers, results, stub)
     for peer in peers:
         results[peer.name].rss_mb = rss_mib(peer.process.pid)
+        if peer.name.startswith("dflash-gateway"):
+            results[peer.name].store_errors = store_errors(peer.port)
     return [
         row(peer.name, results[peer.name], results[f"direct:{peer.name}"], args.events)
         for peer in peers

@@ -37,7 +37,7 @@ from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth, KeyFileWatcher
 from service.tenancy.ledger import Ledger, MemoryLedger
 from service.tenancy.limits import RateLimiter
-from service.tenancy.redis_client import RedisClient
+from service.tenancy.redis_client import RedisAddress, RedisClient, tls_context
 from service.tenancy.redis_ledger import RedisLedger
 from service.tenancy.tenants import KeyRing, Tenant
 from wire.errors import (
@@ -243,7 +243,20 @@ def ledger(settings: GatewaySettings) -> Ledger:
     replica), else this process. A concurrency lease outlives the longest request."""
     if settings.redis_url is None:
         return MemoryLedger(settings.rate_limit_window_s)
-    client = RedisClient(settings.redis_url, deadline_s=settings.rate_limit_deadline_s)
+    tls = None
+    if RedisAddress.parse(settings.redis_url).tls:
+        tls = tls_context(settings.redis_tls())
+        if not settings.redis_tls_verify:
+            log.warning(
+                "Redis TLS verification is OFF (DFLASH_GATEWAY_REDIS_TLS_VERIFY=false): the "
+                "ledger's connection is encrypted but anyone in its path can pose as Redis"
+            )
+    client = RedisClient(
+        settings.redis_url,
+        deadline_s=settings.rate_limit_deadline_s,
+        password=settings.redis_password,
+        tls=tls,
+    )
     lease_s = settings.request_timeout_s + settings.drain_timeout_s + 60
     return RedisLedger(client, settings.rate_limit_window_s, lease_s)
 
@@ -259,7 +272,12 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics()
     auth = ApiKeyAuth(settings.load_key_ring(), protect_metrics=settings.metrics_auth)
     describe_tenants(metrics, auth.ring)
-    limiter = RateLimiter(ledger(settings), metrics, settings.rate_limit_failure_mode)
+    limiter = RateLimiter(
+        ledger(settings),
+        metrics,
+        settings.rate_limit_failure_mode,
+        backlog=settings.rate_limit_backlog,
+    )
     state = GatewayState(settings=settings, metrics=metrics, auth=auth, limiter=limiter)
 
     @asynccontextmanager

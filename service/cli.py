@@ -83,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--redis-url",
         metavar="URL",
-        help="redis://[:password@]host:port/db: tenants' usage shared by every gateway "
-        "process and replica (default: counted in this process)",
+        help="redis[s]://[[user]:password@]host:port/db: tenants' usage shared by every "
+        "gateway process and replica (default: counted in this process; rediss: TLS, see "
+        "DFLASH_GATEWAY_REDIS_TLS_* and docs/redis.md)",
     )
     p.add_argument(
         "--rate-limit-failure-mode",

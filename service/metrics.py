@@ -30,6 +30,8 @@ STORE_OUTCOMES = (
     ("settle", "served"),
     ("usage", "served"),
 )
+# Why a ledger settlement was given up (dflash_rate_limit_ledger_lost_total).
+LEDGER_LOSSES = ("backlog_full", "rejected", "shutdown")
 # The `pool` label of a response no worker was tried for (refused by the gateway itself).
 NO_POOL = "none"
 # An error code is a label value only when it looks like one of ours (they are all literals
@@ -42,7 +44,123 @@ def code_label(code: str | None, error_type: str) -> str:
     return value if _CODE.fullmatch(value) else "other"
 
 
-class GatewayMetrics:
+class _Children:
+    """Label children looked up once (see `child`)."""
+
+    _children: dict[tuple[int, tuple[str, ...]], Any]
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """`metric.labels(*values)`, looked up once: prometheus_client's own lookup validates
+        and hashes the labels on every call, a cost on the request path. Only for series
+        whose label values are bounded (served models, endpoints, statuses), never removed."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
+
+class TenancySeries(_Children):
+    """The tenants' series: usage per tenant (names from the key file, never keys), their
+    limits and 429s, and the ledger's store (errors, retried settlements, what is lost)."""
+
+    def _tenant_series(self, r: CollectorRegistry) -> None:
+        """Usage per tenant (names from the key file, never keys), by model."""
+        self.tenant_requests = Counter(
+            "dflash_tenant_requests",
+            "Generation requests of a tenant, by the status sent (429s included)",
+            ["tenant", "model", "status"],
+            registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "dflash_tenant_prompt_tokens",
+            "Prompt tokens of a tenant",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.tenant_completion_tokens = Counter(
+            "dflash_tenant_completion_tokens",
+            "Completion tokens of a tenant",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.tenant_rate_limited = Counter(
+            "dflash_tenant_rate_limited",
+            "Requests refused with 429, by limit: requests, tokens, quota, concurrency",
+            ["tenant", "model", "limit"],
+            registry=r,
+        )
+        self.tenant_limit = Gauge(
+            "dflash_tenant_limit",
+            "A tenant's configured limit (absent: no limit)",
+            ["tenant", "limit"],
+            registry=r,
+            multiprocess_mode="max",
+        )
+        self.store_errors = Counter(
+            "dflash_rate_limit_store_errors",
+            "Rate-limit store calls that failed or missed their deadline, and what the request "
+            "got (served without limits, or refused with 503)",
+            ["operation", "outcome"],
+            registry=r,
+        )
+        # At zero from the start: an alert on failures needs the series before the first one.
+        for operation, outcome in STORE_OUTCOMES:
+            self.child(self.store_errors, operation, outcome)
+        self._ledger_series(r)
+
+    def _ledger_series(self, r: CollectorRegistry) -> None:
+        """Settlements retried until they land (tenancy/ledger_backlog.py), and what is lost."""
+        self.settle_retries = Counter(
+            "dflash_rate_limit_settle_retries",
+            "Ledger settlements (and requests served while the store did not answer) retried "
+            "because the store did not take them yet",
+            registry=r,
+        )
+        self.ledger_lost = Counter(
+            "dflash_rate_limit_ledger_lost",
+            "Ledger settlements given up: their requests and tokens are not counted "
+            "(backlog_full, rejected, shutdown)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in LEDGER_LOSSES:
+            self.child(self.ledger_lost, reason)
+        self.ledger_backlog = Gauge(
+            "dflash_rate_limit_ledger_backlog",
+            "Ledger settlements waiting for the store to take them",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+
+    def count_tenant(self, tenant: str, model: str, status: int) -> None:
+        self.child(self.tenant_requests, tenant, model, str(status)).inc()
+
+    def count_rate_limited(self, tenant: str, model: str, limit: str) -> None:
+        self.child(self.tenant_rate_limited, tenant, model, limit).inc()
+
+    def count_store_error(self, operation: str, outcome: str) -> None:
+        self.child(self.store_errors, operation, outcome).inc()
+
+    def count_settle_retries(self, count: int) -> None:
+        self.settle_retries.inc(count)
+
+    def count_ledger_lost(self, reason: str, count: int = 1) -> None:
+        self.child(self.ledger_lost, reason).inc(count)
+
+    def describe_tenants(self, limits: dict[str, dict[str, int | None]]) -> None:
+        """The configured limits (tenant -> limit name -> value); a limit removed by a
+        reload loses its series."""
+        for tenant, named in limits.items():
+            for name, value in named.items():
+                if value is None:
+                    with contextlib.suppress(KeyError):
+                        self.tenant_limit.remove(tenant, name)
+                else:
+                    self.tenant_limit.labels(tenant, name).set(value)
+
+
+class GatewayMetrics(TenancySeries):
     """All gateway series in one registry owned by the app (no process-global state).
 
     With several processes (`multiprocess_dir`, by default the directory prometheus_client
@@ -132,70 +250,6 @@ class GatewayMetrics:
             "dflash_retries", "Attempts retried on another worker", ["model"], registry=r
         )
 
-    def _tenant_series(self, r: CollectorRegistry) -> None:
-        """Usage per tenant (names from the key file, never keys), by model."""
-        self.tenant_requests = Counter(
-            "dflash_tenant_requests",
-            "Generation requests of a tenant, by the status sent (429s included)",
-            ["tenant", "model", "status"],
-            registry=r,
-        )
-        self.tenant_prompt_tokens = Counter(
-            "dflash_tenant_prompt_tokens",
-            "Prompt tokens of a tenant",
-            ["tenant", "model"],
-            registry=r,
-        )
-        self.tenant_completion_tokens = Counter(
-            "dflash_tenant_completion_tokens",
-            "Completion tokens of a tenant",
-            ["tenant", "model"],
-            registry=r,
-        )
-        self.tenant_rate_limited = Counter(
-            "dflash_tenant_rate_limited",
-            "Requests refused with 429, by limit: requests, tokens, quota, concurrency",
-            ["tenant", "model", "limit"],
-            registry=r,
-        )
-        self.tenant_limit = Gauge(
-            "dflash_tenant_limit",
-            "A tenant's configured limit (absent: no limit)",
-            ["tenant", "limit"],
-            registry=r,
-            multiprocess_mode="max",
-        )
-        self.store_errors = Counter(
-            "dflash_rate_limit_store_errors",
-            "Rate-limit store calls that failed or missed their deadline, and what the request "
-            "got (served without limits, or refused with 503)",
-            ["operation", "outcome"],
-            registry=r,
-        )
-        # At zero from the start: an alert on failures needs the series before the first one.
-        for operation, outcome in STORE_OUTCOMES:
-            self.child(self.store_errors, operation, outcome)
-
-    def count_tenant(self, tenant: str, model: str, status: int) -> None:
-        self.child(self.tenant_requests, tenant, model, str(status)).inc()
-
-    def count_rate_limited(self, tenant: str, model: str, limit: str) -> None:
-        self.child(self.tenant_rate_limited, tenant, model, limit).inc()
-
-    def count_store_error(self, operation: str, outcome: str) -> None:
-        self.child(self.store_errors, operation, outcome).inc()
-
-    def describe_tenants(self, limits: dict[str, dict[str, int | None]]) -> None:
-        """The configured limits (tenant -> limit name -> value); a limit removed by a
-        reload loses its series."""
-        for tenant, named in limits.items():
-            for name, value in named.items():
-                if value is None:
-                    with contextlib.suppress(KeyError):
-                        self.tenant_limit.remove(tenant, name)
-                else:
-                    self.tenant_limit.labels(tenant, name).set(value)
-
     def _spec_series(self, r: CollectorRegistry) -> None:
         self.spec_length = Histogram(
             "dflash_spec_acceptance_length",
@@ -220,16 +274,6 @@ class GatewayMetrics:
         self.spec_accepted = Counter(
             "dflash_spec_accepted_tokens", "Accepted draft tokens", ["model", "pool"], registry=r
         )
-
-    def child(self, metric: Any, *values: str) -> Any:
-        """`metric.labels(*values)`, looked up once: prometheus_client's own lookup validates
-        and hashes the labels on every call, a cost on the request path. Only for series
-        whose label values are bounded (served models, endpoints, statuses), never removed."""
-        key = (id(metric), values)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*values)
-        return found
 
     def count_response(
         self, model: str, endpoint: str, status: int, code: str | None = None, pool: str = NO_POOL

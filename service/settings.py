@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.tenancy.redis_client import RedisAddress
+from service.tenancy.redis_client import RedisAddress, TlsFiles
 from service.tenancy.tenants import KeyRing, parse_key_file
 
 RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
@@ -122,9 +122,22 @@ class GatewaySettings(BaseSettings):
     key_reload_interval_s: float = Field(default=5.0, gt=0)  # how often the key file is checked
     metrics_auth: bool = False
     # Tenants' limits (a key file in the tenant format, service/tenancy/tenants.py) are kept in a
-    # ledger: in this process by default, or in Redis (redis://[:password@]host:port/db),
-    # shared by every process and replica.
+    # ledger: in this process by default, or in Redis (redis[s]://[[user]:password@]host:
+    # port/db; rediss: TLS), shared by every process and replica.
     redis_url: str | None = Field(default=None, repr=False)
+    # The password (of `user` in the URL, an ACL user, or of `default`) apart from the URL,
+    # e.g. from a Secret; it wins over one in the URL.
+    redis_password: str | None = Field(default=None, repr=False)
+    # rediss://: the CA bundle that signed the server's certificate (None: the system's
+    # store); a client certificate and key for mutual TLS; verify=false skips checking the
+    # server's certificate and name (warned at startup: anyone in the path can read keys).
+    redis_tls_ca_file: Path | None = None
+    redis_tls_cert_file: Path | None = None
+    redis_tls_key_file: Path | None = None
+    redis_tls_verify: bool = True
+    # Settlements the store did not take in time wait here to be retried (the oldest is
+    # dropped, and counted, when it is full).
+    rate_limit_backlog: int = Field(default=100_000, ge=1)
     # When the store does not answer within rate_limit_deadline_s: serve without limits
     # (open: logged and counted) or refuse with 503 + Retry-After (closed).
     rate_limit_failure_mode: Literal["open", "closed"] = "open"
@@ -196,6 +209,33 @@ class GatewaySettings(BaseSettings):
         if value is not None:
             RedisAddress.parse(value)
         return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> GatewaySettings:
+        tls = self.redis_url is not None and RedisAddress.parse(self.redis_url).tls
+        given = [
+            name
+            for name in ("redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file")
+            if getattr(self, name) is not None
+        ]
+        if not self.redis_tls_verify:
+            given.append("redis_tls_verify")
+        if given and not tls:
+            raise ValueError(f"{', '.join(given)} need a rediss:// redis_url")
+        if (self.redis_tls_cert_file is None) != (self.redis_tls_key_file is None):
+            raise ValueError("redis_tls_cert_file and redis_tls_key_file go together")
+        return self
+
+    def redis_tls(self) -> TlsFiles:
+        def text(path: Path | None) -> str | None:
+            return None if path is None else str(path)
+
+        return TlsFiles(
+            ca_file=text(self.redis_tls_ca_file),
+            cert_file=text(self.redis_tls_cert_file),
+            key_file=text(self.redis_tls_key_file),
+            verify=self.redis_tls_verify,
+        )
 
     @model_validator(mode="after")
     def _check_pools(self) -> GatewaySettings:

@@ -44,6 +44,19 @@ class TenantUsage:
 class Verdict:
     refused: Refusal | None
     usage: TenantUsage
+    admitted_ms: int = 0  # the store's clock when it admitted the request (ms)
+
+
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What a request that ended owes the ledger. Fixed when it ends, so a settlement retried
+    later charges the same month and is recognised when it already landed."""
+
+    tokens: int
+    month: str  # the calendar month (UTC) the request ended in
+    # The store's clock at admission (Verdict.admitted_ms); None: admitted while the store did
+    # not answer (fail-open), so the settlement also counts the request.
+    admitted_ms: int | None
 
 
 class Ledger(Protocol):
@@ -52,8 +65,9 @@ class Ledger(Protocol):
         concurrency lease named `lease`."""
         ...
 
-    async def settle(self, tenant: Tenant, lease: str, tokens: int) -> None:
-        """The request ended: charge its tokens and give its lease back."""
+    async def settle(self, tenant: Tenant, lease: str, charge: Charge) -> None:
+        """The request ended: charge its tokens and give its lease back. Idempotent by lease:
+        a settlement that already landed (its reply lost) changes nothing when retried."""
         ...
 
     async def usage(self, tenant: Tenant) -> TenantUsage: ...
@@ -102,6 +116,9 @@ class _Account:
     month_requests: int = 0
     month_tokens: int = 0
     leases: set[str] = field(default_factory=set)
+    # Settled requests that were admitted open (never here: this store always answers; kept
+    # so that both stores follow one contract).
+    settled_open: set[str] = field(default_factory=set)
 
     def roll(self, window: int, month: str) -> None:
         if window != self.window:
@@ -152,15 +169,21 @@ class MemoryLedger:
         if refused is None:
             account.requests += 1
             account.month_requests += 1
-            if tenant.limits.concurrent_requests is not None:
-                account.leases.add(lease)
-        return Verdict(refused, self._usage(account, reset_s))
+            account.leases.add(lease)
+        return Verdict(refused, self._usage(account, reset_s), round(self.clock() * 1000))
 
-    async def settle(self, tenant: Tenant, lease: str, tokens: int) -> None:
+    async def settle(self, tenant: Tenant, lease: str, charge: Charge) -> None:
         account, _ = self._account(tenant)
-        account.tokens += tokens
-        account.month_tokens += tokens
-        account.leases.discard(lease)
+        if lease in account.leases:
+            account.leases.discard(lease)
+        elif charge.admitted_ms is not None or lease in account.settled_open:
+            return  # settled already
+        else:  # admitted while the store did not answer
+            account.settled_open.add(lease)
+            account.requests += 1
+            account.month_requests += 1
+        account.tokens += charge.tokens
+        account.month_tokens += charge.tokens
 
     async def usage(self, tenant: Tenant) -> TenantUsage:
         account, reset_s = self._account(tenant)

@@ -3,7 +3,9 @@ a limit is reached, and `x-ratelimit-*` headers on every response of a tenant wi
 
 The ledger (tenancy/ledger.py) keeps the counts; this module turns its verdict into headers or
 an error, and decides what happens when the ledger's store does not answer in time: serve anyway
-(`open`, the default: logged and counted) or refuse with a 503 and Retry-After (`closed`).
+(`open`, the default: logged and counted, and the request is counted in the ledger once the
+store answers again) or refuse with a 503 and Retry-After (`closed`). A settlement the store
+does not take in time is retried from a bounded queue (service.tenancy.ledger_backlog).
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from typing import Literal
 
 from service.metrics import GatewayMetrics
 from service.reports import Usage
-from service.tenancy.ledger import Ledger, Refusal, TenantUsage, seconds_to_next_month
+from service.tenancy.ledger import (
+    Charge,
+    Ledger,
+    Refusal,
+    TenantUsage,
+    month_of,
+    seconds_to_next_month,
+)
+from service.tenancy.ledger_backlog import Backlog
 from service.tenancy.redis_client import RedisUnavailable, ReplyError
 from service.tenancy.tenants import Limits, Tenant
 from wire.errors import ApiError, Unavailable
@@ -27,6 +37,7 @@ log = logging.getLogger("dflash.gateway.limits")
 FailureMode = Literal["open", "closed"]
 STORE_ERRORS = (RedisUnavailable, ReplyError, OSError)
 WARN_EVERY_S = 10.0  # a store that is down is logged once per interval, not per request
+FLUSH_S = 5.0  # at shutdown, how long settlements still queued wait for the store
 Headers = tuple[tuple[bytes, bytes], ...]
 
 
@@ -125,11 +136,23 @@ def retry_headers(wait_s: float, limits: Limits, usage: TenantUsage) -> dict[str
 
 class Ticket:
     """An admitted request's place in the ledger: its headers, and the settlement (tokens
-    charged, lease given back) that must happen exactly once when it ends."""
+    charged, lease given back) that must happen exactly once when it ends. `admitted_ms` is
+    None for a request served while the store did not answer: its settlement counts it."""
 
-    def __init__(self, limiter: RateLimiter, tenant: Tenant, lease: str, headers: Headers):
+    def __init__(
+        self,
+        limiter: RateLimiter,
+        tenant: Tenant,
+        lease: str,
+        headers: Headers,
+        admitted_ms: int | None,
+    ) -> None:
         self.limiter, self.tenant, self.lease, self.headers = limiter, tenant, lease, headers
+        self.admitted_ms = admitted_ms
         self.settled = False
+
+    def charge(self, tokens: int) -> Charge:
+        return Charge(tokens, month_of(time.time()), self.admitted_ms)
 
     async def settle(self, usage: Usage | None) -> None:
         """Charge the worker's reported usage; before the response's last bytes go out, so
@@ -138,7 +161,7 @@ class Ticket:
             return
         self.settled = True
         tokens = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
-        await self.limiter.settle(self.tenant, self.lease, tokens)
+        await self.limiter.settle(self.tenant, self.lease, self.charge(tokens))
 
     def release(self) -> None:
         """The request ended without a settlement (client gone, upstream failure): give the
@@ -146,19 +169,27 @@ class Ticket:
         if self.settled:
             return
         self.settled = True
-        self.limiter.settle_later(self.tenant, self.lease)
+        self.limiter.settle_later(self.tenant, self.lease, self.charge(0))
 
 
 class RateLimiter:
-    def __init__(self, ledger: Ledger, metrics: GatewayMetrics, failure_mode: FailureMode) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        metrics: GatewayMetrics,
+        failure_mode: FailureMode,
+        backlog: int = 100_000,
+    ) -> None:
         self.ledger, self.metrics, self.failure_mode = ledger, metrics, failure_mode
+        self.backlog = Backlog(ledger, metrics, backlog)
         self._warned_at = -math.inf
         self._lease_prefix, self._leases = secrets.token_hex(6) + "-", itertools.count()
         self._background: set[asyncio.Task[None]] = set()
 
-    async def admit(self, tenant: Tenant, model: str) -> Ticket | None:
-        """A ticket for an admitted request; raises RateLimited over a limit. None when the
-        store failed and the mode is open (the request is served unlimited)."""
+    async def admit(self, tenant: Tenant, model: str) -> Ticket:
+        """A ticket for an admitted request; raises RateLimited over a limit. When the store
+        failed and the mode is open, a ticket without headers: the request is served, and
+        counted when its settlement reaches the store."""
         # Unique across processes and replicas: a random prefix per limiter, then a count.
         lease = f"{self._lease_prefix}{next(self._leases)}"
         try:
@@ -170,17 +201,20 @@ class RateLimiter:
                     "Rate limits cannot be checked right now; retry the request.",
                     code="rate_limit_store_unavailable",
                 ) from None
-            return None
+            return Ticket(self, tenant, lease, (), None)
         if verdict.refused is not None:
             self.metrics.count_rate_limited(tenant.name, model, verdict.refused)
             raise refused_error(tenant, verdict.refused, verdict.usage)
-        return Ticket(self, tenant, lease, rate_headers(tenant.limits, verdict.usage))
+        headers = rate_headers(tenant.limits, verdict.usage)
+        return Ticket(self, tenant, lease, headers, verdict.admitted_ms)
 
-    async def settle(self, tenant: Tenant, lease: str, tokens: int) -> None:
+    async def settle(self, tenant: Tenant, lease: str, charge: Charge) -> None:
+        """One try now; a miss is queued and retried until it lands."""
         try:
-            await self.ledger.settle(tenant, lease, tokens)
+            await self.ledger.settle(tenant, lease, charge)
         except STORE_ERRORS as exc:
             self._store_failed("settle", exc)
+            self.backlog.put(tenant, lease, charge)
 
     async def usage(self, tenant: Tenant) -> TenantUsage | None:
         """The tenant's counts, or None when the store does not answer."""
@@ -190,8 +224,8 @@ class RateLimiter:
             self._store_failed("usage", exc)
             return None
 
-    def settle_later(self, tenant: Tenant, lease: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.settle(tenant, lease, 0))
+    def settle_later(self, tenant: Tenant, lease: str, charge: Charge) -> None:
+        task = asyncio.get_running_loop().create_task(self.settle(tenant, lease, charge))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -212,4 +246,5 @@ class RateLimiter:
     async def close(self) -> None:
         if self._background:
             await asyncio.wait(set(self._background), timeout=1.0)
+        await self.backlog.flush(FLUSH_S)
         await self.ledger.close()

@@ -2,8 +2,12 @@
 
 The ledger sends one script call per admission and one per settlement, from every request of
 every tenant with limits, so the client's CPU is on the request path (redis-py's asyncio client
-costs several times more per call). It speaks only what the ledger needs: AUTH, SELECT,
-EVALSHA with SCRIPT LOAD on NOSCRIPT, and plain commands for tests and tools.
+costs several times more per call). It speaks only what the ledger needs: AUTH (a password,
+or an ACL user and password), SELECT, EVALSHA with SCRIPT LOAD on NOSCRIPT, and plain commands
+for tests and tools; over TCP or TLS (rediss://, as managed Redis requires).
+
+Its parser is on the request path and bounds what a reply may hold (sizes, nesting, bytes
+pending): bytes that are not such a reply drop the connection like any other failure.
 
 Every call has a deadline. A failure (refused, reset, deadline) fails the calls in flight,
 drops the connection and fails new calls at once for `retry_after_s` before the next connect
@@ -13,7 +17,10 @@ attempt, so a Redis that is down costs nothing per request but the fallback deci
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
+import re
+import ssl
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,14 +44,15 @@ class RedisAddress:
     port: int
     db: int
     username: str | None
-    password: str | None
+    password: str | None = field(repr=False)
+    tls: bool = False
 
     @classmethod
     def parse(cls, url: str) -> RedisAddress:
-        """redis://[[user]:password@]host[:port][/db]"""
+        """redis[s]://[[user]:password@]host[:port][/db] (rediss: TLS)"""
         parts = urlsplit(url)
-        if parts.scheme != "redis":
-            raise ValueError(f"only redis:// URLs are supported (no TLS), got {parts.scheme!r}")
+        if parts.scheme not in ("redis", "rediss"):
+            raise ValueError(f"a Redis URL starts with redis:// or rediss://, got {parts.scheme!r}")
         if not parts.hostname:
             raise ValueError("the Redis URL names no host")
         db = parts.path.lstrip("/")
@@ -56,7 +64,31 @@ class RedisAddress:
             db=int(db or 0),
             username=unquote(parts.username) if parts.username else None,
             password=unquote(parts.password) if parts.password else None,
+            tls=parts.scheme == "rediss",
         )
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """How a rediss:// connection checks the server and proves the client: a CA bundle (None:
+    the system's store), a client certificate and key (mutual TLS), or no check at all."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    verify: bool = True
+
+
+def tls_context(files: TlsFiles) -> ssl.SSLContext:
+    """The server's certificate is checked against the CA and its name against the URL's host,
+    unless `verify` is off. Reads the files now: a missing or bad one stops startup."""
+    context = ssl.create_default_context(cafile=files.ca_file)
+    if not files.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    if files.cert_file is not None:
+        context.load_cert_chain(files.cert_file, files.key_file)
+    return context
 
 
 @dataclass(frozen=True)
@@ -77,63 +109,122 @@ def encode(args: tuple[Any, ...]) -> bytes:
     return b"".join(parts)
 
 
+class ProtocolError(RedisUnavailable):
+    """Redis's bytes are not a reply this client takes (malformed, or over a size limit): the
+    connection is out of step and is dropped."""
+
+
+# Limits on what one reply may hold. The ledger's replies are a few dozen bytes; a peer that
+# is not Redis, or a corrupted stream, must cost bounded memory and no recursion blow-up.
+MAX_LINE = 4096  # a status, error or integer line
+MAX_BULK = 1 << 20  # one bulk string
+MAX_ARRAY = 1024  # elements of one array
+MAX_DEPTH = 8  # arrays inside arrays
+MAX_PENDING = 4 << 20  # bytes of one reply not complete yet
+_INTEGER = re.compile(rb"-?[0-9]{1,19}")
+
+
+def integer(line: bytes, low: int, high: int) -> int:
+    if not _INTEGER.fullmatch(line):
+        raise ProtocolError(f"not a RESP integer: {line[:32]!r}")
+    value = int(line)
+    if not low <= value <= high:
+        raise ProtocolError(f"RESP length {value} is out of bounds")
+    return value
+
+
 class RespParser:
-    """Incremental RESP2 parser: feed bytes, take complete replies."""
+    """Incremental RESP2 parser: feed bytes, take complete replies. Raises ProtocolError on
+    anything else, and holds at most MAX_PENDING bytes of an incomplete reply."""
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Reply]:
         self._buf += data
         replies: list[Reply] = []
+        at = 0
         while True:
-            parsed = self._parse(0)
+            parsed = self._parse(at, 0)
             if parsed is None:
-                return replies
-            reply, end = parsed
-            self._buf = self._buf[end:]
+                break
+            reply, at = parsed
             replies.append(reply)
+        del self._buf[:at]
+        if len(self._buf) > MAX_PENDING:
+            raise ProtocolError(f"a reply of more than {MAX_PENDING} bytes")
+        return replies
 
-    def _parse(self, at: int) -> tuple[Reply, int] | None:
-        line_end = self._buf.find(b"\r\n", at)
+    def _line(self, at: int) -> tuple[bytes, int] | None:
+        line_end = self._buf.find(b"\r\n", at, at + MAX_LINE + 2)
         if line_end < 0:
+            if len(self._buf) - at > MAX_LINE:
+                raise ProtocolError(f"a RESP line longer than {MAX_LINE} bytes")
             return None
-        kind, line = self._buf[at : at + 1], self._buf[at + 1 : line_end]
-        after = line_end + 2
+        return bytes(self._buf[at:line_end]), line_end + 2
+
+    def _parse(self, at: int, depth: int) -> tuple[Reply, int] | None:
+        if at >= len(self._buf):
+            return None
+        kind = self._buf[at : at + 1]
+        found = self._line(at + 1)
+        if found is None:
+            return None
+        line, after = found
         if kind == b"+":
             return line, after
         if kind == b"-":
             return ReplyError(line.decode(errors="replace")), after
         if kind == b":":
-            return int(line), after
+            return integer(line, -(2**63), 2**63 - 1), after
         if kind == b"$":
-            size = int(line)
-            if size < 0:
-                return None, after
-            if len(self._buf) < after + size + 2:
-                return None
-            return self._buf[after : after + size], after + size + 2
+            return self._bulk(integer(line, -1, MAX_BULK), after)
         if kind == b"*":
-            count = int(line)
-            if count < 0:
-                return None, after
-            items: list[Reply] = []
-            for _ in range(count):
-                parsed = self._parse(after)
-                if parsed is None:
-                    return None
-                item, after = parsed
-                items.append(item)
-            return items, after
-        raise ValueError(f"not a RESP reply: {kind!r}")
+            return self._array(integer(line, -1, MAX_ARRAY), after, depth)
+        raise ProtocolError(f"not a RESP reply: {bytes(kind)!r}")
+
+    def _bulk(self, size: int, at: int) -> tuple[Reply, int] | None:
+        if size < 0:
+            return None, at
+        if len(self._buf) < at + size + 2:
+            return None
+        if self._buf[at + size : at + size + 2] != b"\r\n":
+            raise ProtocolError("a bulk string does not end where its length says")
+        return bytes(self._buf[at : at + size]), at + size + 2
+
+    def _array(self, count: int, at: int, depth: int) -> tuple[Reply, int] | None:
+        if count < 0:
+            return None, at
+        if depth >= MAX_DEPTH:
+            raise ProtocolError(f"arrays nested deeper than {MAX_DEPTH}")
+        items: list[Reply] = []
+        for _ in range(count):
+            parsed = self._parse(at, depth + 1)
+            if parsed is None:
+                return None
+            item, at = parsed
+            items.append(item)
+        return items, at
 
 
 class RedisClient:
     """One connection, commands pipelined: replies come back in order, so each call waits on
     a future at the end of a queue."""
 
-    def __init__(self, url: str, *, deadline_s: float, retry_after_s: float = 1.0) -> None:
-        self.address = RedisAddress.parse(url)
+    def __init__(
+        self,
+        url: str,
+        *,
+        deadline_s: float,
+        retry_after_s: float = 1.0,
+        password: str | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        address = RedisAddress.parse(url)
+        if password is not None:  # given apart from the URL (a Secret): it wins
+            address = dataclasses.replace(address, password=password)
+        self.address = address
+        self._tls = tls if tls is not None or not address.tls else tls_context(TlsFiles())
         self.deadline_s, self.retry_after_s = deadline_s, retry_after_s
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -183,6 +274,11 @@ class RedisClient:
     async def close(self) -> None:
         self._drop(RedisUnavailable("client closed"))
 
+    def discard(self, reason: BaseException) -> None:
+        """A reply that Redis would never send for the command (the wrong shape): the stream
+        may be out of step, so the connection goes, as after any failure."""
+        self._fail(reason)
+
     async def _connect(self, deadline: float) -> None:
         """Open the connection, or wait for the opening under way (a connect that outlives
         one call's deadline goes on and serves the calls after it)."""
@@ -203,7 +299,12 @@ class RedisClient:
 
     async def _open(self) -> None:
         address = self.address
-        reader, writer = await asyncio.open_connection(address.host, address.port)
+        if self._tls is None:
+            reader, writer = await asyncio.open_connection(address.host, address.port)
+        else:  # the host name is checked against the certificate (unless verify is off)
+            reader, writer = await asyncio.open_connection(
+                address.host, address.port, ssl=self._tls, server_hostname=address.host
+            )
         self._writer = writer
         self._loaded.clear()
         self._reader_task = asyncio.ensure_future(self._read(reader))
@@ -223,17 +324,26 @@ class RedisClient:
             raise reply
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
-        parser = RespParser()
+        parser, replied = RespParser(), False
         try:
             while True:
                 data = await reader.read(65536)
                 if not data:
                     raise ConnectionResetError("Redis closed the connection")
                 for reply in parser.feed(data):
+                    replied = True
                     future = self._waiting.popleft()
                     if not future.done():
                         future.set_result(reply)
-        except (OSError, ValueError, IndexError) as exc:
+        except (OSError, RedisUnavailable, IndexError) as exc:
+            # IndexError: a reply nobody asked for (the stream is out of step).
+            if isinstance(exc, OSError) and self._tls is not None and not replied:
+                # TLS 1.3 ends the handshake before the server checks the client's
+                # certificate: its refusal comes as a reset of the first command.
+                exc = ConnectionResetError(
+                    f"{exc!r}: Redis closed the TLS connection before its first reply: does "
+                    "it require a client certificate (redis_tls_cert_file, redis_tls_key_file)?"
+                )
             self._fail(exc)
 
     def _expire(self, future: asyncio.Future[Reply]) -> None:

@@ -72,7 +72,8 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
 
 def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path) -> None:
     """--limits: the same load through the gateway with the load's key, then with a tenant's
-    limits counted in the process and in a Redis the bench starts (none reached: no error)."""
+    limits counted in the process and in a Redis the bench starts (none reached: no error),
+    reached over TCP and TLS by the gateway's client and by redis-py's."""
     out = tmp_path / "limits.json"
     argv = ["gateway", "--peers", "--limits", "--duration", "0.3", "--warmup", "0.1"]
     argv += ["--rounds", "1", "--concurrency", "4", "--events", "3", "--burst", "5"]
@@ -80,11 +81,15 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
     report = json.loads(out.read_text())
     rows = {row["proxy"]: row for row in report["results"]}
     limited = ("dflash-gateway (keys)", "dflash-gateway (limits)", "dflash-gateway (limits, redis)")
+    limited += tuple(
+        f"dflash-gateway (limits, {way})" for way in ("rediss", "redis-py", "redis-py, rediss")
+    )
     assert set(limited) <= set(rows), sorted(rows)
     for name in limited:
         row = rows[name]
         assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
         assert row["unary_cpu_us_per_request"] > 0
+        assert row["store_errors"] == 0 or "limits" not in name, row  # checked, not served open
 
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@
 {{- end -}}
 {{- /* ConfigMap keys rendered from the chart's own values: an extraSettings entry with the
 same name would be a second, conflicting key. */ -}}
-{{- $owned := dict "HOST" "the chart (0.0.0.0)" "PORT" "gateway.port" "WORKER_DNS" "the worker Service" "POOLS" "pools" "GPUS_PER_WORKER" "worker.tensorParallelSize" "ROUTING" "gateway.routingPolicy" "DNS_INTERVAL_S" "gateway.discoveryIntervalSeconds" "DRAIN_TIMEOUT_S" "gateway.drainTimeoutSeconds" "METRICS_AUTH" "gateway.metricsRequireAuth" "LOG_LEVEL" "gateway.logLevel" "PROCESSES" "gateway.processes" "REQUEST_TIMEOUT_S" "gateway.requestTimeoutSeconds" "UPSTREAM_KEEPALIVE_S" "worker.httpKeepAliveSeconds" "RATE_LIMIT_FAILURE_MODE" "gateway.rateLimits.failureMode" "RATE_LIMIT_DEADLINE_S" "gateway.rateLimits.deadlineSeconds" "REDIS_URL" "gateway.rateLimits.redis" -}}
+{{- $owned := dict "HOST" "the chart (0.0.0.0)" "PORT" "gateway.port" "WORKER_DNS" "the worker Service" "POOLS" "pools" "GPUS_PER_WORKER" "worker.tensorParallelSize" "ROUTING" "gateway.routingPolicy" "DNS_INTERVAL_S" "gateway.discoveryIntervalSeconds" "DRAIN_TIMEOUT_S" "gateway.drainTimeoutSeconds" "METRICS_AUTH" "gateway.metricsRequireAuth" "LOG_LEVEL" "gateway.logLevel" "PROCESSES" "gateway.processes" "REQUEST_TIMEOUT_S" "gateway.requestTimeoutSeconds" "UPSTREAM_KEEPALIVE_S" "worker.httpKeepAliveSeconds" "RATE_LIMIT_FAILURE_MODE" "gateway.rateLimits.failureMode" "RATE_LIMIT_DEADLINE_S" "gateway.rateLimits.deadlineSeconds" "REDIS_URL" "gateway.rateLimits.redis" "REDIS_PASSWORD" "gateway.rateLimits.redis.passwordSecret" "REDIS_TLS_CA_FILE" "gateway.rateLimits.redis.tls" "REDIS_TLS_CERT_FILE" "gateway.rateLimits.redis.tls" "REDIS_TLS_KEY_FILE" "gateway.rateLimits.redis.tls" "REDIS_TLS_VERIFY" "gateway.rateLimits.redis.tls.verify" -}}
 {{- if .Values.gateway.apiKeys.enabled -}}
 {{- $_ := set $owned "API_KEY_FILE" "gateway.apiKeys" -}}
 {{- end -}}
@@ -63,12 +63,22 @@ same name would be a second, conflicting key. */ -}}
 {{- if and $g.apiKeys.tenants $g.apiKeys.existingSecret -}}
 {{- fail "gateway.apiKeys.tenants is written into the Secret the chart creates: with gateway.apiKeys.existingSecret, put the tenant file in that Secret instead" -}}
 {{- end -}}
-{{- if and $g.rateLimits.redis.deploy $g.rateLimits.redis.existingSecret -}}
-{{- fail "gateway.rateLimits.redis: set deploy or existingSecret, not both" -}}
+{{- $r := $g.rateLimits.redis -}}
+{{- if gt (len (compact (list $r.deploy $r.existingSecret $r.url))) 1 -}}
+{{- fail "gateway.rateLimits.redis: set one of deploy, existingSecret or url" -}}
+{{- end -}}
+{{- if and $r.deploy $r.passwordSecret -}}
+{{- fail "gateway.rateLimits.redis.passwordSecret is for url: the chart's own Redis has a generated password" -}}
+{{- end -}}
+{{- if and $r.tls.enabled (not (and $r.deploy $r.tls.secret)) -}}
+{{- fail "gateway.rateLimits.redis.tls.enabled (the chart's Redis listens with TLS) needs deploy=true and tls.secret (tls.crt, tls.key and ca.crt; for url or existingSecret, use a rediss:// URL)" -}}
+{{- end -}}
+{{- if and $r.tls.clientCertificate (not $r.tls.secret) -}}
+{{- fail "gateway.rateLimits.redis.tls.clientCertificate needs tls.secret (with tls.crt and tls.key)" -}}
 {{- end -}}
 {{- $several := or (gt (int $g.replicas) 1) $g.autoscaling.enabled (gt (int $g.processes) 1) -}}
 {{- if and $g.apiKeys.tenants $several (not (include "dflash.redis.enabled" .)) -}}
-{{- fail "gateway.apiKeys.tenants with more than one gateway process (gateway.replicas, gateway.autoscaling or gateway.processes) need a shared store: set gateway.rateLimits.redis.deploy=true or gateway.rateLimits.redis.existingSecret (each process would count alone)" -}}
+{{- fail "gateway.apiKeys.tenants with more than one gateway process (gateway.replicas, gateway.autoscaling or gateway.processes) need a shared store: set gateway.rateLimits.redis.deploy=true, gateway.rateLimits.redis.existingSecret or gateway.rateLimits.redis.url (each process would count alone)" -}}
 {{- end -}}
 {{- if and (eq $w.modelCache.type "hostPath") (not $w.modelCache.hostPath) -}}
 {{- fail "worker.modelCache.hostPath is required with worker.modelCache.type=hostPath" -}}

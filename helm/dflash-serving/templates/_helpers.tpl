@@ -226,5 +226,5 @@ dflash-serving/pool: {{ $pool }}
 {{/* True when the gateways share a Redis for tenants' usage (started here or given). */}}
 {{- define "dflash.redis.enabled" -}}
 {{- $r := .Values.gateway.rateLimits.redis -}}
-{{- if or $r.deploy $r.existingSecret }}true{{ end -}}
+{{- if or $r.deploy $r.existingSecret $r.url }}true{{ end -}}
 {{- end -}}

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 
 from service.tenancy.ledger import (
+    Charge,
     Ledger,
     MemoryLedger,
     month_bounds,
@@ -94,8 +95,7 @@ async def test_tokens_are_charged_at_settlement_and_then_refuse(make_ledger: Fac
     ledger, who = make_ledger(3600), tenant(tokens_per_minute=100)
     await fresh_window(3600, 5)
     for lease in ("a", "b"):
-        assert (await ledger.admit(who, lease)).refused is None
-        await ledger.settle(who, lease, 60)
+        await serve(ledger, who, lease, 60)
     verdict = await ledger.admit(who, "c")
     assert verdict.refused == "tokens" and verdict.usage.tokens == 120
     usage = await ledger.usage(who)
@@ -104,8 +104,7 @@ async def test_tokens_are_charged_at_settlement_and_then_refuse(make_ledger: Fac
 
 async def test_the_monthly_quota_refuses_once_spent(make_ledger: Factory) -> None:
     ledger, who = make_ledger(3600), tenant(tokens_per_month=50)
-    assert (await ledger.admit(who, "a")).refused is None
-    await ledger.settle(who, "a", 50)
+    await serve(ledger, who, "a", 50)
     verdict = await ledger.admit(who, "b")
     assert verdict.refused == "quota" and verdict.usage.month_tokens == 50
 
@@ -114,10 +113,11 @@ async def test_the_concurrency_cap_holds_until_a_lease_is_given_back(
     make_ledger: Factory,
 ) -> None:
     ledger, who = make_ledger(3600), tenant(concurrent_requests=2)
-    assert (await ledger.admit(who, "a")).refused is None
+    first = await ledger.admit(who, "a")
+    assert first.refused is None
     assert (await ledger.admit(who, "b")).usage.concurrent == 2
     assert (await ledger.admit(who, "c")).refused == "concurrency"
-    await ledger.settle(who, "a", 0)
+    await ledger.settle(who, "a", charge(0, first.admitted_ms))
     assert (await ledger.usage(who)).concurrent == 1
     assert (await ledger.admit(who, "c")).refused is None
 
@@ -141,10 +141,37 @@ async def test_a_new_window_starts_from_zero_and_tenants_count_apart(
 async def test_a_tenant_without_limits_is_counted_never_refused(make_ledger: Factory) -> None:
     ledger, who = make_ledger(3600), tenant()
     for lease in ("a", "b", "c"):
-        assert (await ledger.admit(who, lease)).refused is None
-        await ledger.settle(who, lease, 7)
+        await serve(ledger, who, lease, 7)
     usage = await ledger.usage(who)
     assert (usage.month_requests, usage.month_tokens, usage.concurrent) == (3, 21, 0)
+
+
+async def test_a_settlement_counts_once_however_often_it_is_retried(
+    make_ledger: Factory,
+) -> None:
+    """A retried settlement whose first try landed (its reply lost) charges nothing more; a
+    request served while the store did not answer is counted by its settlement, once."""
+    ledger, who = make_ledger(3600), tenant(concurrent_requests=1)
+    await fresh_window(3600, 5)
+    verdict = await ledger.admit(who, "a")
+    for _ in range(3):
+        await ledger.settle(who, "a", charge(5, verdict.admitted_ms))
+    for _ in range(3):  # never admitted by the store: fail-open
+        await ledger.settle(who, "open", charge(4, None))
+    usage = await ledger.usage(who)
+    assert (usage.requests, usage.month_requests, usage.tokens) == (2, 2, 9)
+    assert usage.month_tokens == 9 and usage.concurrent == 0
+
+
+def charge(tokens: int, admitted_ms: int | None) -> Charge:
+    return Charge(tokens, month_of(time.time()), admitted_ms)
+
+
+async def serve(ledger: Ledger, who: Tenant, lease: str, tokens: int) -> None:
+    """A request admitted, then settled with its tokens."""
+    verdict = await ledger.admit(who, lease)
+    assert verdict.refused is None
+    await ledger.settle(who, lease, charge(tokens, verdict.admitted_ms))
 
 
 def test_memory_ledger_windows_follow_its_clock() -> None:

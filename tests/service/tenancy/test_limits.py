@@ -7,7 +7,7 @@ import pytest
 
 from service.metrics import GatewayMetrics
 from service.reports import Usage
-from service.tenancy.ledger import TenantUsage, Verdict
+from service.tenancy.ledger import Charge, TenantUsage, Verdict
 from service.tenancy.limits import (
     RateLimited,
     RateLimiter,
@@ -86,7 +86,7 @@ class BrokenLedger:
     async def admit(self, tenant: Tenant, lease: str) -> Verdict:
         raise RedisUnavailable("down")
 
-    async def settle(self, tenant: Tenant, lease: str, tokens: int) -> None:
+    async def settle(self, tenant: Tenant, lease: str, charge: Charge) -> None:
         self.settled += 1
         raise RedisUnavailable("down")
 
@@ -103,8 +103,9 @@ async def test_a_failed_store_serves_in_open_mode_and_refuses_in_closed_mode(
     who = Tenant("t", Limits(requests_per_minute=1))
     metrics = GatewayMetrics()
     open_limiter = RateLimiter(BrokenLedger(), metrics, "open")
-    assert await open_limiter.admit(who, "m") is None  # served without limits
-    assert await open_limiter.admit(who, "m") is None
+    for _ in range(2):  # served without limits, counted once the store answers
+        ticket = await open_limiter.admit(who, "m")
+        assert ticket.headers == () and ticket.admitted_ms is None
     assert await open_limiter.usage(who) is None
     closed = RateLimiter(BrokenLedger(), metrics, "closed")
     with pytest.raises(Unavailable) as caught:
@@ -121,9 +122,13 @@ async def test_a_ticket_settles_once() -> None:
     ledger = BrokenLedger()
     limiter = RateLimiter(ledger, GatewayMetrics(), "open")
 
-    ticket = Ticket(limiter, Tenant("t", Limits()), "l", ())
+    ticket = Ticket(limiter, Tenant("t", Limits()), "l", (), 1)
     await ticket.settle(Usage(3, 4))
     ticket.release()  # already settled: nothing more
     await ticket.settle(None)
     assert ledger.settled == 1
+    assert len(limiter.backlog) == 1  # the store failed it: queued to be retried
+    await limiter.backlog.flush(0.05)  # the store never answers: lost, and counted
+    text = limiter.metrics.render()[0].decode()
+    assert 'dflash_rate_limit_ledger_lost_total{reason="shutdown"} 1.0' in text
     assert isinstance(refused_error(Tenant("t", Limits()), "tokens", usage()), RateLimited)

@@ -43,8 +43,16 @@ def test_urls() -> None:
     secret = RedisAddress.parse("redis://:p%40ss@127.0.0.1")
     assert (secret.port, secret.db, secret.password, secret.username) == (6379, 0, "p@ss", None)
     assert RedisAddress.parse("redis://user:pw@h/0").username == "user"
+    assert "pw" not in repr(RedisAddress.parse("redis://user:pw@h/0"))
+    tls = RedisAddress.parse("rediss://app:k@cache.example:6380/1")
+    assert (tls.tls, tls.host, tls.port, tls.username, tls.password) == (
+        True,
+        "cache.example",
+        6380,
+        "app",
+        "k",
+    )
     for bad, message in [
-        ("rediss://h", "no TLS"),
         ("http://h", "redis://"),
         ("redis:///0", "no host"),
         ("redis://h/x", "number"),
