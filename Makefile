@@ -100,4 +100,4 @@ images: setup
 	$(PY) scripts/images.py $(IMAGES) $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(PUSH),--push) $(if $(DRY_RUN),--dry-run)
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .tools .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .tools .mypy_cache .ruff_cache .pytest_cache .cache
