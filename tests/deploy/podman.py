@@ -99,10 +99,10 @@ def debian_mirror() -> str:
             continue
         for line in source.read_text().splitlines():
             words = line.split()
-            if words[:1] == ["URIs:"] or words[:1] == ["deb"]:
-                uri = words[1] if words[0] == "URIs:" else words[-3]
-                if uri.rstrip("/").endswith("/debian"):
-                    return uri
+            if words[:1] in (["URIs:"], ["deb"]):  # deb822 or one-line format
+                uris = [w for w in words[1:] if "://" in w]
+                if uris and uris[0].rstrip("/").endswith("/debian"):
+                    return uris[0]
     return "http://deb.debian.org/debian"
 
 
@@ -115,42 +115,34 @@ def ensure_stand_in(podman: Podman) -> str:
     """Build (once per recipe) and tag the stand-in base; returns how it was found."""
     mirror = debian_mirror()
     key = stand_in_key(mirror)
-    label = '{{index .Labels "dflash.stand-in"}}'
-    found = podman("image", "inspect", STAND_IN, "--format", label, check=False)
+    fmt = '{{index .Labels "dflash.stand-in"}}'
+    found = podman("image", "inspect", STAND_IN, "--format", fmt, check=False)
     if found.returncode == 0 and found.stdout.strip() == key:
         return "cached"
     # mmdebstrap installs in one apt run (debootstrap takes minutes on a busy disk); its
     # scratch rootfs goes to RAM where there is a /dev/shm.
     env = {**os.environ, "TMPDIR": "/dev/shm" if Path("/dev/shm").is_dir() else "/tmp"}
     include = f"--include={','.join(STAND_IN_PACKAGES)}"
-    mmdebstrap = subprocess.Popen(
-        [
-            "mmdebstrap",
-            "--variant=minbase",
-            "--dpkgopt=force-unsafe-io",
-            include,
-            SUITE,
-            "-",
-            mirror,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    changes = [
-        arg for c in (*STAND_IN_CHANGES, f"LABEL dflash.stand-in={key}") for arg in ("--change", c)
-    ]
-    imported = subprocess.run(
-        podman.argv("import", *changes, "-", STAND_IN),
-        stdin=mmdebstrap.stdout,
-        capture_output=True,
-        text=True,
-        env=podman.env,
-        timeout=600,
-    )
-    _, err = mmdebstrap.communicate(timeout=600)
-    if mmdebstrap.returncode != 0 or imported.returncode != 0:
-        raise RuntimeError(f"stand-in base failed: {err.decode()[-2000:]}{imported.stderr}")
+    argv = ["mmdebstrap", "--variant=minbase", "--dpkgopt=force-unsafe-io", include, SUITE]
+    log = podman.home / "stand-in.log"
+    with log.open("w") as err:  # "-": the rootfs as a tar stream on stdout
+        mmdebstrap = subprocess.Popen(
+            [*argv, "-", mirror], stdout=subprocess.PIPE, stderr=err, env=env
+        )
+    assert mmdebstrap.stdout is not None
+    label = f"LABEL dflash.stand-in={key}"
+    changes = [a for c in (*STAND_IN_CHANGES, label) for a in ("--change", c)]
+    with mmdebstrap.stdout:  # closed here too: mmdebstrap stops if the import fails
+        imported = subprocess.run(
+            podman.argv("import", *changes, "-", STAND_IN),
+            stdin=mmdebstrap.stdout,
+            capture_output=True,
+            text=True,
+            env=podman.env,
+            timeout=600,
+        )
+    if mmdebstrap.wait(timeout=600) != 0 or imported.returncode != 0:
+        raise RuntimeError(f"stand-in base failed: {log.read_text()[-2000:]}{imported.stderr}")
     return "built"
 
 
