@@ -81,7 +81,8 @@ def why_no_engine(podman: Podman) -> str | None:
     """Why no container can run here (a skip reason), or None."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return "needs root on Linux: the test runs podman with a private store as root"
-    missing = [t for t in ("podman", "runc", "mmdebstrap") if shutil.which(t) is None]
+    tools = ("podman", "runc", "iptables", "mmdebstrap")  # netavark runs iptables
+    missing = [t for t in tools if shutil.which(t) is None]
     if missing:
         return f"{', '.join(missing)} missing: run `make tools` (scripts/install-tools.sh)"
     done = podman("info", "--format", "{{.Host.OCIRuntime.Name}}", check=False)
