@@ -23,7 +23,8 @@ help:
 	@echo "make bench   - engine and gateway benchmarks (tables + JSON under bench-results/);"
 	@echo "               the DFlash-vs-plain sweep needs running pools: see loadtest/README.md"
 	@echo "make train   - re-train the bundled tiny-coder target and DFlash drafter"
-	@echo "make images  - docker build the chart's images (REGISTRY=..., PUSH=1, DRY_RUN=1)"
+	@echo "make images  - build the chart's images with podman or docker (CONTAINER_ENGINE=...,"
+	@echo "               REGISTRY=..., PUSH=1, DRY_RUN=1)"
 
 setup: $(DEPS_STAMP)
 
@@ -90,11 +91,13 @@ train: setup
 	$(VENV)/bin/dflash-train all
 
 # The images the chart pulls, named and tagged as it names them (scripts/images.py):
-# `make images REGISTRY=registry.example.com/ml PUSH=1 [IMAGES=gateway]`; DRY_RUN=1 prints them.
+# `make images REGISTRY=registry.example.com/ml PUSH=1 [IMAGES=gateway]`; DRY_RUN=1 prints them
+# and the engine: CONTAINER_ENGINE=podman|docker (make passes it on in the environment), else
+# whichever is installed (podman first).
 REGISTRY ?=
 IMAGES ?=
 images: setup
 	$(PY) scripts/images.py $(IMAGES) $(if $(REGISTRY),--registry $(REGISTRY)) $(if $(PUSH),--push) $(if $(DRY_RUN),--dry-run)
 
 clean:
-	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .tools .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-vllm .venv-vllm-cpu .tools .mypy_cache .ruff_cache .pytest_cache .cache

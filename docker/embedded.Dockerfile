@@ -20,8 +20,9 @@ FROM python:3.11-slim
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    OMP_NUM_THREADS=2
+    PYTHONUNBUFFERED=1
+# No OMP_NUM_THREADS: the worker sizes its threads from the CPUs the container may use
+# (affinity and cgroup quota, less one for its HTTP side: engine/threads.py).
 RUN groupadd --system --gid 10001 dflash \
  && useradd --system --uid 10001 --gid dflash --no-create-home --shell /usr/sbin/nologin dflash
 USER 10001:10001

@@ -6,6 +6,9 @@
 #              dependency; the bench says so when it is missing)
 #   redis-server - Debian's redis-server package: the shared store of tenants' limits; the
 #              tests start their own servers on free ports
+#   podman   - Debian's podman, runc (crun refuses hybrid cgroups), netavark + aardvark-dns +
+#              iptables (a network whose names resolve) and mmdebstrap (the test's stand-in for
+#              python:3.11-slim, built from Debian's packages): tests/deploy/test_images_run.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .tools/bin
@@ -17,6 +20,9 @@ NEED=()
 command -v promtool >/dev/null && command -v prometheus >/dev/null || NEED+=(prometheus)
 [ -x /usr/sbin/nginx ] || command -v nginx >/dev/null || NEED+=(nginx)
 command -v redis-server >/dev/null || NEED+=(redis-server)
+for pkg in podman runc netavark aardvark-dns iptables mmdebstrap; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'ok installed' || NEED+=("$pkg")
+done
 if [ ${#NEED[@]} -gt 0 ]; then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   $SUDO apt-get update -q
@@ -28,3 +34,4 @@ fi
 promtool --version | head -n 1
 /usr/sbin/nginx -v
 redis-server --version
+podman --version
