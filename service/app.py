@@ -39,6 +39,11 @@ from service.tenancy.ledger import Ledger, MemoryLedger
 from service.tenancy.limits import RateLimiter
 from service.tenancy.redis_client import RedisClient
 from service.tenancy.redis_ledger import RedisLedger
+from service.tenancy.response_store import (
+    MemoryResponseStore,
+    RedisResponseStore,
+    ResponseStore,
+)
 from service.tenancy.tenants import KeyRing, Tenant
 from wire.errors import (
     ApiError,
@@ -48,6 +53,7 @@ from wire.errors import (
     render,
 )
 from wire.http import client_request_id
+from wire.responses import ResponsesRequest
 from wire.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -56,6 +62,7 @@ from wire.schemas import (
 )
 
 log = logging.getLogger("dflash.gateway")
+STORE_DEADLINE_S = 2.0  # a stored response's read or write in Redis
 
 # Probes, scrapes and the API docs are not client requests: they stay out of
 # dflash_requests_total (a kubelet's probes would outnumber the traffic of a quiet gateway).
@@ -71,6 +78,8 @@ def endpoint_label(path: str) -> str:
     client's to choose)."""
     if path in COUNTED_PATHS:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
@@ -195,7 +204,13 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
+        for model in (
+            ChatCompletionRequest,
+            CompletionRequest,
+            TokenizeRequest,
+            DetokenizeRequest,
+            ResponsesRequest,
+        ):
             ref = "#/components/schemas/{model}"
             definition = model.model_json_schema(ref_template=ref)
             components.update(definition.pop("$defs", {}))
@@ -248,6 +263,15 @@ def ledger(settings: GatewaySettings) -> Ledger:
     return RedisLedger(client, settings.rate_limit_window_s, lease_s)
 
 
+def response_store(settings: GatewaySettings) -> ResponseStore:
+    """Stored responses live beside the ledger: Redis when configured, else this process.
+    Its own client: a stored conversation is larger than a ledger call and may take longer."""
+    if settings.redis_url is None:
+        return MemoryResponseStore(settings.responses_ttl_s, settings.responses_max_entries)
+    client = RedisClient(settings.redis_url, deadline_s=STORE_DEADLINE_S)
+    return RedisResponseStore(client, settings.responses_ttl_s)
+
+
 def describe_tenants(metrics: GatewayMetrics, ring: KeyRing) -> None:
     if ring.tenancy:
         metrics.describe_tenants(
@@ -260,7 +284,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     auth = ApiKeyAuth(settings.load_key_ring(), protect_metrics=settings.metrics_auth)
     describe_tenants(metrics, auth.ring)
     limiter = RateLimiter(ledger(settings), metrics, settings.rate_limit_failure_mode)
-    state = GatewayState(settings=settings, metrics=metrics, auth=auth, limiter=limiter)
+    state = GatewayState(
+        settings=settings,
+        metrics=metrics,
+        auth=auth,
+        limiter=limiter,
+        responses=response_store(settings),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -298,6 +328,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await proxy.watchdog.close()
             upstream.close()
             await limiter.close()
+            await state.responses.close()
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state

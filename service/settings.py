@@ -125,6 +125,12 @@ class GatewaySettings(BaseSettings):
     # ledger: in this process by default, or in Redis (redis://[:password@]host:port/db),
     # shared by every process and replica.
     redis_url: str | None = Field(default=None, repr=False)
+    # Stored responses (/v1/responses with store): kept with the ledger (in this process, or
+    # Redis with redis_url) for this long, each at most this many bytes of JSON; the
+    # in-process store holds at most responses_max_entries (the oldest go first).
+    responses_ttl_s: float = Field(default=3600.0, ge=1)
+    responses_max_bytes: int = Field(default=1024 * 1024, ge=1024)
+    responses_max_entries: int = Field(default=10_000, ge=1)
     # When the store does not answer within rate_limit_deadline_s: serve without limits
     # (open: logged and counted) or refuse with 503 + Retry-After (closed).
     rate_limit_failure_mode: Literal["open", "closed"] = "open"

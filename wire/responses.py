@@ -43,7 +43,7 @@ class MessageItem(BaseModel):
     id: Annotated[str, Field(max_length=256)] | None = None
     status: ItemStatus | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[TextPart]
+    content: list[TextPart] | str
 
 
 class TextFormat(BaseModel):
