@@ -239,10 +239,18 @@ def _store_scope(request: Request) -> tuple[GatewayState, str]:
     return gateway(request), tenant.name if tenant is not None else ""
 
 
-@router.get(RESPONSES_PATH + "/{response_id}", summary="A stored response")
-async def retrieve_response(request: Request, response_id: str) -> dict[str, Any]:
+@router.api_route(
+    RESPONSES_PATH + "/{response_id}",
+    methods=["GET", "DELETE"],
+    summary="A stored response: GET returns it, DELETE removes it",
+)
+async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
+    """One route for both methods, so a 405 lists both in Allow."""
     state, tenant = _store_scope(request)
     record = await load(state.responses, tenant, response_id, "response_id")
+    if request.method == "DELETE":
+        await state.responses.delete(tenant, response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
     response: dict[str, Any] = record["response"]
     return response
 
@@ -261,14 +269,6 @@ async def response_input_items(request: Request, response_id: str) -> dict[str, 
         "last_id": items[-1]["id"] if items else None,
         "has_more": False,
     }
-
-
-@router.delete(RESPONSES_PATH + "/{response_id}", summary="Delete a stored response")
-async def delete_response(request: Request, response_id: str) -> dict[str, Any]:
-    state, tenant = _store_scope(request)
-    await load(state.responses, tenant, response_id, "response_id")
-    await state.responses.delete(tenant, response_id)
-    return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
 @router.post(

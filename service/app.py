@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,6 +29,7 @@ from service.api import (
     router,
 )
 from service.metrics import GatewayMetrics, code_label
+from service.openapi import build_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
 from service.routing.fleet import WorkerFleet
 from service.routing.upstream import ConnectionPool
@@ -53,13 +53,6 @@ from wire.errors import (
     render,
 )
 from wire.http import client_request_id
-from wire.responses import ResponsesRequest
-from wire.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
 
 log = logging.getLogger("dflash.gateway")
 STORE_DEADLINE_S = 2.0  # a stored response's read or write in Redis
@@ -196,27 +189,6 @@ def outermost(app: FastAPI, auth: ApiKeyAuth, metrics: GatewayMetrics) -> None:
     it inside the error and exception middleware, which then wrap every relayed chunk)."""
     build = app.build_middleware_stack
     app.build_middleware_stack = lambda: RequestContext(build(), auth, metrics)  # type: ignore[method-assign]
-
-
-def build_openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the request models, which the handlers validate themselves (so
-    that unknown fields pass through and errors come out as OpenAI bodies)."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (
-            ChatCompletionRequest,
-            CompletionRequest,
-            TokenizeRequest,
-            DetokenizeRequest,
-            ResponsesRequest,
-        ):
-            ref = "#/components/schemas/{model}"
-            definition = model.model_json_schema(ref_template=ref)
-            components.update(definition.pop("$defs", {}))
-            components[model.__name__] = definition
-        app.openapi_schema = schema
-    return app.openapi_schema
 
 
 def upstream_pool(settings: GatewaySettings) -> ConnectionPool:
