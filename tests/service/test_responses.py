@@ -17,7 +17,7 @@ from openai.types.responses import ResponseCompletedEvent, ResponseTextDeltaEven
 from tests.fixtures.redis import RedisServer, running_redis
 from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import WorkerHandle, free_port
-from tests.service.conftest import MODEL, worker_args, worker_on_port
+from tests.service.conftest import MODEL, scrape, worker_args, worker_on_port
 from tests.service.gateway_process import gateway_process
 
 KEYS = """
@@ -103,6 +103,9 @@ def test_store_continue_retrieve_and_delete_across_two_gateways(
 def test_streamed_responses_are_relayed_stored_and_charged(gateways: tuple[str, str]) -> None:
     a, b = sdk(gateways[0]), sdk(gateways[1])
     before = usage_tokens(gateways[0])
+    steps = scrape(gateways[0], "dflash_spec_acceptance_length_count", model=MODEL)
+    served = scrape(gateways[0], "dflash_requests_total", endpoint="/v1/responses", status="200")
+    ttft = scrape(gateways[0], "dflash_time_to_first_token_seconds_count", model=MODEL)
     events = list(
         a.responses.create(
             model=MODEL, input="class Stack:", max_output_tokens=8, temperature=0, stream=True
@@ -119,6 +122,12 @@ def test_streamed_responses_are_relayed_stored_and_charged(gateways: tuple[str, 
     spent = response.usage.input_tokens + response.usage.output_tokens
     assert usage_tokens(gateways[0]) - before == spent
     assert not any(isinstance(e, ResponseCompletedEvent) for e in events[:-1])
+    # The per-request acceptance the worker reported, the request and its first token.
+    after = scrape(gateways[0], "dflash_spec_acceptance_length_count", model=MODEL)
+    assert after == steps + 1
+    count = scrape(gateways[0], "dflash_requests_total", endpoint="/v1/responses", status="200")
+    assert count == served + 1
+    assert scrape(gateways[0], "dflash_time_to_first_token_seconds_count", model=MODEL) == ttft + 1
 
 
 def usage_tokens(base: str) -> int:
