@@ -239,7 +239,11 @@ def response_store(settings: GatewaySettings) -> ResponseStore:
     """Stored responses live beside the ledger: Redis when configured, else this process.
     Its own client: a stored conversation is larger than a ledger call and may take longer."""
     if settings.redis_url is None:
-        return MemoryResponseStore(settings.responses_ttl_s, settings.responses_max_entries)
+        return MemoryResponseStore(
+            settings.responses_ttl_s,
+            settings.responses_max_entries,
+            settings.responses_memory_bytes,
+        )
     client = RedisClient(settings.redis_url, deadline_s=STORE_DEADLINE_S)
     return RedisResponseStore(client, settings.responses_ttl_s)
 

@@ -127,10 +127,12 @@ class GatewaySettings(BaseSettings):
     redis_url: str | None = Field(default=None, repr=False)
     # Stored responses (/v1/responses with store): kept with the ledger (in this process, or
     # Redis with redis_url) for this long, each at most this many bytes of JSON; the
-    # in-process store holds at most responses_max_entries (the oldest go first).
+    # in-process store holds at most responses_max_entries and responses_memory_bytes in all
+    # (the oldest go first).
     responses_ttl_s: float = Field(default=3600.0, ge=1)
     responses_max_bytes: int = Field(default=1024 * 1024, ge=1024)
     responses_max_entries: int = Field(default=10_000, ge=1)
+    responses_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     # When the store does not answer within rate_limit_deadline_s: serve without limits
     # (open: logged and counted) or refuse with 503 + Retry-After (closed).
     rate_limit_failure_mode: Literal["open", "closed"] = "open"

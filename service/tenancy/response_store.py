@@ -31,36 +31,51 @@ class ResponseStore(Protocol):
 
 
 class MemoryResponseStore:
+    """At most `max_entries` records and `max_bytes` of JSON in all: the oldest go first."""
+
     def __init__(
-        self, ttl_s: float, max_entries: int, clock: Callable[[], float] = time.monotonic
+        self,
+        ttl_s: float,
+        max_entries: int,
+        max_bytes: int = 256 * 1024 * 1024,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ttl_s, self.max_entries, self._clock = ttl_s, max_entries, clock
+        self.ttl_s, self.max_entries, self.max_bytes = ttl_s, max_entries, max_bytes
+        self._clock = clock
         self._records: OrderedDict[tuple[str, str], tuple[float, str]] = OrderedDict()
+        self._bytes = 0
 
     async def put(self, tenant: str, response_id: str, record: Record) -> None:
         # Serialized, as Redis keeps it: a caller's later change cannot reach the stored copy.
-        self._records[(tenant, response_id)] = (self._clock() + self.ttl_s, json.dumps(record))
-        self._records.move_to_end((tenant, response_id))
-        while len(self._records) > self.max_entries:
-            self._records.popitem(last=False)
+        self._drop((tenant, response_id))
+        data = json.dumps(record)
+        self._records[(tenant, response_id)] = (self._clock() + self.ttl_s, data)
+        self._bytes += len(data)
+        while len(self._records) > self.max_entries or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._records)))
+
+    def _drop(self, key: tuple[str, str]) -> bool:
+        found = self._records.pop(key, None)
+        if found is not None:
+            self._bytes -= len(found[1])
+        return found is not None
 
     async def get(self, tenant: str, response_id: str) -> Record | None:
         found = self._records.get((tenant, response_id))
         if found is None:
             return None
         if found[0] <= self._clock():
-            del self._records[(tenant, response_id)]
+            self._drop((tenant, response_id))
             return None
         record: Record = json.loads(found[1])
         return record
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        return await self.get(tenant, response_id) is not None and bool(
-            self._records.pop((tenant, response_id), None)
-        )
+        return await self.get(tenant, response_id) is not None and self._drop((tenant, response_id))
 
     async def close(self) -> None:
         self._records.clear()
+        self._bytes = 0
 
 
 def redis_key(tenant: str, response_id: str) -> str:

@@ -45,5 +45,15 @@ async def test_the_oldest_go_beyond_the_bound_and_delete_removes() -> None:
     assert await store.get("a", "resp_2") is None
 
 
+async def test_the_oldest_go_beyond_the_byte_bound() -> None:
+    store = MemoryResponseStore(ttl_s=60, max_entries=100, max_bytes=100)
+    for i in range(3):
+        await store.put("a", f"resp_{i}", {"text": "x" * 30})  # 43 bytes of JSON each
+    assert await store.get("a", "resp_0") is None
+    assert await store.get("a", "resp_1") is not None and await store.get("a", "resp_2") is not None
+    await store.put("a", "resp_2", {"text": "y"})  # a rewrite replaces, not adds
+    assert await store.get("a", "resp_1") is not None
+
+
 def test_redis_keys_share_the_tenant_hash_tag_of_the_ledger() -> None:
     assert redis_key("search", "resp_1") == "{dflash:search}:response:resp_1"
