@@ -13,15 +13,18 @@ from fastapi.responses import JSONResponse
 
 from service.metrics import GatewayMetrics
 from service.proxy import Proxy, ProxyCall
+from service.responses import affinity_text, load, prepare
 from service.routing.fleet import WorkerFleet
 from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth
 from service.tenancy.ledger import TenantUsage
 from service.tenancy.limits import RateLimiter
+from service.tenancy.response_store import ResponseStore
 from service.tenancy.tenants import LIMIT_FIELDS, Tenant
 from wire.errors import ModelNotFound, NoHealthyWorker, NotFound, Unavailable
 from wire.http import package_version, read_json
+from wire.responses import ResponsesRequest
 from wire.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +43,8 @@ MODELS_NAMED = 10  # a 404 for an unknown model names at most this many served o
 # The Tenant of the request's key, when the key file names tenants (service/tenancy/tenants.py).
 TENANT_KEY = "dflash.tenant"
 # Generation endpoints: the ones tenants' limits count and charge.
-LIMITED_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
+RESPONSES_PATH = "/v1/responses"
+LIMITED_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PATH})
 ADMIN_USAGE_PATH = "/admin/usage"
 
 
@@ -62,6 +66,7 @@ class GatewayState:
     metrics: GatewayMetrics
     auth: ApiKeyAuth
     limiter: RateLimiter
+    responses: ResponseStore
     draining: bool = False
     runtime: Runtime | None = field(default=None)
 
@@ -91,45 +96,90 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     state = gateway(request)
     raw, payload = await read_json(request, state.settings.max_body_bytes)
     parsed = validate_request(schema, payload)
+    if endpoint == RESPONSES_PATH:
+        return await responses_call(request, state, parsed, payload)
+    affinity = None
+    if state.settings.routing == "prefix_affinity":
+        affinity = prompt_text(parsed, state.settings.affinity_prefix_chars)
+    options = parsed.stream_options
+    return await forward(
+        request,
+        state,
+        endpoint,
+        parsed.model,
+        body=upstream_body(raw, payload, bool(parsed.stream)),
+        stream=bool(parsed.stream),
+        wants_usage=bool(options is not None and options.include_usage),
+        affinity_key=affinity,
+        single_choice=(parsed.n or 1) == 1,
+        # SGLang's details the client asked for itself (else the gateway drops its own ask).
+        spec_details=payload.get("return_spec_tokens_details") is True,
+    )
+
+
+async def responses_call(
+    request: Request, state: GatewayState, parsed: ResponsesRequest, payload: dict[str, Any]
+) -> Response:
+    """POST /v1/responses: the stored conversation expanded (service/responses.py), then
+    proxied like a chat completion."""
+    tenant: Tenant | None = request.scope.get(TENANT_KEY)
+    body, hook = await prepare(
+        state.responses,
+        tenant.name if tenant is not None else "",
+        parsed,
+        payload,
+        state.settings.responses_max_bytes,
+    )
+    affinity = None
+    if state.settings.routing == "prefix_affinity":
+        affinity = affinity_text(hook.conversation, state.settings.affinity_prefix_chars)
+    return await forward(
+        request,
+        state,
+        RESPONSES_PATH,
+        parsed.model,
+        body=body,
+        stream=bool(parsed.stream),
+        wants_usage=True,  # usage rides on response.completed: nothing to strip
+        affinity_key=affinity,
+        single_choice=True,
+        responses=hook,
+    )
+
+
+async def forward(
+    request: Request, state: GatewayState, endpoint: str, model: str, **call: Any
+) -> Response:
+    """Route a validated request: a healthy worker serving `model`, the tenant's admission,
+    then the proxy (`call`: the rest of ProxyCall's fields)."""
     runtime = state.live()
     retry_after = {"Retry-After": str(state.settings.retry_after_s)}
     if not runtime.fleet.routable():
         raise NoHealthyWorker("No healthy worker is available.", headers=retry_after)
-    if not runtime.fleet.knows_model(parsed.model):
-        if runtime.fleet.configures(parsed.model):
+    if not runtime.fleet.knows_model(model):
+        if runtime.fleet.configures(model):
             raise NoHealthyWorker(
-                f"No healthy worker serves `{parsed.model}` right now.", headers=retry_after
+                f"No healthy worker serves `{model}` right now.", headers=retry_after
             )
-        raise unknown_model(parsed.model, runtime.fleet)
-    known = runtime.fleet.configures(parsed.model) or runtime.fleet.lists_model(parsed.model)
-    label = parsed.model if known else "unknown"
+        raise unknown_model(model, runtime.fleet)
+    known = runtime.fleet.configures(model) or runtime.fleet.lists_model(model)
+    label = model if known else "unknown"
     request.scope[MODEL_LABEL_KEY] = label
     tenant: Tenant | None = request.scope.get(TENANT_KEY)
     ticket = None
     if tenant is not None and endpoint in LIMITED_ENDPOINTS:
         ticket = await state.limiter.admit(tenant, label)
-    options = parsed.stream_options
-    call = ProxyCall(
+    proxied = ProxyCall(
         endpoint=endpoint,
-        body=upstream_body(raw, payload, bool(parsed.stream)),
-        stream=bool(parsed.stream),
-        wants_usage=bool(options is not None and options.include_usage),
-        model=parsed.model,
+        model=model,
         label=label,
-        affinity_key=(
-            prompt_text(parsed, state.settings.affinity_prefix_chars)
-            if state.settings.routing == "prefix_affinity"
-            else None
-        ),
         request_id=request.scope.get(REQUEST_ID_KEY, ""),
-        single_choice=(parsed.n or 1) == 1,
-        # SGLang's details the client asked for itself (else the gateway drops its own ask).
-        spec_details=payload.get("return_spec_tokens_details") is True,
         started=request.scope.get(STARTED_KEY, time.perf_counter()),
         tenant=tenant.name if tenant is not None and endpoint in LIMITED_ENDPOINTS else None,
         ticket=ticket,
+        **call,
     )
-    return runtime.proxy.response(call)
+    return runtime.proxy.response(proxied)
 
 
 def unknown_model(model: str, fleet: WorkerFleet | None) -> ModelNotFound:
@@ -152,6 +202,7 @@ router = APIRouter()
 PROXY_ENDPOINTS: tuple[tuple[str, type[Any]], ...] = (
     ("/v1/chat/completions", ChatCompletionRequest),
     ("/v1/completions", CompletionRequest),
+    (RESPONSES_PATH, ResponsesRequest),
 )
 
 
@@ -171,6 +222,53 @@ async def chat_completions(request: Request) -> Response:
 )
 async def completions(request: Request) -> Response:
     return await proxy_endpoint(request, CompletionRequest, "/v1/completions")
+
+
+@router.post(
+    RESPONSES_PATH,
+    openapi_extra=_body_schema("ResponsesRequest"),
+    summary="OpenAI Responses (streaming and not), proxied to a worker; stored by the gateway",
+)
+async def create_response(request: Request) -> Response:
+    return await proxy_endpoint(request, ResponsesRequest, RESPONSES_PATH)
+
+
+def _store_scope(request: Request) -> tuple[GatewayState, str]:
+    """The store and the caller's tenant (\"\" without tenants): records are per tenant."""
+    tenant: Tenant | None = request.scope.get(TENANT_KEY)
+    return gateway(request), tenant.name if tenant is not None else ""
+
+
+@router.api_route(
+    RESPONSES_PATH + "/{response_id}",
+    methods=["GET", "DELETE"],
+    summary="A stored response: GET returns it, DELETE removes it",
+)
+async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
+    """One route for both methods, so a 405 lists both in Allow."""
+    state, tenant = _store_scope(request)
+    record = await load(state.responses, tenant, response_id, "response_id")
+    if request.method == "DELETE":
+        await state.responses.delete(tenant, response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+    response: dict[str, Any] = record["response"]
+    return response
+
+
+@router.get(
+    RESPONSES_PATH + "/{response_id}/input_items", summary="A stored response's input items"
+)
+async def response_input_items(request: Request, response_id: str) -> dict[str, Any]:
+    state, tenant = _store_scope(request)
+    record = await load(state.responses, tenant, response_id, "response_id")
+    items: list[dict[str, Any]] = record["input_items"]
+    return {
+        "object": "list",
+        "data": items,
+        "first_id": items[0]["id"] if items else None,
+        "last_id": items[-1]["id"] if items else None,
+        "has_more": False,
+    }
 
 
 @router.post(

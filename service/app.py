@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -30,6 +29,7 @@ from service.api import (
     router,
 )
 from service.metrics import GatewayMetrics, code_label
+from service.openapi import build_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
 from service.routing.fleet import WorkerFleet
 from service.routing.upstream import ConnectionPool
@@ -39,6 +39,11 @@ from service.tenancy.ledger import Ledger, MemoryLedger
 from service.tenancy.limits import RateLimiter
 from service.tenancy.redis_client import RedisAddress, RedisClient, tls_context
 from service.tenancy.redis_ledger import RedisLedger
+from service.tenancy.response_store import (
+    MemoryResponseStore,
+    RedisResponseStore,
+    ResponseStore,
+)
 from service.tenancy.tenants import KeyRing, Tenant
 from wire.errors import (
     ApiError,
@@ -48,14 +53,9 @@ from wire.errors import (
     render,
 )
 from wire.http import client_request_id
-from wire.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-)
 
 log = logging.getLogger("dflash.gateway")
+STORE_DEADLINE_S = 2.0  # a stored response's read or write in Redis
 
 # Probes, scrapes and the API docs are not client requests: they stay out of
 # dflash_requests_total (a kubelet's probes would outnumber the traffic of a quiet gateway).
@@ -71,6 +71,8 @@ def endpoint_label(path: str) -> str:
     client's to choose)."""
     if path in COUNTED_PATHS:
         return path
+    if path.startswith("/v1/responses/"):
+        return "/v1/responses/{id}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
@@ -189,21 +191,6 @@ def outermost(app: FastAPI, auth: ApiKeyAuth, metrics: GatewayMetrics) -> None:
     app.build_middleware_stack = lambda: RequestContext(build(), auth, metrics)  # type: ignore[method-assign]
 
 
-def build_openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema plus the request models, which the handlers validate themselves (so
-    that unknown fields pass through and errors come out as OpenAI bodies)."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest):
-            ref = "#/components/schemas/{model}"
-            definition = model.model_json_schema(ref_template=ref)
-            components.update(definition.pop("$defs", {}))
-            components[model.__name__] = definition
-        app.openapi_schema = schema
-    return app.openapi_schema
-
-
 def upstream_pool(settings: GatewaySettings) -> ConnectionPool:
     """The request path's client. Only the TCP connect has a timeout here: the proxy applies
     first-byte, idle-stream and whole-request deadlines itself."""
@@ -238,27 +225,43 @@ def upstream_client(settings: GatewaySettings) -> httpx.AsyncClient:
     )
 
 
+def redis_client(settings: GatewaySettings, deadline_s: float) -> RedisClient:
+    """A client of the configured Redis: TLS for rediss://, the password apart from the URL."""
+    assert settings.redis_url is not None
+    tls = None
+    if RedisAddress.parse(settings.redis_url).tls:
+        tls = tls_context(settings.redis_tls())
+    return RedisClient(
+        settings.redis_url, deadline_s=deadline_s, password=settings.redis_password, tls=tls
+    )
+
+
 def ledger(settings: GatewaySettings) -> Ledger:
     """Where tenants' usage is counted: Redis when configured (shared by every process and
     replica), else this process. A concurrency lease outlives the longest request."""
     if settings.redis_url is None:
         return MemoryLedger(settings.rate_limit_window_s)
-    tls = None
-    if RedisAddress.parse(settings.redis_url).tls:
-        tls = tls_context(settings.redis_tls())
-        if not settings.redis_tls_verify:
-            log.warning(
-                "Redis TLS verification is OFF (DFLASH_GATEWAY_REDIS_TLS_VERIFY=false): the "
-                "ledger's connection is encrypted but anyone in its path can pose as Redis"
-            )
-    client = RedisClient(
-        settings.redis_url,
-        deadline_s=settings.rate_limit_deadline_s,
-        password=settings.redis_password,
-        tls=tls,
-    )
+    if RedisAddress.parse(settings.redis_url).tls and not settings.redis_tls_verify:
+        log.warning(
+            "Redis TLS verification is OFF (DFLASH_GATEWAY_REDIS_TLS_VERIFY=false): the "
+            "ledger's connection is encrypted but anyone in its path can pose as Redis"
+        )
+    client = redis_client(settings, settings.rate_limit_deadline_s)
     lease_s = settings.request_timeout_s + settings.drain_timeout_s + 60
     return RedisLedger(client, settings.rate_limit_window_s, lease_s)
+
+
+def response_store(settings: GatewaySettings) -> ResponseStore:
+    """Stored responses live beside the ledger: Redis when configured, else this process.
+    Its own client: a stored conversation is larger than a ledger call and may take longer."""
+    if settings.redis_url is None:
+        return MemoryResponseStore(
+            settings.responses_ttl_s,
+            settings.responses_max_entries,
+            settings.responses_memory_bytes,
+        )
+    client = redis_client(settings, STORE_DEADLINE_S)
+    return RedisResponseStore(client, settings.responses_ttl_s)
 
 
 def describe_tenants(metrics: GatewayMetrics, ring: KeyRing) -> None:
@@ -278,7 +281,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         settings.rate_limit_failure_mode,
         backlog=settings.rate_limit_backlog,
     )
-    state = GatewayState(settings=settings, metrics=metrics, auth=auth, limiter=limiter)
+    state = GatewayState(
+        settings=settings,
+        metrics=metrics,
+        auth=auth,
+        limiter=limiter,
+        responses=response_store(settings),
+    )
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -316,6 +325,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             await proxy.watchdog.close()
             upstream.close()
             await limiter.close()
+            await state.responses.close()
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state

@@ -15,7 +15,8 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service.metrics import NO_POOL, GatewayMetrics, code_label
-from service.reports import parse_usage
+from service.reports import parse_usage, unwrap
+from service.responses import StoreHook
 from service.routing.fleet import Worker, WorkerFleet
 from service.routing.upstream import Body, ConnectFailed, ConnectionPool, Target, UpstreamIOError
 from service.routing.upstream import Response as UpstreamResponse
@@ -54,6 +55,7 @@ class ProxyCall:
     spec_details: bool = False  # the client asked SGLang's return_spec_tokens_details itself
     tenant: str | None = None  # the key's tenant, when the key file names tenants
     ticket: Ticket | None = None  # the tenant's admission: rate headers, the charge at the end
+    responses: StoreHook | None = None  # /v1/responses: the gateway's store (service/responses.py)
 
     @property
     def rate_headers(self) -> Headers:
@@ -287,6 +289,10 @@ class Proxy:
             stats = worker.wire.spec_stats(parsed, usage)
             self.metrics.observe_spec(call.label, worker.pool, stats)
             body = worker.wire.strip(body, parsed, call.spec_details)
+            if call.responses is not None:  # stored before the client has the answer
+                parsed = call.responses.patch(json.loads(body))
+                await call.responses.keep(parsed)
+                body = json.dumps(parsed, separators=(",", ":")).encode()
             if call.ticket is not None:  # charged before the client has the answer
                 await call.ticket.settle(usage)
         else:
@@ -351,8 +357,12 @@ class Proxy:
     ) -> bool:
         """From the first byte on: pass events through; a failure ends the stream in-band.
         True when the upstream stream ended cleanly."""
+        hook = call.responses
         tap = SseTap(
-            strip_usage_chunk=not call.wants_usage, wire=worker.wire, keep_extra=call.spec_details
+            strip_usage_chunk=not call.wants_usage,
+            wire=worker.wire,
+            keep_extra=call.spec_details,
+            rewrite=hook.patch_event if hook is not None else None,
         )
         outcome.status = 200
         headers = [*SSE_HEADERS, *ids(call, worker)]
@@ -365,6 +375,8 @@ class Proxy:
                 if out:
                     if call.ticket is not None and tap.done and not call.ticket.settled:
                         await call.ticket.settle(parse_usage(tap.final))  # before [DONE]
+                    if hook is not None and tap.done and not hook.kept:
+                        await hook.keep(unwrap(tap.final))
                     watch.marks += 1  # odd: writing to the client, not waiting on the worker
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     watch.marks += 1
@@ -377,13 +389,7 @@ class Proxy:
             drained = True
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
-        tail = b""
-        if drained:
-            tail = Unavailable(
-                "The gateway is shutting down; the stream was cut. Retry the request.",
-                code="draining",
-            ).sse()
-        elif failure is not None:
+        if failure is not None and not drained:
             log.warning(
                 "request %s: stream from %s broke: %s", call.request_id, worker.url, failure
             )
@@ -392,12 +398,31 @@ class Proxy:
             self.fleet.report_failure(
                 worker, failure.kind, next(self._serial), counts=failure.counts
             )
-            tail = UpstreamError(f"Upstream failure: {failure.message}.", code=failure.kind).sse()
-        else:
+        elif not drained:
             self.fleet.report_success(worker)
+        tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         observe_stream(self.metrics, call, worker, tap)
         return failure is None and not drained
+
+
+def stream_tail(
+    hook: StoreHook | None, tap: SseTap, drained: bool, failure: UpstreamFailure | None
+) -> bytes:
+    """What ends a relayed stream that broke: the in-band error (a Responses stream's own
+    terminal event), after which the client stops reading."""
+    if drained:
+        message = "The gateway is shutting down; the stream was cut. Retry the request."
+        code = "draining"
+        if hook is not None:
+            return hook.failed(code, message, tap.events)
+        return Unavailable(message, code=code).sse()
+    if failure is None:
+        return b""
+    message = f"Upstream failure: {failure.message}."
+    if hook is not None:
+        return hook.failed(failure.kind, message, tap.events)
+    return UpstreamError(message, code=failure.kind).sse()
 
 
 def draining(settings: GatewaySettings) -> Unavailable:

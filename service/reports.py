@@ -39,12 +39,26 @@ def _ratio(value: object) -> float | None:
     return float(value) if math.isfinite(value) and value >= 0 else None
 
 
+def unwrap(body: object) -> object:
+    """The response object of a Responses stream event (response.completed, ...); any other
+    body as it is."""
+    if isinstance(body, dict) and isinstance(body.get("response"), dict):
+        return body["response"]
+    return body
+
+
 def parse_usage(body: object) -> Usage | None:
-    """`usage` of a response body or final chunk; None when missing or malformed."""
+    """`usage` of a response body or final chunk (chat's names or the Responses API's);
+    None when missing or malformed."""
+    body = unwrap(body)
     usage = body.get("usage") if isinstance(body, dict) else None
     if not isinstance(usage, dict):
         return None
-    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    if "input_tokens" in usage or "output_tokens" in usage:
+        prompt, completion = _count(usage.get("input_tokens")), _count(usage.get("output_tokens"))
+    else:
+        prompt = _count(usage.get("prompt_tokens"))
+        completion = _count(usage.get("completion_tokens"))
     if prompt is None and completion is None:
         return None
     return Usage(prompt or 0, completion or 0)
@@ -94,6 +108,7 @@ def _one_spec(spec: object) -> SpecStats | None:
 def parse_spec(body: object) -> list[SpecStats]:
     """`metrics.speculative_decoding` of a body or final chunk: missing, null, or a list per
     choice (n > 1) all parse; what is malformed is skipped, never raised."""
+    body = unwrap(body)
     metrics = body.get("metrics") if isinstance(body, dict) else None
     entries = metrics if isinstance(metrics, list) else [metrics]
     found = []

@@ -9,7 +9,7 @@ from typing import Annotated, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from service.tenancy.redis_client import RedisAddress, TlsFiles
+from service.tenancy.redis_client import MAX_BULK, RedisAddress, TlsFiles
 from service.tenancy.tenants import KeyRing, parse_key_file
 
 RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
@@ -138,6 +138,15 @@ class GatewaySettings(BaseSettings):
     # Settlements the store did not take in time wait here to be retried (the oldest is
     # dropped, and counted, when it is full).
     rate_limit_backlog: int = Field(default=100_000, ge=1)
+    # Stored responses (/v1/responses with store): kept with the ledger (in this process, or
+    # Redis with redis_url) for this long, each at most this many bytes of JSON; the
+    # in-process store holds at most responses_max_entries and responses_memory_bytes in all
+    # (the oldest go first).
+    responses_ttl_s: float = Field(default=3600.0, ge=1)
+    # at most what the Redis client reads back as one reply (a larger one could not be read)
+    responses_max_bytes: int = Field(default=MAX_BULK, ge=1024, le=MAX_BULK)
+    responses_max_entries: int = Field(default=10_000, ge=1)
+    responses_memory_bytes: int = Field(default=256 * 1024 * 1024, ge=1024 * 1024)
     # When the store does not answer within rate_limit_deadline_s: serve without limits
     # (open: logged and counted) or refuse with 503 + Retry-After (closed).
     rate_limit_failure_mode: Literal["open", "closed"] = "open"

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 from service.routing.engines import WIRES, Wire
+
+# The terminal events of a Responses API stream (as JSON values: a quoted type in generated
+# text is escaped, so it cannot match).
+RESPONSE_ENDS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"')
 
 
 def carries_tokens(choices: object) -> bool:
@@ -37,9 +42,18 @@ class SseTap:
     """
 
     def __init__(
-        self, *, strip_usage_chunk: bool, wire: Wire = WIRES["vllm"], keep_extra: bool = True
+        self,
+        *,
+        strip_usage_chunk: bool,
+        wire: Wire = WIRES["vllm"],
+        keep_extra: bool = True,
+        rewrite: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self._strip = strip_usage_chunk
+        # Responses API streams: events carrying the response object are rewritten
+        # (service/responses.py), and the terminal event ends the stream (no [DONE]).
+        self._rewrite = rewrite
+        self.events = 0
         self._wire, self._keep_extra, self._marker = wire, keep_extra, wire.spec_marker
         self._pending = b""
         self._final_raw: bytes | None = None  # last event carrying usage / metrics
@@ -77,7 +91,11 @@ class SseTap:
         complete, self._pending = buf[: end + 2], buf[end + 2 :]
         events = complete[:-2].split(b"\n\n")
         keep = [event for event in events if self._inspect(event)]
-        if len(keep) == len(events):
+        self.events += len(events)
+        if self._rewrite is not None:
+            rewrite = self._rewrite
+            keep = [rewrite(e) if b'"response":{' in e else e for e in keep]
+        elif len(keep) == len(events):
             return complete
         return b"".join(event + b"\n\n" for event in keep)
 
@@ -86,9 +104,12 @@ class SseTap:
 
         Cheap byte checks first: once the first token is seen, only the rare events (usage
         only, errors) are parsed; the usage chunk itself is parsed once, at the end."""
-        if event.startswith((b"data: [DONE]", b"data:[DONE]")):
+        if event.startswith((b"data: [DONE]", b"data:[DONE]")) or (
+            self._rewrite is not None and any(end in event for end in RESPONSE_ENDS)
+        ):
             self.done = True
-            return True
+            if self._rewrite is None:
+                return True
         usage_only = b'"choices":[]' in event or b'"choices": []' in event
         if b'"usage"' in event or b'"metrics"' in event:
             self._final_raw = event
@@ -102,7 +123,10 @@ class SseTap:
         if "error" in obj:
             self.errored = True
         choices = obj.get("choices")
-        if self.first_token_at is None and carries_tokens(choices):
+        if self.first_token_at is None and (
+            carries_tokens(choices)
+            or (obj.get("type") == "response.output_text.delta" and obj.get("delta"))
+        ):
             self.first_token_at = time.perf_counter()
         if usage_only and not self._keep_extra and self._wire.extra_event(obj):
             return False  # asked for by the gateway alone

@@ -30,6 +30,7 @@ from engine.worker.generate import (
     stream_events,
 )
 from engine.worker.responses import Formatter, metrics_object
+from engine.worker.responses_api import create_response
 from engine.worker.schemas import (
     AnyRequest,
     ChatCompletionRequest,
@@ -140,6 +141,14 @@ async def metrics(request: Request) -> Response:
 @router.post("/v1/chat/completions")
 async def chat(request: Request) -> Response:
     return await _complete(worker(request), request, ChatCompletionRequest)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    state = worker(request)
+    given = client_request_id(request.scope["headers"])
+    request.state.request_id = given or uuid.uuid4().hex
+    return await create_response(state, request, _admit(state, request), _start)
 
 
 @router.post("/v1/completions")

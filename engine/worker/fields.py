@@ -158,7 +158,7 @@ CHAT_ONLY = frozenset(
 COMPLETION_ONLY = frozenset({"suffix", "prompt_embeds"})
 
 
-def _asks_nothing(value: Any, off: tuple[Any, ...]) -> bool:
+def asks_nothing(value: Any, off: tuple[Any, ...]) -> bool:
     # 0 == False and 1 == True in Python: compare with types, so `logprobs: 1` is refused.
     return (
         value is None
@@ -193,7 +193,7 @@ def check_fields(payload: dict[str, Any], endpoint: str) -> None:
             continue
         if name in REFUSED:
             rule = REFUSED[name]
-            if not _asks_nothing(value, rule.off):
+            if not asks_nothing(value, rule.off):
                 raise InvalidRequest(f"{name}: {rule.why}", param=name)
 
 

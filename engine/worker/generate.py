@@ -179,7 +179,7 @@ async def collect(request: Request, choices: list[Choice]) -> list[Whole]:
     return await guard_disconnect(request, work)
 
 
-async def _merged(
+async def merged_outputs(
     request: Request, choices: list[Choice]
 ) -> AsyncIterator[tuple[Choice, RequestOutput]]:
     """The choices' outputs as they come, interleaved. The first wait may be for a free
@@ -223,7 +223,7 @@ async def stream_events(
     opened: set[int] = set()
     lasts: dict[int, RequestOutput] = {}
     try:
-        async for choice, out in _merged(request, choices):
+        async for choice, out in merged_outputs(request, choices):
             lasts[choice.index] = out
             first = choice.index not in opened
             if first:

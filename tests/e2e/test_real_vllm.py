@@ -150,6 +150,33 @@ def test_sdk_chat_and_completions_through_the_gateway(backends: Backends) -> Non
     assert done.usage is not None and done.usage.completion_tokens == 16  # vLLM's default
 
 
+def test_responses_through_the_gateway_on_vllm_match_the_embedded_worker(
+    backends: Backends,
+) -> None:
+    """vLLM's own /v1/responses behind the gateway (which stores the responses: vLLM gets
+    store false and the whole conversation) gives the embedded worker's greedy tokens."""
+    gateway, embedded = sdk(backends.gateway), sdk(backends.embedded.base_url)
+    ask: dict[str, Any] = {"model": MODEL, "max_output_tokens": 16, "temperature": 0}
+    first = gateway.responses.create(input=PROMPTS[1], instructions="Be brief.", **ask)
+    same = embedded.responses.create(input=PROMPTS[1], instructions="Be brief.", **ask)
+    assert first.output_text == same.output_text and first.store is True
+    assert first.usage is not None and same.usage is not None
+    assert first.usage.input_tokens == same.usage.input_tokens
+    events = list(gateway.responses.create(input=PROMPTS[1], stream=True, **ask))
+    assert events[0].type == "response.created"
+    final = events[-1].response  # type: ignore[union-attr]
+    assert final.output_text == embedded.responses.create(input=PROMPTS[1], **ask).output_text
+    second = gateway.responses.create(input="again", previous_response_id=first.id, **ask)
+    history = [
+        {"role": "user", "content": PROMPTS[1]},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "again"},
+    ]
+    direct = embedded.responses.create(input=history, **ask)  # type: ignore[arg-type]
+    assert second.output_text == direct.output_text
+    assert gateway.responses.retrieve(second.id).output_text == second.output_text
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_stream_usage_is_as_openai_defines_it(backends: Backends, endpoint: str) -> None:
     """No usage on any chunk unless asked; asked: exactly one usage chunk, last, with the

@@ -226,3 +226,49 @@ def test_failures_of_distinct_requests_eject_one_of_two() -> None:
         assert bad.posts == 3  # ejected after three distinct requests failed on it
         assert gw.metric("dflash_worker_healthy", worker=worker_id(bad.url)) == 0
         assert gw.metric("dflash_worker_healthy", worker=worker_id(good.url)) == 1
+
+
+CREATED = (
+    b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'
+    b'"response":{"id":"resp_1","object":"response","created_at":1,"status":"in_progress",'
+    b'"model":"' + MODEL.encode() + b'","output":[],"parallel_tool_calls":false,'
+    b'"tool_choice":"none","tools":[],"store":false,"usage":null,"error":null}}\n\n'
+)
+DELTA = (
+    b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta",'
+    b'"sequence_number":1,"item_id":"msg_1","output_index":0,"content_index":0,'
+    b'"delta":"x","logprobs":[]}\n\n'
+)
+
+
+async def responses_stall(request: Request, writer: asyncio.StreamWriter) -> None:
+    writer.write(SSE_HEAD + chunked(CREATED) + chunked(DELTA))
+    await writer.drain()
+    await asyncio.sleep(3600)
+
+
+def test_a_broken_responses_stream_ends_with_response_failed(gw_over: Any) -> None:
+    """The Responses API's own terminal event, typed as the OpenAI SDK reads it, with the
+    client's store fields, the sequence going on, and nothing stored."""
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    gw, _ = gw_over(responses_stall, idle_stream_timeout_s=0.3)
+    body = {"model": MODEL, "input": "hi", "stream": True}
+    answer = httpx.post(gw.v1 + "/responses", json=body, timeout=20)
+    assert answer.status_code == 200
+    data = [line.removeprefix("data: ") for line in events(answer)]
+    adapter: TypeAdapter[ResponseStreamEvent] = TypeAdapter(ResponseStreamEvent)
+    typed = [adapter.validate_json(line) for line in data]
+    assert [e.type for e in typed] == [
+        "response.created",
+        "response.output_text.delta",
+        "response.failed",
+    ]
+    created, failed = typed[0], typed[-1]
+    assert created.response.store is True  # type: ignore[union-attr]
+    assert failed.response.id == "resp_1" and failed.response.status == "failed"  # type: ignore[union-attr]
+    assert failed.response.error is not None  # type: ignore[union-attr]
+    assert failed.sequence_number == 2
+    missing = httpx.get(gw.v1 + "/responses/resp_1", timeout=5)
+    assert missing.status_code == 404

@@ -1,0 +1,170 @@
+"""/v1/responses through the gateway, with the OpenAI SDK as client: two gateway processes
+sharing a real redis-server in front of one real embedded worker. A response stored through
+one gateway is continued, retrieved and deleted through the other; another tenant gets 404;
+the tenant is charged the response's tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import ResponseCompletedEvent, ResponseTextDeltaEvent
+
+from tests.fixtures.redis import RedisServer, running_redis
+from tests.fixtures.tiny_models import TinyCheckpoint
+from tests.fixtures.worker import WorkerHandle, free_port
+from tests.service.conftest import MODEL, scrape, worker_args, worker_on_port
+from tests.service.gateway_process import gateway_process
+
+KEYS = """
+tenants:
+  - name: search
+    keys: [sk-search]
+  - name: ops
+    keys: [sk-ops]
+"""
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_checkpoint: TinyCheckpoint) -> Iterator[WorkerHandle]:
+    with worker_on_port(free_port(), worker_args(tiny_checkpoint)) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def gateways(
+    worker: WorkerHandle, redis: RedisServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, str]]:
+    keys = Path(tmp_path_factory.mktemp("keys")) / "keys.yaml"
+    keys.write_text(KEYS)
+    env = {"redis_url": redis.url, "api_key_file": str(keys)}
+    with (
+        gateway_process(worker.base_url, **env) as (a, _),
+        gateway_process(worker.base_url, **env) as (b, _),
+    ):
+        yield a, b
+
+
+def sdk(base: str, key: str = "sk-search") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+
+
+def test_store_continue_retrieve_and_delete_across_two_gateways(
+    gateways: tuple[str, str], redis: RedisServer
+) -> None:
+    a, b = sdk(gateways[0]), sdk(gateways[1])
+    first = a.responses.create(model=MODEL, input="def fib(n):", max_output_tokens=6, temperature=0)
+    assert first.store is True and first.output_text
+    assert redis.command("EXISTS", f"{{dflash:search}}:response:{first.id}") == "1"
+    second = b.responses.create(
+        model=MODEL,
+        input="and again",
+        previous_response_id=first.id,
+        max_output_tokens=6,
+        temperature=0,
+    )
+    assert second.previous_response_id == first.id
+    whole = a.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": "def fib(n):"},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "and again"},
+        ],
+        max_output_tokens=6,
+        temperature=0,
+        store=False,
+    )
+    assert second.output_text == whole.output_text  # greedy: the same conversation
+    assert whole.store is False
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(whole.id)  # not stored
+    got = b.responses.retrieve(second.id)
+    assert got.output_text == second.output_text and got.id == second.id
+    items = list(a.responses.input_items.list(second.id))
+    assert [item.role for item in items] == ["user"]  # type: ignore[union-attr]
+    a.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        b.responses.create(model=MODEL, input="x", previous_response_id=first.id)
+
+
+def test_streamed_responses_are_relayed_stored_and_charged(gateways: tuple[str, str]) -> None:
+    a, b = sdk(gateways[0]), sdk(gateways[1])
+    before = usage_tokens(gateways[0])
+    steps = scrape(gateways[0], "dflash_spec_acceptance_length_count", model=MODEL)
+    served = scrape(gateways[0], "dflash_requests_total", endpoint="/v1/responses", status="200")
+    ttft = scrape(gateways[0], "dflash_time_to_first_token_seconds_count", model=MODEL)
+    events = list(
+        a.responses.create(
+            model=MODEL, input="class Stack:", max_output_tokens=8, temperature=0, stream=True
+        )
+    )
+    final = events[-1]
+    assert final.type in ("response.completed", "response.incomplete")
+    response = final.response  # type: ignore[union-attr]
+    assert response.store is True
+    text = "".join(e.delta for e in events if isinstance(e, ResponseTextDeltaEvent))
+    assert text == response.output_text
+    assert b.responses.retrieve(response.id).output_text == text
+    assert response.usage is not None
+    spent = response.usage.input_tokens + response.usage.output_tokens
+    assert usage_tokens(gateways[0]) - before == spent
+    assert not any(isinstance(e, ResponseCompletedEvent) for e in events[:-1])
+    # The per-request acceptance the worker reported, the request and its first token.
+    after = scrape(gateways[0], "dflash_spec_acceptance_length_count", model=MODEL)
+    assert after == steps + 1
+    count = scrape(gateways[0], "dflash_requests_total", endpoint="/v1/responses", status="200")
+    assert count == served + 1
+    assert scrape(gateways[0], "dflash_time_to_first_token_seconds_count", model=MODEL) == ttft + 1
+
+
+def usage_tokens(base: str) -> int:
+    card = httpx.get(base + "/admin/usage", headers={"Authorization": "Bearer sk-search"}).json()
+    tokens: int = card["data"][0]["month"]["tokens"]
+    return tokens
+
+
+def test_another_tenant_gets_404(gateways: tuple[str, str]) -> None:
+    mine = sdk(gateways[0]).responses.create(model=MODEL, input="x", max_output_tokens=2)
+    theirs = sdk(gateways[1], "sk-ops")
+    for call in (
+        lambda: theirs.responses.retrieve(mine.id),
+        lambda: theirs.responses.delete(mine.id),
+        lambda: theirs.responses.input_items.list(mine.id),
+        lambda: theirs.responses.create(model=MODEL, input="y", previous_response_id=mine.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    assert sdk(gateways[1]).responses.retrieve(mine.id).id == mine.id
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"frobnicate": 1}, "frobnicate"),
+        ({"input": [{"role": "user", "content": "x", "name": "n"}]}, "input[0].name"),
+        ({"input": []}, "input"),
+        ({"tools": [{"type": "function", "name": "f"}]}, "tools"),  # the worker's 400
+    ],
+)
+def test_bad_requests_are_400s_naming_the_field(
+    gateways: tuple[str, str], extra: dict[str, Any], param: str
+) -> None:
+    body = {"model": MODEL, "input": "x", "max_output_tokens": 2, **extra}
+    answer = httpx.post(
+        gateways[0] + "/v1/responses", json=body, headers={"Authorization": "Bearer sk-search"}
+    )
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
