@@ -11,16 +11,17 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.metrics import GatewayMetrics
+from service.metrics import GatewayMetrics, code_label
 from service.proxy import Proxy, ProxyCall
 from service.routing.fleet import WorkerFleet
 from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth
 from service.tenancy.ledger import TenantUsage
-from service.tenancy.limits import RateLimiter
+from service.tenancy.limits import RateLimiter, Ticket
 from service.tenancy.tenants import LIMIT_FIELDS, Tenant
-from wire.errors import ModelNotFound, NoHealthyWorker, NotFound, Unavailable
+from service.tracing import RequestTrace
+from wire.errors import ApiError, ModelNotFound, NoHealthyWorker, NotFound, Unavailable
 from wire.http import package_version, read_json
 from wire.schemas import (
     ChatCompletionRequest,
@@ -42,6 +43,10 @@ TENANT_KEY = "dflash.tenant"
 # Generation endpoints: the ones tenants' limits count and charge.
 LIMITED_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions"})
 ADMIN_USAGE_PATH = "/admin/usage"
+# With tracing on: the request's RequestTrace (service/tracing.py), or for a request the
+# sampler left out, the traceparent header line the worker gets.
+TRACE_KEY = "dflash.trace"
+TRACEPARENT_KEY = "dflash.traceparent"
 
 
 @dataclass
@@ -105,9 +110,13 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     label = parsed.model if known else "unknown"
     request.scope[MODEL_LABEL_KEY] = label
     tenant: Tenant | None = request.scope.get(TENANT_KEY)
+    trace: RequestTrace | None = request.scope.get(TRACE_KEY)
+    if trace is not None:
+        request_id = request.scope.get(REQUEST_ID_KEY, "")
+        trace.request(endpoint, parsed.model, payload, request_id)
     ticket = None
     if tenant is not None and endpoint in LIMITED_ENDPOINTS:
-        ticket = await state.limiter.admit(tenant, label)
+        ticket = await admit(state.limiter, tenant, label, trace)
     options = parsed.stream_options
     call = ProxyCall(
         endpoint=endpoint,
@@ -128,8 +137,27 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
         started=request.scope.get(STARTED_KEY, time.perf_counter()),
         tenant=tenant.name if tenant is not None and endpoint in LIMITED_ENDPOINTS else None,
         ticket=ticket,
+        trace=trace,
+        trace_headers=request.scope.get(TRACEPARENT_KEY, b""),
     )
     return runtime.proxy.response(call)
+
+
+async def admit(
+    limiter: RateLimiter, tenant: Tenant, label: str, trace: RequestTrace | None
+) -> Ticket | None:
+    """The tenant's limits; traced, a refusal (429) sets the limits span's status."""
+    if trace is None:
+        return await limiter.admit(tenant, label)
+    span = trace.child("limits", {"dflash.tenant": tenant.name})
+    try:
+        return await limiter.admit(tenant, label)
+    except ApiError as error:
+        code = code_label(error.code, error.error_type)
+        trace.refused(span, error.status_code, code, error.message)
+        raise
+    finally:
+        span.end()
 
 
 def unknown_model(model: str, fleet: WorkerFleet | None) -> ModelNotFound:
@@ -270,5 +298,5 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get("/metrics", summary="Prometheus exposition of the gateway's metrics")
 async def metrics(request: Request) -> Response:
-    body, content_type = gateway(request).metrics.render()
+    body, content_type = gateway(request).metrics.render(request.headers.get("accept", ""))
     return Response(body, media_type=content_type)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Any
 
@@ -37,7 +38,12 @@ class SseTap:
     """
 
     def __init__(
-        self, *, strip_usage_chunk: bool, wire: Wire = WIRES["vllm"], keep_extra: bool = True
+        self,
+        *,
+        strip_usage_chunk: bool,
+        wire: Wire = WIRES["vllm"],
+        keep_extra: bool = True,
+        finish_reasons: bool = False,
     ) -> None:
         self._strip = strip_usage_chunk
         self._wire, self._keep_extra, self._marker = wire, keep_extra, wire.spec_marker
@@ -48,6 +54,9 @@ class SseTap:
         self.first_token_at: float | None = None
         self.done = False
         self.errored = False
+        # The choices' finish reasons, collected for a traced request only (one search per
+        # event: untraced streams pay nothing).
+        self.finish_reasons: list[str] | None = [] if finish_reasons else None
 
     @property
     def final(self) -> dict[str, Any] | None:
@@ -94,6 +103,8 @@ class SseTap:
             self._final_raw = event
         if self._marker is not None and self._marker in event:
             self._spec_raw = event
+        if self.finish_reasons is not None:
+            self.finish_reasons.extend(r.decode() for r in FINISH_REASON.findall(event))
         if self.first_token_at is not None and not usage_only and b'"error"' not in event:
             return True
         obj = _event_json(event)
@@ -107,6 +118,9 @@ class SseTap:
         if usage_only and not self._keep_extra and self._wire.extra_event(obj):
             return False  # asked for by the gateway alone
         return not (usage_only and choices == [] and self._strip and "usage" in obj)
+
+
+FINISH_REASON = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
 
 
 def _event_json(event: bytes) -> Any:
