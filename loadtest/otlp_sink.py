@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     sink = Sink()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(sink, server)  # type: ignore[no-untyped-call]
     server.add_insecure_port(f"127.0.0.1:{args.port}")
     server.start()
     done = threading.Event()
