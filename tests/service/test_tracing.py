@@ -19,7 +19,7 @@ import pytest
 from tests.fixtures.otlp import OtlpGrpcReceiver, OtlpHttpReceiver, Received, by_name
 from tests.fixtures.worker import ROOT, WorkerHandle, free_port, running_worker
 from tests.service.conftest import MODEL, Gateway, running_gateway, worker_args
-from tests.service.fake_upstream import Request, fake_worker, reply
+from tests.service.fake_upstream import Request, endless_stream, fake_worker, reply
 from wire.tracing import TracingSettings
 
 GATEWAY, WORKER = "dflash-gateway", "dflash-worker"
@@ -265,6 +265,29 @@ def test_a_worker_failure_gives_error_spans_and_a_retry_is_a_second_attempt(
     assert sorted(sent) == sorted(f"00-{trace_id}-{a.span_id}-01" for a in attempts)
     [server] = [s for s in spans if s.kind == 2]
     assert server.error and server.attributes["http.response.status_code"] == 502
+
+
+def test_a_client_disconnect_gives_an_error_span(received: Received) -> None:
+    tracing = TracingSettings(endpoint=received.grpc_endpoint)  # type: ignore[attr-defined]
+    trace_id = secrets.token_hex(16)
+    with (
+        fake_worker(endless_stream) as fake,
+        running_gateway(workers=[fake.url], tracing=tracing) as gw,
+        httpx.stream(
+            "POST",
+            gw.v1 + "/completions",
+            headers={"traceparent": f"00-{trace_id}-{'6' * 16}-01"},
+            json={"model": "fake", "prompt": "x", "stream": True},
+            timeout=30,
+        ) as response,
+    ):
+        assert response.status_code == 200
+        next(response.iter_bytes())  # the stream is flowing; then the client leaves
+    spans = received.wait(lambda s: any(x.trace_id == trace_id and x.kind == 2 for x in s))
+    spans = received.trace(trace_id)
+    [server] = [s for s in spans if s.kind == 2]
+    assert server.error and "client_disconnected" in server.events
+    assert server.attributes["http.response.status_code"] == 499
 
 
 def test_a_dead_collector_neither_fails_nor_slows_requests_and_drops_are_counted() -> None:
