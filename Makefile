@@ -32,7 +32,7 @@ $(DEPS_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first and pinned: its CPU build; an unpinned torch would pull CUDA packages.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[engine,dev,loadtest]'
+	$(PY) -m pip install -q -e '.[engine,dev,loadtest,tracing]'
 	rm -f $(VENV)/.deps-*
 	touch $@
 

@@ -13,7 +13,7 @@ COPY wire/ wire/
 COPY launcher/ launcher/
 COPY engine/ engine/
 # engine/assets/tiny-coder (target + DFlash drafter) ships as package data.
-RUN /opt/venv/bin/pip install --no-cache-dir '.[engine]' \
+RUN /opt/venv/bin/pip install --no-cache-dir '.[engine,tracing]' \
  && /opt/venv/bin/python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
 FROM python:3.11-slim

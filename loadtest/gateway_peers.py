@@ -9,7 +9,9 @@ gateway configured with pools (`--pools`: routing by model, then by weight, on e
 request), and with API keys, then tenants' limits counted in the process and in Redis
 (`--limits`: every limit set, none reached, so every request is checked and charged), Redis
 reached over TCP and over TLS, by the gateway's own client and, for the record, by redis-py's
-asyncio client (loadtest/redispy_gateway.py). A peer
+asyncio client (loadtest/redispy_gateway.py), and tracing 1 % and 100 % of requests into a
+local OTLP sink (`--tracing`, loadtest/otlp_sink.py; the cost over the plain gateway is printed
+after the table). A peer
 that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
@@ -183,6 +185,7 @@ def start_gateway(
     pools: Path | None = None,
     settings: dict[str, str] | None = None,
     module: str = "service.cli",
+    otel: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """`dflash-gateway` from source tree `src` in front of the stub, without API keys (unless
     `settings`, DFLASH_GATEWAY_* values, give some); with `pools`, configured by that pools
@@ -202,6 +205,7 @@ def start_gateway(
         "PYTHONPATH": str(src),
     }
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
+    env.update(otel or {})  # OpenTelemetry's own variables (--tracing)
     for name, value in (settings or {}).items():
         env[f"DFLASH_GATEWAY_{name.upper()}"] = value
     argv = [sys.executable, "-m", module, "--port", str(port)]
@@ -228,6 +232,8 @@ def start_peers(
         peers.append(Peer("dflash-gateway (pools)", port, process, "/ready"))
     if args.limits:
         peers += limit_peers(args, upstream, workdir, missing)
+    if args.tracing:
+        peers += tracing_peers(args, upstream)
     if "nginx" not in missing:
         port = free_port()
         conf = workdir / "nginx.conf"
@@ -308,6 +314,44 @@ def start_redis(
     shared = {"redis": over_tcp, "rediss": over_tls}
     shared |= {"redis-py": over_tcp, "redis-py, rediss": over_tls}
     return redis, shared
+
+
+def tracing_peers(args: argparse.Namespace, upstream: int) -> list[Peer]:
+    """The gateway tracing 1 % and 100 % of requests into a local OTLP/gRPC sink
+    (loadtest/otlp_sink.py, on the stub's cores): beside the plain gateway (tracing off)."""
+    sink_port = free_port()
+    argv = [sys.executable, "-m", "loadtest.otlp_sink", "--port", str(sink_port)]
+    sink = subprocess.Popen(pinned(args.aux_cpus, argv), cwd=ROOT)
+    peers = []
+    for name, sampler, ratio in (("1%", "traceidratio", "0.01"), ("100%", "always_on", "1")):
+        otel = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{sink_port}",
+            "OTEL_TRACES_SAMPLER": sampler,
+            "OTEL_TRACES_SAMPLER_ARG": ratio,
+        }
+        port = free_port()
+        process = start_gateway(port, upstream, [], args.proxy_cpu, otel=otel)
+        peers.append(Peer(f"dflash-gateway (tracing {name})", port, process, "/ready"))
+    peers[-1].companions.append(sink)
+    return peers
+
+
+def tracing_cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """CPU per unary request and per stream of each traced gateway over the untraced one."""
+    by = {r["proxy"]: r for r in rows}
+    off = by.get("dflash-gateway")
+    out: dict[str, Any] = {}
+    for name, goal in (("1%", 1.10), ("100%", 1.35)):
+        traced = by.get(f"dflash-gateway (tracing {name})")
+        if off is None or traced is None:
+            continue
+        ratios = {
+            key: round(traced[key] / off[key], 3) if off[key] else None
+            for key in ("unary_cpu_us_per_request", "stream_cpu_us_per_stream")
+        }
+        met = all(r is not None and r <= goal for r in ratios.values())
+        out[name] = {**ratios, "goal": goal, "met": met}
+    return out
 
 
 # Limits no bench run reaches: every check runs, nothing is refused.
@@ -593,6 +637,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--litellm", action="store_true", help="also LiteLLM's proxy (~7 ms of CPU per request)"
     )
+    p.add_argument(
+        "--tracing",
+        action="store_true",
+        help="also the gateway tracing 1%% and 100%% of requests into a local OTLP sink",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway-peers.json"))
     return p
 
@@ -617,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
                 for process in (peer.process, *peer.companions):
                     stop(process)
     print(table(rows, args))
+    if args.tracing:
+        print(f"tracing cost (x of tracing off): {json.dumps(tracing_cost(rows))}")
     for name, why in missing.items():
         print(f"missing {name}: {why}")
     write_report("gateway-peers", args, versions=versions, missing=missing, results=rows)

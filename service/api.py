@@ -11,7 +11,7 @@ import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from service.metrics import GatewayMetrics
+from service.metrics import GatewayMetrics, code_label
 from service.proxy import Proxy, ProxyCall
 from service.responses import affinity_text, load, prepare
 from service.routing.fleet import WorkerFleet
@@ -19,10 +19,11 @@ from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth
 from service.tenancy.ledger import TenantUsage
-from service.tenancy.limits import RateLimiter
+from service.tenancy.limits import RateLimiter, Ticket
 from service.tenancy.response_store import ResponseStore
 from service.tenancy.tenants import LIMIT_FIELDS, Tenant
-from wire.errors import ModelNotFound, NoHealthyWorker, NotFound, Unavailable
+from service.tracing import RequestTrace
+from wire.errors import ApiError, ModelNotFound, NoHealthyWorker, NotFound, Unavailable
 from wire.http import package_version, read_json
 from wire.responses import ResponsesRequest
 from wire.schemas import (
@@ -46,6 +47,10 @@ TENANT_KEY = "dflash.tenant"
 RESPONSES_PATH = "/v1/responses"
 LIMITED_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PATH})
 ADMIN_USAGE_PATH = "/admin/usage"
+# With tracing on: the request's RequestTrace (service/tracing.py), or for a request the
+# sampler left out, the traceparent header line the worker gets.
+TRACE_KEY = "dflash.trace"
+TRACEPARENT_KEY = "dflash.traceparent"
 
 
 @dataclass
@@ -107,6 +112,7 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
         state,
         endpoint,
         parsed.model,
+        payload,
         body=upstream_body(raw, payload, bool(parsed.stream)),
         stream=bool(parsed.stream),
         wants_usage=bool(options is not None and options.include_usage),
@@ -138,6 +144,7 @@ async def responses_call(
         state,
         RESPONSES_PATH,
         parsed.model,
+        payload,
         body=body,
         stream=bool(parsed.stream),
         wants_usage=True,  # usage rides on response.completed: nothing to strip
@@ -148,10 +155,16 @@ async def responses_call(
 
 
 async def forward(
-    request: Request, state: GatewayState, endpoint: str, model: str, **call: Any
+    request: Request,
+    state: GatewayState,
+    endpoint: str,
+    model: str,
+    payload: dict[str, Any],
+    **call: Any,
 ) -> Response:
     """Route a validated request: a healthy worker serving `model`, the tenant's admission,
-    then the proxy (`call`: the rest of ProxyCall's fields)."""
+    then the proxy (`call`: the rest of ProxyCall's fields; `payload`: the client's body, for
+    the trace's request attributes)."""
     runtime = state.live()
     retry_after = {"Retry-After": str(state.settings.retry_after_s)}
     if not runtime.fleet.routable():
@@ -166,9 +179,13 @@ async def forward(
     label = model if known else "unknown"
     request.scope[MODEL_LABEL_KEY] = label
     tenant: Tenant | None = request.scope.get(TENANT_KEY)
+    trace: RequestTrace | None = request.scope.get(TRACE_KEY)
+    if trace is not None:
+        request_id = request.scope.get(REQUEST_ID_KEY, "")
+        trace.request(endpoint, model, payload, request_id)
     ticket = None
     if tenant is not None and endpoint in LIMITED_ENDPOINTS:
-        ticket = await state.limiter.admit(tenant, label)
+        ticket = await admit(state.limiter, tenant, label, trace)
     proxied = ProxyCall(
         endpoint=endpoint,
         model=model,
@@ -177,9 +194,28 @@ async def forward(
         started=request.scope.get(STARTED_KEY, time.perf_counter()),
         tenant=tenant.name if tenant is not None and endpoint in LIMITED_ENDPOINTS else None,
         ticket=ticket,
+        trace=trace,
+        trace_headers=request.scope.get(TRACEPARENT_KEY, b""),
         **call,
     )
     return runtime.proxy.response(proxied)
+
+
+async def admit(
+    limiter: RateLimiter, tenant: Tenant, label: str, trace: RequestTrace | None
+) -> Ticket | None:
+    """The tenant's limits; traced, a refusal (429) sets the limits span's status."""
+    if trace is None:
+        return await limiter.admit(tenant, label)
+    span = trace.child("limits", {"dflash.tenant": tenant.name})
+    try:
+        return await limiter.admit(tenant, label)
+    except ApiError as error:
+        code = code_label(error.code, error.error_type)
+        trace.refused(span, error.status_code, code, error.message)
+        raise
+    finally:
+        span.end()
 
 
 def unknown_model(model: str, fleet: WorkerFleet | None) -> ModelNotFound:
@@ -368,5 +404,5 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get("/metrics", summary="Prometheus exposition of the gateway's metrics")
 async def metrics(request: Request) -> Response:
-    body, content_type = gateway(request).metrics.render()
+    body, content_type = gateway(request).metrics.render(request.headers.get("accept", ""))
     return Response(body, media_type=content_type)

@@ -9,7 +9,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -23,6 +23,8 @@ from service.api import (
     REQUEST_ID_KEY,
     STARTED_KEY,
     TENANT_KEY,
+    TRACE_KEY,
+    TRACEPARENT_KEY,
     GatewayState,
     Runtime,
     proxy_endpoint,
@@ -45,6 +47,7 @@ from service.tenancy.response_store import (
     ResponseStore,
 )
 from service.tenancy.tenants import KeyRing, Tenant
+from service.tracing import RequestTrace
 from wire.errors import (
     ApiError,
     AuthenticationFailed,
@@ -53,6 +56,10 @@ from wire.errors import (
     render,
 )
 from wire.http import client_request_id
+from wire.tracing import GATEWAY_SERVICE, open_tracing
+
+if TYPE_CHECKING:
+    from wire.otel import Tracing
 
 log = logging.getLogger("dflash.gateway")
 STORE_DEADLINE_S = 2.0  # a stored response's read or write in Redis
@@ -82,20 +89,37 @@ class RequestContext:
     direct path to the two proxy endpoints (FastAPI's router stays for everything else and
     for the OpenAPI schema)."""
 
-    def __init__(self, app: ASGIApp, auth: ApiKeyAuth, metrics: GatewayMetrics) -> None:
-        self.app, self.auth, self.metrics = app, auth, metrics
+    def __init__(
+        self,
+        app: ASGIApp,
+        auth: ApiKeyAuth,
+        metrics: GatewayMetrics,
+        tracing: Tracing | None = None,
+    ) -> None:
+        self.app, self.auth, self.metrics, self.tracing = app, auth, metrics, tracing
         self.fast = {path: schema for path, schema in PROXY_ENDPOINTS}
 
     def identified(self, scope: Scope) -> bool:
         """The key is known; with tenants configured, its tenant goes into the scope."""
+        trace: RequestTrace | None = scope.get(TRACE_KEY)
+        span = trace.child("auth") if trace is not None else None
         tenant = self.auth.identify(scope["headers"])
         if tenant is not None and self.auth.ring.tenancy:
             scope[TENANT_KEY] = tenant
+        if span is not None and trace is not None:
+            if tenant is None:
+                trace.refused(span, 401, "invalid_api_key", "no valid API key")
+            elif self.auth.ring.tenancy:
+                span.set_attribute("dflash.tenant", tenant.name)
+            span.end()
         return tenant is not None
 
     def count(self, scope: Scope, status: int, error: ApiError | None = None) -> None:
         """A response the gateway answered itself (a proxied one counts itself)."""
         code = code_label(error.code, error.error_type) if error is not None else None
+        trace: RequestTrace | None = scope.get(TRACE_KEY)
+        if trace is not None:
+            trace.error_code = code
         model = scope.get(MODEL_LABEL_KEY, "unknown")
         self.metrics.count_response(model, endpoint_label(scope["path"]), status, code)
         tenant: Tenant | None = scope.get(TENANT_KEY)
@@ -106,6 +130,33 @@ class RequestContext:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if self.tracing is not None and scope["path"] not in UNCOUNTED_PATHS:
+            await self.traced(self.tracing, scope, receive, send)
+            return
+        await self.handle(scope, receive, send)
+
+    async def traced(self, tracing: Tracing, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request under its server span (docs/tracing.md). A request the sampler left out
+        only passes its context on, so the worker makes the same choice."""
+        route = endpoint_label(scope["path"])
+        trace = RequestTrace(tracing, scope["method"], route, scope["headers"])
+        if not trace.server.is_recording():
+            scope[TRACEPARENT_KEY] = trace.headers_for(trace.server)
+            await self.handle(scope, receive, send)
+            return
+        scope[TRACE_KEY] = trace
+
+        async def watch(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                trace.status = message["status"]
+            await send(message)
+
+        try:
+            await self.handle(scope, receive, watch)
+        finally:
+            trace.end()
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope[STARTED_KEY] = time.perf_counter()
         request_id = client_request_id(scope["headers"]) or secrets.token_hex(16)
         scope[REQUEST_ID_KEY] = request_id
@@ -184,11 +235,13 @@ def error_code(body: bytes) -> str:
         return "other"
 
 
-def outermost(app: FastAPI, auth: ApiKeyAuth, metrics: GatewayMetrics) -> None:
+def outermost(
+    app: FastAPI, auth: ApiKeyAuth, metrics: GatewayMetrics, tracing: Tracing | None
+) -> None:
     """Put RequestContext around FastAPI's whole middleware stack (add_middleware would put
     it inside the error and exception middleware, which then wrap every relayed chunk)."""
     build = app.build_middleware_stack
-    app.build_middleware_stack = lambda: RequestContext(build(), auth, metrics)  # type: ignore[method-assign]
+    app.build_middleware_stack = lambda: RequestContext(build(), auth, metrics, tracing)  # type: ignore[method-assign]
 
 
 def upstream_pool(settings: GatewaySettings) -> ConnectionPool:
@@ -288,6 +341,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         limiter=limiter,
         responses=response_store(settings),
     )
+    tracing = open_tracing(settings.tracing, GATEWAY_SERVICE)
+    if tracing is not None:
+        tracing.on_drop(metrics.trace_spans_dropped.inc)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -326,11 +382,13 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             upstream.close()
             await limiter.close()
             await state.responses.close()
+            if tracing is not None:
+                await asyncio.to_thread(tracing.shutdown)  # flush: bounded by its timeout
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state
     app.include_router(router)
     install_handlers(app, log)
-    outermost(app, auth, metrics)
+    outermost(app, auth, metrics, tracing)
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app

@@ -12,6 +12,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 from service.reports import SpecStats, Usage
 
@@ -249,6 +251,9 @@ class GatewayMetrics(TenancySeries):
         self.retries = Counter(
             "dflash_retries", "Attempts retried on another worker", ["model"], registry=r
         )
+        # docs/tracing.md: spans the bounded export queue had no room for (collector down/slow).
+        dropped = "Spans dropped: the export queue was full"
+        self.trace_spans_dropped = Counter("dflash_trace_spans_dropped", dropped, registry=r)
 
     def _spec_series(self, r: CollectorRegistry) -> None:
         self.spec_length = Histogram(
@@ -323,13 +328,23 @@ class GatewayMetrics(TenancySeries):
         self.pool_weight.labels(model, pool).set(weight)
         self.pool_gpus.labels(model, pool).set(gpus_per_worker)
 
-    def render(self) -> tuple[bytes, str]:
+    def render(self, accept: str = "") -> tuple[bytes, str]:
         if self.multiprocess_dir is None:
-            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+            return exposition(self.registry, accept)
         merged = CollectorRegistry()
         files = MultiProcessCollector(None, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
         merged.register(_PoolOnly(files, self.worker_healthy._name, self._pool))
         return generate_latest(merged), CONTENT_TYPE_LATEST
+
+
+def exposition(registry: CollectorRegistry, accept: str) -> tuple[bytes, str]:
+    """Prometheus text, or OpenMetrics when the scraper asks for it (the only format that
+    carries the latency histograms' trace-id exemplars; one process: the multi-process files
+    keep no exemplars)."""
+    if "application/openmetrics-text" in accept:
+        body = openmetrics_latest(registry)  # type: ignore[no-untyped-call]
+        return body, OPENMETRICS_CONTENT_TYPE
+    return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
 class _PoolOnly:

@@ -23,6 +23,7 @@ from service.routing.upstream import Response as UpstreamResponse
 from service.settings import GatewaySettings
 from service.sse import SseTap
 from service.tenancy.limits import Headers, Ticket
+from service.tracing import Attempt, RequestTrace
 from service.watch import Draining, Watch, Watchdog
 from wire.errors import (
     ApiError,
@@ -56,6 +57,8 @@ class ProxyCall:
     tenant: str | None = None  # the key's tenant, when the key file names tenants
     ticket: Ticket | None = None  # the tenant's admission: rate headers, the charge at the end
     responses: StoreHook | None = None  # /v1/responses: the gateway's store (service/responses.py)
+    trace: RequestTrace | None = None  # with tracing on and the request sampled
+    trace_headers: bytes = b""  # traced but not sampled: the traceparent the worker gets
 
     @property
     def rate_headers(self) -> Headers:
@@ -132,6 +135,41 @@ class Outcome:
     status: int = CLIENT_CLOSED  # the status sent to the client, once sent
     code: str | None = None  # the error code, when the gateway answered an error itself
     pool: str = NO_POOL  # the pool of the last worker tried
+    attempt: Attempt | None = None  # the current attempt's spans, when traced
+
+    def begin(self, call: ProxyCall, number: int, worker: Worker) -> None:
+        if call.trace is not None:
+            self.attempt = call.trace.attempt(number, worker.label, worker.url, worker.pool)
+
+    def failed(self, failure: UpstreamFailure) -> None:
+        if self.attempt is not None:
+            self.attempt.fail(failure.kind, failure.message)
+
+    def end_attempt(self) -> None:
+        if self.attempt is not None:
+            self.attempt.end()
+
+    def first_byte(self, watch: Watch, idle_s: float, status: int) -> None:
+        """The worker answered: the watch switches to the idle limit (the attempt's
+        first-byte span ends)."""
+        watch.idle_s = idle_s
+        watch.marks += 2
+        if self.attempt is not None:
+            self.attempt.first_byte(status)
+
+    def trace_headers(self, call: ProxyCall) -> bytes:
+        """The worker's parent: this attempt (sampled), else the unsampled context, or none."""
+        return self.attempt.headers() if self.attempt is not None else call.trace_headers
+
+
+def pick(fleet: WorkerFleet, call: ProxyCall, tried: set[str]) -> Worker | None:
+    """The fleet's choice; traced, under a routing span naming the pool and worker."""
+    if call.trace is None:
+        return fleet.pick(call.model, call.affinity_key, tried)
+    span = call.trace.child("route", {"gen_ai.request.model": call.model})
+    worker = fleet.pick(call.model, call.affinity_key, tried)
+    call.trace.routed(span, worker)
+    return worker
 
 
 async def send_error(send: Send, error: ApiError, call: ProxyCall, outcome: Outcome) -> None:
@@ -205,7 +243,7 @@ class Proxy:
         last: UpstreamFailure | None = None
         deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_s
         for attempt in range(self.settings.max_retries + 1):
-            worker = self.fleet.pick(call.model, call.affinity_key, tried)
+            worker = pick(self.fleet, call, tried)
             if worker is None:
                 break
             if attempt:
@@ -215,6 +253,7 @@ class Proxy:
             outcome.pool = worker.pool
             in_flight = self.metrics.child(self.metrics.in_flight, call.label, worker.pool)
             in_flight.inc()
+            outcome.begin(call, attempt + 1, worker)
             try:
                 attempt_fn = self._stream if call.stream else self._unary
                 await attempt_fn(worker, call, send, outcome, deadline)
@@ -225,15 +264,19 @@ class Proxy:
                 )
                 self.fleet.report_failure(worker, failure.kind, serial, counts=failure.counts)
                 last = failure
+                outcome.failed(failure)
             except Draining:
                 await send_error(send, draining(self.settings), call, outcome)
                 return
             finally:
                 worker.outstanding -= 1
                 in_flight.dec()
+                outcome.end_attempt()
         await send_error(send, final_error(last, self.settings), call, outcome)
 
-    async def _post(self, worker: Worker, call: ProxyCall, watch: Watch) -> UpstreamResponse:
+    async def _post(
+        self, worker: Worker, call: ProxyCall, watch: Watch, outcome: Outcome
+    ) -> UpstreamResponse:
         """Send the request; the watch follows the connection it goes out on (its first-byte
         deadline, then the body's). The connection pool adds Accept-Encoding: identity and the
         worker key (app.worker_headers)."""
@@ -241,18 +284,13 @@ class Proxy:
         if target is None:
             target = self._targets[worker.url] = Target.of(worker.url)
         body = worker.wire.request_body(call.body)
-        return await self.upstream.post(
-            target, call.endpoint.encode(), body, call.request_id, watch.follow
-        )
+        path, extra = call.endpoint.encode(), outcome.trace_headers(call)
+        return await self.upstream.post(target, path, body, call.request_id, watch.follow, extra)
 
     def _watch(self, deadline: float) -> Watch:
         """The attempt's deadlines: nothing from the worker for first_byte_timeout_s, or the
         total deadline; `got_first_byte` then switches to the idle limit."""
         return self.watchdog.add(None, self.settings.first_byte_timeout_s, deadline)
-
-    def _got_first_byte(self, watch: Watch) -> None:
-        watch.idle_s = self.settings.idle_stream_timeout_s
-        watch.marks += 2
 
     async def _unary(
         self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
@@ -261,8 +299,8 @@ class Proxy:
         complete = False
         watch = self._watch(deadline)
         try:
-            response = await self._post(worker, call, watch)
-            self._got_first_byte(watch)
+            response = await self._post(worker, call, watch, outcome)
+            outcome.first_byte(watch, self.settings.idle_stream_timeout_s, response.status)
             body = await response.content.read()
             complete = True
         except UPSTREAM_ERRORS as exc:
@@ -288,6 +326,8 @@ class Proxy:
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
             stats = worker.wire.spec_stats(parsed, usage)
             self.metrics.observe_spec(call.label, worker.pool, stats)
+            if call.trace is not None:
+                call.trace.replied(parsed, usage, stats)
             body = worker.wire.strip(body, parsed, call.spec_details)
             if call.responses is not None:  # stored before the client has the answer
                 parsed = call.responses.patch(json.loads(body))
@@ -312,15 +352,15 @@ class Proxy:
         try:
             first: bytes | None = None
             try:
-                response = await self._post(worker, call, watch)
+                response = await self._post(worker, call, watch, outcome)
                 if response.status == 200:
                     failure = encoding_failure(response) or not_sse(response)
                     if failure is not None:
                         raise failure
                     first = await response.content.readany()
-                    self._got_first_byte(watch)
+                    outcome.first_byte(watch, self.settings.idle_stream_timeout_s, 200)
                 else:
-                    self._got_first_byte(watch)
+                    outcome.first_byte(watch, self.settings.idle_stream_timeout_s, response.status)
                     body = await response.content.read()
                     complete = True
             except UPSTREAM_ERRORS as exc:
@@ -358,12 +398,7 @@ class Proxy:
         """From the first byte on: pass events through; a failure ends the stream in-band.
         True when the upstream stream ended cleanly."""
         hook = call.responses
-        tap = SseTap(
-            strip_usage_chunk=not call.wants_usage,
-            wire=worker.wire,
-            keep_extra=call.spec_details,
-            rewrite=hook.patch_event if hook is not None else None,
-        )
+        tap = tap_for(call, worker)
         outcome.status = 200
         headers = [*SSE_HEADERS, *ids(call, worker)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -398,6 +433,7 @@ class Proxy:
             self.fleet.report_failure(
                 worker, failure.kind, next(self._serial), counts=failure.counts
             )
+            outcome.failed(failure)
         elif not drained:
             self.fleet.report_success(worker)
         tail = stream_tail(hook, tap, drained, failure)
@@ -445,6 +481,16 @@ def final_error(last: UpstreamFailure | None, settings: GatewaySettings) -> ApiE
     return UpstreamError(f"Upstream failure: {last.message}.")
 
 
+def tap_for(call: ProxyCall, worker: Worker) -> SseTap:
+    return SseTap(
+        strip_usage_chunk=not call.wants_usage,
+        wire=worker.wire,
+        keep_extra=call.spec_details,
+        rewrite=call.responses.patch_event if call.responses is not None else None,
+        finish_reasons=call.trace is not None,
+    )
+
+
 def observe_stream(metrics: GatewayMetrics, call: ProxyCall, worker: Worker, tap: SseTap) -> None:
     """A relayed stream's usage, speculation summary, TTFT and TPOT."""
     end = time.perf_counter()
@@ -452,15 +498,21 @@ def observe_stream(metrics: GatewayMetrics, call: ProxyCall, worker: Worker, tap
     usage = parse_usage(final)
     metrics.observe_usage(call.label, pool, usage, call.tenant)
     spec = tap.spec_event if worker.wire.spec_marker else final
-    if spec is not None:
-        metrics.observe_spec(call.label, pool, worker.wire.spec_stats(spec, usage))
+    stats = worker.wire.spec_stats(spec, usage) if spec is not None else None
+    if stats is not None:
+        metrics.observe_spec(call.label, pool, stats)
+    exemplar = None
+    if call.trace is not None:
+        call.trace.finish_reasons.extend(tap.finish_reasons or ())
+        call.trace.outcome(usage, stats, (final or {}).get("model"))
+        exemplar = call.trace.exemplar()
     first = tap.first_token_at
     if first is None:
         return
-    metrics.child(metrics.ttft, call.label, pool).observe(first - call.started)
+    metrics.child(metrics.ttft, call.label, pool).observe(first - call.started, exemplar)
     if usage is not None and call.single_choice and usage.completion_tokens > 1:
         tpot = (end - first) / (usage.completion_tokens - 1)
-        metrics.child(metrics.tpot, call.label, pool).observe(tpot)
+        metrics.child(metrics.tpot, call.label, pool).observe(tpot, exemplar)
 
 
 def not_sse(response: UpstreamResponse) -> UpstreamFailure | None:
@@ -510,7 +562,13 @@ class ProxyResponse(Response):
                 call.ticket.release()  # no charge reached it: give its lease back
             elapsed = time.perf_counter() - call.started
             duration = metrics.child(metrics.duration, call.label, outcome.pool, call.endpoint)
-            duration.observe(elapsed)
+            trace = call.trace
+            if trace is None:
+                duration.observe(elapsed)
+            else:
+                trace.disconnected = not complete
+                trace.error_code = code
+                duration.observe(elapsed, trace.exemplar())
 
 
 class Gone:

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.tenancy.redis_client import MAX_BULK, RedisAddress, TlsFiles
 from service.tenancy.tenants import KeyRing, parse_key_file
+from wire.tracing import TracingSettings
 
 RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
 # What serves a pool: its wire is adapted by service/routing/engines.py (embedded speaks vLLM's).
@@ -194,6 +195,8 @@ class GatewaySettings(BaseSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
+    # OpenTelemetry's own environment (OTEL_*), read with the rest (docs/tracing.md).
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
 
     @field_validator("workers", "api_keys", mode="before")
     @classmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +49,7 @@ class SseTap:
         wire: Wire = WIRES["vllm"],
         keep_extra: bool = True,
         rewrite: Callable[[bytes], bytes] | None = None,
+        finish_reasons: bool = False,
     ) -> None:
         self._strip = strip_usage_chunk
         # Responses API streams: events carrying the response object are rewritten
@@ -62,6 +64,9 @@ class SseTap:
         self.first_token_at: float | None = None
         self.done = False
         self.errored = False
+        # The choices' finish reasons, collected for a traced request only (one search per
+        # event: untraced streams pay nothing).
+        self.finish_reasons: list[str] | None = [] if finish_reasons else None
 
     @property
     def final(self) -> dict[str, Any] | None:
@@ -115,6 +120,8 @@ class SseTap:
             self._final_raw = event
         if self._marker is not None and self._marker in event:
             self._spec_raw = event
+        if self.finish_reasons is not None:
+            self.finish_reasons.extend(r.decode() for r in FINISH_REASON.findall(event))
         if self.first_token_at is not None and not usage_only and b'"error"' not in event:
             return True
         obj = _event_json(event)
@@ -131,6 +138,9 @@ class SseTap:
         if usage_only and not self._keep_extra and self._wire.extra_event(obj):
             return False  # asked for by the gateway alone
         return not (usage_only and choices == [] and self._strip and "usage" in obj)
+
+
+FINISH_REASON = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
 
 
 def _event_json(event: bytes) -> Any:

@@ -38,7 +38,9 @@ from engine.worker.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from engine.worker.tracing import WorkerTrace
 from wire.errors import (
+    ApiError,
     AuthenticationFailed,
     ClientClosedRequest,
     InvalidRequest,
@@ -264,7 +266,11 @@ def _refusal(req: AnyRequest, exc: RequestRejected) -> InvalidRequest:
 
 
 async def _start(
-    engine: AsyncEngine, state: WorkerState, req: AnyRequest, request_id: str
+    engine: AsyncEngine,
+    state: WorkerState,
+    req: AnyRequest,
+    request_id: str,
+    trace: WorkerTrace | None = None,
 ) -> list[Choice]:
     """Admit every choice (n per prompt) into the engine now: refusals are 400/503 before
     any byte, and a refusal withdraws the choices already admitted."""
@@ -278,13 +284,15 @@ async def _start(
             f"this worker holds at most {capacity} at once",
             param="n" if n > 1 else "prompt",
         )
+    if trace is not None:
+        trace.usage(n * sum(len(ids) for ids, _ in prompts))
     choices: list[Choice] = []
     try:
         for i, (ids, text) in enumerate(prompts):
             for j in range(n):
                 # n samples of one prompt must differ; a seed keeps them reproducible.
                 seeded = params if params.seed is None else replace(params, seed=params.seed + j)
-                run = Run(engine, state.metrics, request_id)
+                run = Run(engine, state.metrics, request_id, trace, i * n + j)
                 run.start(ids, seeded)
                 echoed = isinstance(req, CompletionRequest) and bool(req.echo)
                 choices.append(
@@ -308,6 +316,26 @@ async def _start(
 
 
 async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]) -> Response:
+    """The request under its server span when tracing is on (docs/tracing.md)."""
+    if state.tracing is None:
+        return await _generate(state, request, kind, None)
+    trace = WorkerTrace(
+        state.tracing,
+        "chat" if kind is ChatCompletionRequest else "completion",
+        request.url.path,
+        state.settings.model_name,
+        request.scope["headers"],
+    )
+    try:
+        return await _generate(state, request, kind, trace)
+    except ApiError as error:
+        trace.failed(error.status_code, error.code or error.error_type, error.message)
+        raise
+
+
+async def _generate(
+    state: WorkerState, request: Request, kind: type[AnyRequest], trace: WorkerTrace | None
+) -> Response:
     is_chat = kind is ChatCompletionRequest
     given = client_request_id(request.scope["headers"])
     request.state.request_id = given or uuid.uuid4().hex
@@ -316,7 +344,7 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     engine = _admit(state, request)
     req, payload = await _read(state, request, kind)
     check_fields(payload, "chat" if is_chat else "completion")
-    choices = await _start(engine, state, req, request_id)
+    choices = await _start(engine, state, req, request_id, trace)
     fmt = Formatter(
         "chat" if is_chat else "completion",
         request_id,

@@ -24,6 +24,7 @@ from engine.worker.settings import WorkerSettings
 from engine.worker.state import WorkerState
 from wire.errors import install_handlers
 from wire.http import DrainingServer, run_servers
+from wire.tracing import WORKER_SERVICE, open_tracing
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
@@ -33,7 +34,7 @@ log = logging.getLogger("engine.worker")
 
 def create_app(settings: WorkerSettings, engine: AsyncEngine | None = None) -> FastAPI:
     """The worker app. Pass a constructed (not yet started) `engine` to skip loading."""
-    state = WorkerState(settings, engine)
+    state = WorkerState(settings, engine, open_tracing(settings.tracing, WORKER_SERVICE))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +43,8 @@ def create_app(settings: WorkerSettings, engine: AsyncEngine | None = None) -> F
             yield
         finally:
             await state.close(load_task)
+            if state.tracing is not None:
+                await asyncio.to_thread(state.tracing.shutdown)  # flush, bounded by its timeout
 
     app = FastAPI(title="dflash-worker", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.worker = state

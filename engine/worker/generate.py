@@ -19,6 +19,7 @@ from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from engine.worker.metrics import WorkerMetrics
 from engine.worker.responses import Formatter, metrics_object, usage
 from engine.worker.schemas import AnyRequest
+from engine.worker.tracing import WorkerTrace
 from wire.errors import ApiError, InternalError, Unavailable
 from wire.http import SSE_DONE, sse_event
 
@@ -59,8 +60,16 @@ async def guard_disconnect(request: Request, work: Awaitable[T]) -> T:
 class Run:
     """One request's engine iterator plus its Prometheus observations."""
 
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, request_id: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: WorkerMetrics,
+        request_id: str,
+        trace: WorkerTrace | None = None,
+        index: int = 0,
+    ) -> None:
         self._engine, self._metrics, self._request_id = engine, metrics, request_id
+        self._trace, self._index = trace, index
         self._it: AsyncIterator[RequestOutput] | None = None
         self._last_token_at: float | None = None
         self._arrival = time.monotonic()
@@ -70,6 +79,8 @@ class Run:
     def start(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Queue the request (the engine's QueueFull / RequestRejected raise here)."""
         self._it = self._engine.generate(self._request_id, prompt_ids, params)
+        if self._trace is not None:
+            self._trace.track()
 
     async def next(self) -> RequestOutput:
         assert self._it is not None, "Run.start() first"
@@ -94,6 +105,8 @@ class Run:
         self._metrics.observe_finished(
             ttft, max(0.0, end - m.arrival_time), out.finish_reason or "abort"
         )
+        if self._trace is not None:
+            self._trace.sequence_done(out, self._index)
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         while self.last is None or not self.last.finished:
@@ -108,6 +121,8 @@ class Run:
         if aclose is not None:
             await aclose()
         self._metrics.observe_finished(None, time.monotonic() - self._arrival, "abort")
+        if self._trace is not None:
+            self._trace.sequence_done(self.last, self._index)
 
 
 def finish_reason(out: RequestOutput) -> str:

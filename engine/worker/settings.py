@@ -23,6 +23,7 @@ from pydantic import (
 
 from engine.jsonfile import read_json_object
 from engine.worker.portability import unportable
+from wire.tracing import TracingSettings
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-coder"
 BUNDLED_TARGET = ASSETS_DIR / "target"
@@ -108,6 +109,9 @@ class WorkerSettings(BaseModel):
     # vLLM's flag: usage on every stream chunk whatever the client asked. Off, as OpenAI
     # defines usage; the gateway asks workers for the usage chunk itself.
     enable_force_include_usage: bool = False
+    # OpenTelemetry's own environment (OTEL_*; docs/tracing.md): the embedded worker traces
+    # with it, and the vllm/sglang/trtllm backends pass it to the engine's own flags.
+    tracing: TracingSettings = Field(default_factory=TracingSettings, repr=False)
 
     @model_validator(mode="before")
     @classmethod

@@ -5,7 +5,8 @@ Flags as SGLang 0.5.23's `sglang/srt/server_args.py` names them (read from its s
 by its own parser where `make sglang-env` installed it): `--max-running-requests` is vLLM's
 `--max-num-seqs`, `--context-length` its `--max-model-len`, `--mem-fraction-static` its
 `--gpu-memory-utilization`. DFlash's block size is read from the drafter's config unless
-`num_speculative_tokens` asks for fewer drafts (block = drafts + 1).
+`num_speculative_tokens` asks for fewer drafts (block = drafts + 1). Tracing: `--enable-trace`,
+`--otlp-traces-endpoint`, `--otlp-service-name` (arg_groups/fields/observability.py there).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import shutil
 import sys
 
 from engine.worker.settings import ConfigError, WorkerSettings
+from engine.worker.vllm_backend import engine_tracing_env
+from wire.tracing import WORKER_SERVICE
 
 REDACTED = "<redacted>"
 
@@ -43,6 +46,9 @@ def build_sglang_argv(settings: WorkerSettings, *, redact: bool = False) -> list
             argv += ["--speculative-num-draft-tokens", str(spec.num_speculative_tokens + 1)]
     # /metrics (sglang:* series): the gateway's load signal and the dashboard's.
     argv += ["--enable-metrics"]
+    if s.tracing.enabled:  # SGLang's own request spans (its trace.py reads the protocol env)
+        argv += ["--enable-trace", "--otlp-traces-endpoint", s.tracing.url()]
+        argv += ["--otlp-service-name", s.tracing.service(WORKER_SERVICE)]
     return argv + list(s.extra_args)
 
 
@@ -56,4 +62,5 @@ def exec_sglang(settings: WorkerSettings) -> None:
         file=sys.stderr,
         flush=True,
     )
-    os.execv(python, [python, *argv[1:]])
+    env = {**os.environ, **engine_tracing_env(settings.tracing)}
+    os.execve(python, [python, *argv[1:]], env)

@@ -18,6 +18,7 @@ from wire.bearer import BearerKeys
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.config import EngineConfig
+    from wire.otel import Tracing
 
 log = logging.getLogger("engine.worker")
 
@@ -52,8 +53,11 @@ def build_engine(settings: WorkerSettings) -> AsyncEngine:
 class WorkerState:
     """What the routes share: settings, the engine once loaded, drain flag, metrics."""
 
-    def __init__(self, settings: WorkerSettings, engine: AsyncEngine | None) -> None:
+    def __init__(
+        self, settings: WorkerSettings, engine: AsyncEngine | None, tracing: Tracing | None = None
+    ) -> None:
         self.settings = settings
+        self.tracing = tracing  # OpenTelemetry, when on (docs/tracing.md)
         self.engine = engine
         self.auth = BearerKeys(settings.api_key)
         self.ready = False

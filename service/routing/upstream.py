@@ -299,10 +299,12 @@ class ConnectionPool:
         body: bytes,
         request_id: str,
         on_connection: Callable[[Connection], None],
+        extra: bytes = b"",
     ) -> Response:
         """POST `body` (JSON) and wait for the response head. A reused connection that the
         worker had closed (it fails before any byte of an answer) is retried once on a new
-        one: the request never reached the worker."""
+        one: the request never reached the worker. `extra`: more header lines, each ending
+        in CRLF (the trace context)."""
         request = b"".join(
             (
                 b"POST ",
@@ -315,6 +317,7 @@ class ConnectionPool:
                 request_id.encode("latin-1"),
                 b"\r\n",
                 self._static,
+                extra,
                 b"\r\n",
                 body,
             )

@@ -38,7 +38,12 @@ def wait_ok(url: str, process: subprocess.Popen[bytes], log: Path, timeout: floa
 
 @contextlib.contextmanager
 def _process(
-    argv: list[str], ready_path: str, port: int, workdir: Path, timeout: float
+    argv: list[str],
+    ready_path: str,
+    port: int,
+    workdir: Path,
+    timeout: float,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     log = workdir / f"{Path(argv[0]).name}-{port}.log"
     with log.open("wb") as out:
@@ -47,7 +52,7 @@ def _process(
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
     base = f"http://127.0.0.1:{port}"
     try:
@@ -58,13 +63,15 @@ def _process(
 
 
 @contextlib.contextmanager
-def running_gateway(workers: list[str], workdir: Path, *extra: str) -> Iterator[str]:
+def running_gateway(
+    workers: list[str], workdir: Path, *extra: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """`dflash-gateway` over static worker URLs; yields its base URL once /ready."""
     port = free_port()
     argv = [sys.executable, "-m", "service.cli", "--host", "127.0.0.1", "--port", str(port)]
     for url in workers:
         argv += ["--worker", url]
-    with _process([*argv, *extra], "/ready", port, workdir, timeout=60) as base:
+    with _process([*argv, *extra], "/ready", port, workdir, timeout=60, env=env) as base:
         yield base
 
 

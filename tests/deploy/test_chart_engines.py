@@ -222,3 +222,48 @@ def test_a_pools_engine_is_named_in_its_refusal() -> None:
     proc = helm(*template_args(set_json=(f"pools={json.dumps(pools)}",)))
     assert proc.returncode != 0
     assert "pools[fast].engine trtllm: trtllm-serve takes no API key" in proc.stderr
+
+
+@pytest.mark.parametrize("mode", ["vllm", "sglang", "trtllm", "embedded"])
+def test_tracing_reaches_the_gateway_and_every_engine(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """tracing.* (docs/tracing.md): OTEL_* on the gateway's and the engine's pods, and the
+    engine's own flag exactly as `dflash-worker --dry-run` builds it from that environment."""
+    sets = (
+        f"mode={mode}",
+        *NO_KEY,
+        "tracing.endpoint=http://otel.obs:4318",
+        "tracing.protocol=http/protobuf",
+        "tracing.resourceAttributes=deployment.environment=prod",
+    )
+    docs = render(sets=sets, set_json=("tracing.samplerArg=0.01",))
+    gateway_env = {e["name"]: e.get("value") for e in container(docs, "-gateway")["env"]}
+    assert gateway_env["OTEL_SERVICE_NAME"] == "dflash-gateway"
+    c = container(docs)
+    env = {e["name"]: e.get("value") for e in c["env"] if e["name"].startswith("OTEL_")}
+    assert env["OTEL_SERVICE_NAME"] == "dflash-worker"
+    assert {k: v for k, v in gateway_env.items() if k.startswith("OTEL_")} == {
+        **env,
+        "OTEL_SERVICE_NAME": "dflash-gateway",
+    }
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel.obs:4318"
+    assert env["OTEL_TRACES_SAMPLER_ARG"] == "0.01"
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == "deployment.environment=prod"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    url = "http://otel.obs:4318/v1/traces"
+    if mode == "embedded":  # the worker reads the environment itself
+        return
+    if mode == "vllm":
+        ours = argv(c)
+        dry = json.loads(worker_dry_run(*ours[1:]))
+        assert dry[dry.index("--otlp-traces-endpoint") + 1] == url
+        return
+    if mode == "sglang":
+        assert argv(c) == json.loads(translated("sglang", NO_KEY))
+        assert argv(c)[argv(c).index("--otlp-traces-endpoint") + 1] == url
+        return
+    options = yaml.safe_load(find(docs, "ConfigMap", "-trtllm")["data"]["llm-api-options.yaml"])
+    assert options == yaml.safe_load(translated("trtllm", NO_KEY).split("\n---\n", 1)[1])
+    assert options["otlp_traces_endpoint"] == url

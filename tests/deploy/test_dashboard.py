@@ -262,3 +262,22 @@ def test_alerts_select_the_jobs_the_monitors_create() -> None:
     assert f'namespace="llm",job="{worker_job}"' in rules
     for kind in ("ServiceMonitor", "PodMonitor"):
         assert "jobLabel" not in find(docs, kind)["spec"]  # the default job names apply
+
+
+def test_latency_panels_link_exemplars_to_their_traces() -> None:
+    """docs/tracing.md: a traces data source the user picks (Tempo or Jaeger), the latency
+    panels' queries ask for exemplars, and an exemplar's trace_id opens its trace there."""
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["traces_backend"]["query"] == "tempo,jaeger"
+    assert variables["traces"]["type"] == "datasource"
+    assert variables["traces"]["query"] == "$traces_backend"
+    latency = [
+        p
+        for p in dashboard()["panels"]
+        if p.get("title") in ("Time to first token", "Time per output token", "End-to-end latency")
+    ]
+    assert len(latency) == 3
+    for panel in latency:
+        assert all(t["exemplar"] for t in panel["targets"])
+        (link,) = panel["fieldConfig"]["defaults"]["links"]
+        assert "${traces}" in link["url"] and "${__data.fields.trace_id}" in link["url"]

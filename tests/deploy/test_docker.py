@@ -106,7 +106,14 @@ def test_gateway_image_has_no_torch() -> None:
 def test_embedded_image_pins_cpu_torch() -> None:
     runs = " ".join(a for o, a in instructions("embedded.Dockerfile") if o == "RUN")
     assert "torch==2.13.0" in runs and "download.pytorch.org/whl/cpu" in runs
-    assert "'.[engine]'" in runs
+    assert "'.[engine,tracing]'" in runs
+
+
+@pytest.mark.parametrize("name", ["gateway.Dockerfile", "worker.Dockerfile", "embedded.Dockerfile"])
+def test_every_image_installs_the_tracing_extra(name: str) -> None:
+    """docs/tracing.md: the OTEL_* environment traces in every image, so each has the SDK."""
+    runs = " ".join(a for o, a in instructions(name) if o == "RUN")
+    assert re.search(r"pip install[^&]*'\.\[[a-z,]*tracing\]'", runs)
 
 
 @pytest.mark.parametrize("name", ["gateway.Dockerfile", "worker.Dockerfile", "embedded.Dockerfile"])

@@ -28,6 +28,7 @@ import pytest
 from tests.deploy.chart import DASHBOARD_FILE, RULES_FILE
 from tests.deploy.promql import dashboard_targets, substitute_grafana_vars
 from tests.deploy.stack import finite_values, query, running_gateway, running_prometheus
+from tests.fixtures.otlp import OtlpGrpcReceiver, Received
 from tests.fixtures.worker import ROOT, WorkerHandle, free_port, metric, running_worker, scrape
 
 pytestmark = pytest.mark.vllm
@@ -57,6 +58,7 @@ class Backends:
     vllm: WorkerHandle
     embedded: WorkerHandle
     gateway: str  # in front of real vLLM only
+    traces: Received  # what the gateway and vLLM exported (OTLP/gRPC, docs/tracing.md)
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +66,8 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
     if not VLLM_BIN.exists():
         pytest.fail(f"{VLLM_BIN} is missing: run `make vllm-env` (make test does)")
     with contextlib.ExitStack() as stack:
+        receiver = stack.enter_context(OtlpGrpcReceiver())
+        tracing = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
         vllm = stack.enter_context(
             running_worker(
                 "--backend",
@@ -76,6 +80,7 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
                     "DFLASH_VLLM_BIN": str(VLLM_BIN),
                     "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_S),
+                    **tracing,
                 },
                 startup_timeout=420,
             )
@@ -91,9 +96,9 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backends]:
             )
         )
         gateway = stack.enter_context(
-            running_gateway([vllm.base_url], tmp_path_factory.mktemp("gw"))
+            running_gateway([vllm.base_url], tmp_path_factory.mktemp("gw"), env=tracing)
         )
-        yield Backends(vllm, embedded, gateway)
+        yield Backends(vllm, embedded, gateway, receiver.received)
 
 
 def sdk(base_url: str) -> openai.OpenAI:
@@ -798,3 +803,34 @@ def test_readme_dflash_serve_backend_vllm(tmp_path_factory: pytest.TempPathFacto
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_vllm_joins_the_gateways_trace(backends: Backends) -> None:
+    """dflash-worker --backend vllm passes --otlp-traces-endpoint: real vLLM's own span for the
+    request arrives at the same receiver, in the client's trace, below the gateway's attempt."""
+    trace_id = os.urandom(16).hex()
+    response = httpx.post(
+        backends.gateway + "/v1/chat/completions",
+        headers={"traceparent": f"00-{trace_id}-{'5' * 16}-01"},
+        json=chat("def square(x):", max_tokens=8, temperature=0),
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+
+    def joined(spans: list[Any]) -> bool:
+        mine = [s for s in spans if s.trace_id == trace_id]
+        return any(s.service == "dflash-worker" for s in mine) and any(
+            s.service == "dflash-gateway" and s.kind == 2 for s in mine
+        )
+
+    backends.traces.wait(joined, timeout=60)
+    spans = backends.traces.trace(trace_id)
+    [attempt] = [s for s in spans if s.service == "dflash-gateway" and s.name == "attempt 1"]
+    engine = [s for s in spans if s.service == "dflash-worker"]
+    assert [s.parent_id for s in engine] == [attempt.span_id]  # vLLM's span, under the attempt
+    usage = response.json()["usage"]
+    attributes = engine[0].attributes
+    assert attributes["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
+    assert attributes["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
+    [server] = [s for s in spans if s.service == "dflash-gateway" and s.kind == 2]
+    assert server.attributes["dflash.spec.steps"] > 0  # vLLM's acceptance, read by the gateway

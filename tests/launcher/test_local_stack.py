@@ -269,3 +269,72 @@ def test_the_example_pools_file_loads_and_bad_files_are_refused(tmp_path: Path) 
             load_pools(bad)
     bad.write_text("pools: [{name: a}]")
     assert main(["--pools", str(bad), "--workers", "2"]) == 2  # set per pool, not ignored
+
+
+def test_the_tracing_page_s_dflash_serve_command_gives_one_trace(tiny_checkpoint: Any) -> None:
+    """docs/tracing.md's two lines, as written (the collector and the port are this test's):
+    the gateway's and the worker's spans in the curl's trace, parent-linked, with the GenAI
+    attributes and the acceptance."""
+    from tests.fixtures.otlp import OtlpGrpcReceiver
+
+    (block,) = [b for b in code_blocks_of(ROOT / "docs/tracing.md") if "dflash-serve" in b]
+    serve_line, curl_line = block.strip().splitlines()
+    assignment, command = serve_line.split(" ", 1)
+    name, _, endpoint = assignment.partition("=")
+    assert command == "dflash-serve" and endpoint == "http://127.0.0.1:4317"
+    trace_id = re.search(r"traceparent: 00-([0-9a-f]{32})-([0-9a-f]{16})-01", curl_line)
+    assert trace_id is not None
+    body = json.loads(re.search(r"-d '(\{.*\})'", curl_line).group(1))  # type: ignore[union-attr]
+    port = free_port()
+    spec = {"method": "dflash", "model": str(tiny_checkpoint.drafter_dir)}
+    with OtlpGrpcReceiver() as receiver:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", name: receiver.endpoint}
+        argv = [str(Path(sys.executable).parent / command), "--port", str(port)]
+        argv += ["--log-level", "warning", f"--worker-arg={tiny_checkpoint.target_dir}"]
+        argv += [f"--worker-arg=--speculative-config={json.dumps(spec)}"]
+        argv += [f"--worker-arg=--served-model-name={body['model']}"]
+        argv += ["--worker-arg=--speculation=fixed"]  # acceptance every step, on a busy machine
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        try:
+            assert proc.stdout is not None
+            assert "OpenAI base URL" in proc.stdout.readline()
+            reply = httpx.post(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                headers={"traceparent": trace_id.group(0).split(": ")[1]},
+                json=body,
+                timeout=60,
+            )
+            assert reply.status_code == 200, reply.text
+            tid, client_span = trace_id.group(1), trace_id.group(2)
+            spans = receiver.received.wait(
+                lambda got: (
+                    {"decode", "POST /v1/chat/completions"}
+                    <= {s.name for s in got if s.trace_id == tid and s.service == "dflash-worker"}
+                    and any(
+                        s.trace_id == tid and s.kind == 2
+                        for s in got
+                        if s.service != "dflash-worker"
+                    )
+                )
+            )
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.wait(timeout=60)
+    mine = {(s.service, s.name): s for s in spans if s.trace_id == tid}
+    server = mine["dflash-gateway", "POST /v1/chat/completions"]
+    attempt = mine["dflash-gateway", "attempt 1"]
+    worker = mine["dflash-worker", "POST /v1/chat/completions"]
+    decode = mine["dflash-worker", "decode"]
+    assert server.parent_id == client_span and attempt.parent_id == server.span_id
+    assert worker.parent_id == attempt.span_id and decode.parent_id == worker.span_id
+    assert server.attributes["gen_ai.request.model"] == body["model"]
+    assert (
+        server.attributes["gen_ai.usage.output_tokens"]
+        == reply.json()["usage"]["completion_tokens"]
+    )
+    assert server.attributes["dflash.spec.mean_acceptance_length"] >= 1.0
+    assert decode.attributes["dflash.spec.steps"] == server.attributes["dflash.spec.steps"]
+
+
+def code_blocks_of(doc: Path) -> list[str]:
+    return re.findall(r"^```bash\n(.*?)^```", doc.read_text(), flags=re.M | re.S)

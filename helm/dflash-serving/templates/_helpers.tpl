@@ -228,3 +228,28 @@ dflash-serving/pool: {{ $pool }}
 {{- $r := .Values.gateway.rateLimits.redis -}}
 {{- if or $r.deploy $r.existingSecret $r.url }}true{{ end -}}
 {{- end -}}
+
+{{/* OpenTelemetry's own variables for one kind of process (docs/tracing.md), as a YAML list;
+     empty when tracing is off. Call with (dict "ctx" $ "service" NAME). */}}
+{{- define "dflash.tracing.env" -}}
+{{- $t := .ctx.Values.tracing -}}
+{{- if $t.endpoint -}}
+{{- $env := list (dict "name" "OTEL_EXPORTER_OTLP_ENDPOINT" "value" $t.endpoint) -}}
+{{- $env = append $env (dict "name" "OTEL_EXPORTER_OTLP_PROTOCOL" "value" $t.protocol) -}}
+{{- $env = append $env (dict "name" "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL" "value" $t.protocol) -}}
+{{- $env = append $env (dict "name" "OTEL_SERVICE_NAME" "value" .service) -}}
+{{- $env = append $env (dict "name" "OTEL_TRACES_SAMPLER" "value" $t.sampler) -}}
+{{- $env = append $env (dict "name" "OTEL_TRACES_SAMPLER_ARG" "value" (toString $t.samplerArg)) -}}
+{{- if $t.resourceAttributes -}}
+{{- $env = append $env (dict "name" "OTEL_RESOURCE_ATTRIBUTES" "value" $t.resourceAttributes) -}}
+{{- end -}}
+{{- toYaml $env -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The traces URL an engine's own flag takes: the endpoint over gRPC, plus /v1/traces over
+     HTTP (wire/tracing.py's TracingSettings.url). */}}
+{{- define "dflash.tracing.url" -}}
+{{- $t := .Values.tracing -}}
+{{- if eq $t.protocol "grpc" }}{{ $t.endpoint }}{{ else }}{{ trimSuffix "/" $t.endpoint }}/v1/traces{{ end -}}
+{{- end -}}

@@ -137,6 +137,10 @@
 - --enable-per-request-metrics
 - --shutdown-timeout
 - {{ int $w.shutdownTimeoutSeconds | quote }}
+{{- if $.Values.tracing.endpoint }}
+- --otlp-traces-endpoint
+- {{ include "dflash.tracing.url" $ | quote }}
+{{- end }}
 {{- include "dflash.worker.multiNodeArgs" . }}
 {{- range $w.extraArgs }}
 - {{ . | quote }}
@@ -183,6 +187,13 @@
 - {{ add1 (int $spec.numSpeculativeTokens) | quote }}
 {{- end }}
 - --enable-metrics
+{{- if .Values.tracing.endpoint }}
+- --enable-trace
+- --otlp-traces-endpoint
+- {{ include "dflash.tracing.url" . | quote }}
+- --otlp-service-name
+- {{ .Values.tracing.worker.serviceName | quote }}
+{{- end }}
 {{- range $w.extraArgs }}
 - {{ . | quote }}
 {{- end }}
@@ -197,6 +208,9 @@
 {{- $w := .Values.worker -}}
 {{- $spec := .Values.model.speculative -}}
 {{- $options := dict "return_perf_metrics" true "enable_iter_perf_stats" true "kv_cache_config" (dict "free_gpu_memory_fraction" (float64 $w.gpuMemoryUtilization)) -}}
+{{- if .Values.tracing.endpoint -}}
+{{- $_ := set $options "otlp_traces_endpoint" (include "dflash.tracing.url" .) -}}
+{{- end -}}
 {{- if $spec.enabled -}}
 {{- $_ := set $options "speculative_config" (dict "decoding_type" "DFlash" "max_draft_len" (int $spec.numSpeculativeTokens) "speculative_model" $spec.drafter) -}}
 {{- end -}}
@@ -320,6 +334,8 @@
 {{- $ref := dict "name" (include "dflash.gateway.apiKeySecret" .) "key" .Values.gateway.apiKeys.workerKeyKey -}}
 {{- $env = append $env (dict "name" "DFLASH_WORKER_API_KEY" "valueFrom" (dict "secretKeyRef" $ref)) -}}
 {{- end -}}
+{{- $tracing := include "dflash.tracing.env" (dict "ctx" . "service" .Values.tracing.worker.serviceName) -}}
+{{- if $tracing }}{{ $env = concat $env (fromYamlArray $tracing) }}{{ end -}}
 {{- $env = concat $env $w.extraEnv -}}
 {{- toYaml $env -}}
 {{- end -}}

@@ -104,7 +104,7 @@ def test_what_sglang_cannot_do_is_refused_naming_the_field(
 
 
 def test_sglangs_own_parser_accepts_the_argv(
-    capsys: pytest.CaptureFixture[str], tmp_path: Path
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """SGLang 0.5.23's ServerArgs (installed without CUDA by `make sglang-env`) parses and
     validates what `dflash-worker --backend sglang` produces. `--device cuda` is added: SGLang
@@ -132,6 +132,10 @@ def test_sglangs_own_parser_accepts_the_argv(
             "16",
         ),
     }
+    # Tracing (docs/tracing.md): OTEL_* become SGLang's own flags.
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    monkeypatch.setenv("OTEL_SERVICE_NAME", "pool-a")
+    cases["traced"] = dry_run(capsys, *base, "--speculative-config", json.dumps(spec))
     results = parse_with_sglang({name: argv[3:] for name, argv in cases.items()}, tmp_path)
     for name in ("dflash", "k7", "plain"):
         assert "error" not in results[name], (name, results[name])
@@ -144,6 +148,11 @@ def test_sglangs_own_parser_accepts_the_argv(
     assert results["k7"]["speculative_num_draft_tokens"] == 8
     assert results["plain"]["speculative_algorithm"] in (None, "NONE")
     assert "must match" in results["mismatch"]["error"], results["mismatch"]
+    traced = results["traced"]
+    assert "error" not in traced, traced
+    assert traced["enable_trace"] is True and not results["dflash"]["enable_trace"]
+    assert traced["otlp_traces_endpoint"] == "http://collector:4317"
+    assert traced["otlp_service_name"] == "pool-a"
 
 
 def test_the_bundled_pair_for_sglang_is_the_portable_one(

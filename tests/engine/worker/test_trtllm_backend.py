@@ -83,3 +83,16 @@ def test_plain_decoding_and_what_trtllm_serve_cannot_take() -> None:
     keyed = load_settings(backend="trtllm", speculative_config=None, api_key=("k",))
     with pytest.raises(ConfigError, match="trtllm-serve takes no API key"):
         build_trtllm_argv(keyed, "/tmp/x.yaml")
+
+
+def test_tracing_goes_into_the_llm_api_options(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BaseLlmArgs.otlp_traces_endpoint (docs/tracing.md); over HTTP the traces URL."""
+    _, plain = dry_run(capsys)
+    assert "otlp_traces_endpoint" not in plain
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4318")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    _, options = dry_run(capsys)
+    jsonschema.validate(options, SCHEMA)
+    assert options["otlp_traces_endpoint"] == "http://collector:4318/v1/traces"

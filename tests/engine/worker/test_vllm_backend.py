@@ -264,3 +264,19 @@ def test_vllm_takes_the_schedule_derived_from_the_cost_model(contract: dict[str,
     assert schedule[0][0] == 1 and schedule[-1][1] == 4
     assert all(a[1] + 1 == b[0] for a, b in itertools.pairwise(schedule))
     assert schedule[0][2] == 3 and schedule[-1][2] == 0
+
+
+def test_tracing_becomes_vllms_own_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/tracing.md: --otlp-traces-endpoint, and the protocol and service name vLLM reads
+    from its env (real vLLM's spans: tests/e2e/test_real_vllm.py)."""
+    from engine.worker.settings import WorkerSettings
+    from engine.worker.vllm_backend import build_vllm_argv, vllm_env
+
+    assert "--otlp-traces-endpoint" not in build_vllm_argv(WorkerSettings(backend="vllm"))
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
+    settings = WorkerSettings(backend="vllm")
+    argv = build_vllm_argv(settings)
+    assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://collector:4317"
+    env = vllm_env(Path("/nonexistent/vllm"), {}, settings.tracing)
+    assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
+    assert env["OTEL_SERVICE_NAME"] == "dflash-worker"

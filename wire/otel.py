@@ -1,0 +1,194 @@
+"""OpenTelemetry's SDK, set up from TracingSettings: the process's own TracerProvider (never
+the global one), OTLP export over gRPC or HTTP, W3C trace context in and out.
+
+Only wire.tracing.open_tracing imports this module, and only with tracing on. Spans wait in a
+bounded queue and a background thread exports them; when the collector is down or slow the
+queue fills and further spans are dropped and counted, never waited for."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    Sampler,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+
+class TracingSettings(Protocol):
+    """What this module reads of wire.tracing.TracingSettings (which imports this module
+    lazily: a protocol here keeps the import one way)."""
+
+    @property
+    def protocol(self) -> str: ...
+    @property
+    def sampler(self) -> str: ...
+    @property
+    def sampler_arg(self) -> float: ...
+    @property
+    def max_queue_size(self) -> int: ...
+
+    def url(self) -> str: ...
+    def attributes(self) -> dict[str, str]: ...
+    def service(self, default: str) -> str: ...
+
+
+EXPORT_TIMEOUT_S = 5.0  # one export's limit (the exporter's thread waits, no request does)
+SCOPE = "dflash-serving"
+
+__all__ = ["Span", "SpanKind", "Status", "StatusCode", "Tracing"]
+
+
+def sampler(settings: TracingSettings) -> Sampler:
+    """OTEL_TRACES_SAMPLER's values; the parent-based ones follow a client's sampled flag."""
+    name = settings.sampler.removeprefix("parentbased_")
+    root: Sampler = {"always_on": ALWAYS_ON, "always_off": ALWAYS_OFF}.get(name) or (
+        TraceIdRatioBased(settings.sampler_arg)
+    )
+    return ParentBased(root) if settings.sampler.startswith("parentbased_") else root
+
+
+def exporter(settings: TracingSettings) -> SpanExporter:
+    url = settings.url()
+    if settings.protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
+
+        return GrpcExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+        OTLPSpanExporter as HttpExporter,
+    )
+
+    return HttpExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
+
+
+class Pending:
+    """Spans handed to the batch processor and not yet taken for export, and those dropped."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.count, self.dropped = limit, 0, 0
+        self.lock = threading.Lock()
+        self.on_drop: Callable[[], None] | None = None
+
+
+class CountingExporter(SpanExporter):
+    """The OTLP exporter, telling Pending when a batch leaves the queue."""
+
+    def __init__(self, inner: SpanExporter, pending: Pending) -> None:
+        self.inner, self.pending = inner, pending
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        with self.pending.lock:
+            self.pending.count = max(0, self.pending.count - len(spans))
+        return self.inner.export(spans)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class BoundedProcessor(SpanProcessor):
+    """A BatchSpanProcessor whose overflow is counted here (the SDK's own count needs its
+    metrics SDK): a span that would not fit in the queue is dropped before it is queued."""
+
+    def __init__(self, inner: BatchSpanProcessor, pending: Pending) -> None:
+        self.inner, self.pending = inner, pending
+
+    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
+        return None
+
+    def on_end(self, span: ReadableSpan) -> None:
+        pending = self.pending
+        with pending.lock:
+            full = pending.count >= pending.limit
+            if full:
+                pending.dropped += 1
+            else:
+                pending.count += 1
+        if full:
+            if pending.on_drop is not None:
+                pending.on_drop()
+            return
+        self.inner.on_end(span)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()  # type: ignore[no-untyped-call]
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+class Tracing:
+    """One process's tracer: its provider, exporter, sampler and resource, and the W3C
+    propagator that reads a caller's context and writes this process's for the next hop."""
+
+    def __init__(self, settings: TracingSettings, default_service: str) -> None:
+        attributes: dict[str, Any] = {**settings.attributes()}
+        attributes["service.name"] = settings.service(default_service)
+        self.service_name = attributes["service.name"]
+        self.pending = Pending(settings.max_queue_size)
+        batch = BatchSpanProcessor(
+            CountingExporter(exporter(settings), self.pending),
+            max_queue_size=settings.max_queue_size,
+            max_export_batch_size=min(512, settings.max_queue_size),
+            schedule_delay_millis=500,
+        )
+        self.provider = TracerProvider(
+            sampler=sampler(settings), resource=Resource.create(attributes)
+        )
+        self.provider.add_span_processor(BoundedProcessor(batch, self.pending))
+        self.tracer: Tracer = self.provider.get_tracer(SCOPE)
+        self.propagator = TraceContextTextMapPropagator()
+
+    @property
+    def dropped(self) -> int:
+        return self.pending.dropped
+
+    def on_drop(self, callback: Callable[[], None]) -> None:
+        self.pending.on_drop = callback
+
+    def extract(self, headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
+        """The caller's trace context from `traceparent`/`tracestate` (ASGI header pairs)."""
+        carrier: dict[str, str] = {}
+        for name, value in headers:
+            if name in (b"traceparent", b"tracestate"):
+                carrier[name.decode()] = value.decode("latin-1")
+        return self.propagator.extract(carrier) if carrier else None
+
+    def inject(self, span: Span) -> dict[str, str]:
+        """`traceparent` (and `tracestate`) naming `span` as the next hop's parent."""
+        carrier: dict[str, str] = {}
+        self.propagator.inject(carrier, trace.set_span_in_context(span))
+        return carrier
+
+    def start(
+        self,
+        name: str,
+        parent: Span | Context | None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: dict[str, Any] | None = None,
+        start_time: int | None = None,
+    ) -> Span:
+        context = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
+        return self.tracer.start_span(
+            name, context=context, kind=kind, attributes=attributes, start_time=start_time
+        )
+
+    def shutdown(self) -> None:
+        """Flush what is queued (bounded by the exporter's timeout) and stop the thread."""
+        self.provider.shutdown()
