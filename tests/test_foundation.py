@@ -40,3 +40,15 @@ def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert "make test" in ci
     assert "make lint" in ci
+
+
+def test_no_environment_or_outside_link_is_tracked() -> None:
+    """A fresh clone builds its own environments: a committed link to one (a helper's
+    worktree linking main's) would shadow `make vllm-env` and break CI."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    links = [line.split("\t", 1)[1] for line in listed if line.startswith("120000 ")]
+    assert links == []
+    names = [line.split("\t", 1)[1] for line in listed]
+    assert [n for n in names if n.split("/")[0].startswith(".venv")] == []

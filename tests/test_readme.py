@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.fixtures.serve import announced, dflash_serve
 from tests.fixtures.worker import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,25 +64,10 @@ def stack(tiny_checkpoint: Any) -> Iterator[tuple[int, subprocess.Popen[str]]]:
         "warning",
         *worker_args(tiny_checkpoint),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()  # printed once the workers are up
-        while "still loading" in line:  # progress reports while a worker loads
-            line = proc.stdout.readline()
+    with dflash_serve(argv, {**os.environ, "OMP_NUM_THREADS": "1"}) as proc:
+        (line,) = announced(proc)  # printed once the workers are up
         assert f"OpenAI base URL: http://127.0.0.1:{port}/v1" in line, line
         yield port, proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the stack and its workers
-                proc.wait()
 
 
 def test_readme_curl(stack: tuple[int, subprocess.Popen[str]]) -> None:
@@ -178,18 +164,8 @@ def readme_serve(serve_line: str, *extra: str) -> Iterator[tuple[int, subprocess
     port = free_port()
     serve = Path(sys.executable).parent / serve_line.split()[0]
     argv = [str(serve), *serve_line.split()[1:], "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(
-        [*argv, *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
+    with dflash_serve([*argv, *extra]) as proc:
         yield port, proc
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
@@ -198,14 +174,8 @@ def test_readme_pools_example_serves_two_pools_and_shows_them() -> None:
     ]
     serve_line, metrics_line = block.strip().splitlines()
     with readme_serve(serve_line) as (port, proc):
-        assert proc.stdout is not None
-        announced = []
-        while len(announced) < 2:
-            line = proc.stdout.readline()
-            assert line, "dflash-serve ended before announcing its pools"
-            if "still loading" not in line:
-                announced.append(line)
-        assert "weight 90" in announced[0] and "weight 10" in announced[1]
+        lines = announced(proc, 2)
+        assert "weight 90" in lines[0] and "weight 10" in lines[1]
         pools = set()
         for i in range(20):
             body = {
@@ -235,10 +205,7 @@ def test_readme_tenants_example_limits_and_reports_usage(tiny_checkpoint: Any) -
     ]
     serve_line, headers_line, usage_line = block.strip().splitlines()
     with readme_serve(serve_line, *worker_args(tiny_checkpoint)) as (port, proc):
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        while "still loading" in line:
-            line = proc.stdout.readline()
+        (line,) = announced(proc)
         assert f"http://127.0.0.1:{port}/v1" in line, line
 
         def run(command: str) -> str:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +24,7 @@ from agents import (
 )
 
 from tests.clients.conftest import MODEL
+from tests.fixtures.serve import announced, base_url, dflash_serve
 from tests.fixtures.worker import free_port
 
 INSTRUCTIONS = "You write Python."
@@ -40,28 +39,8 @@ def serve(tiny_checkpoint: Any) -> Iterator[str]:
     argv += ["--log-level", "warning", f"--worker-arg={tiny_checkpoint.target_dir}"]
     argv += [f"--worker-arg=--speculative-config={json.dumps(spec)}"]
     argv += [f"--worker-arg=--served-model-name={MODEL}", "--worker-arg=--max-model-len=512"]
-    proc = subprocess.Popen(
-        argv,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        line = ""
-        while "OpenAI base URL" not in line:
-            line = proc.stdout.readline()
-            assert line, "dflash-serve ended before announcing its URL"
-        yield line.rsplit(" ", 1)[1].strip()
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    with dflash_serve(argv, {**os.environ, "OMP_NUM_THREADS": "1"}) as proc:
+        yield base_url(announced(proc)[0])
 
 
 def agent(base_url: str) -> Agent[Any]:

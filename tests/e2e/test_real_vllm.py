@@ -14,12 +14,11 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 import httpx
 import openai
@@ -29,6 +28,7 @@ from tests.deploy.chart import DASHBOARD_FILE, RULES_FILE
 from tests.deploy.promql import dashboard_targets, substitute_grafana_vars
 from tests.deploy.stack import finite_values, query, running_gateway, running_prometheus
 from tests.fixtures.otlp import OtlpGrpcReceiver, Received
+from tests.fixtures.serve import announced, dflash_serve, interrupt
 from tests.fixtures.worker import ROOT, WorkerHandle, free_port, metric, running_worker, scrape
 
 pytestmark = pytest.mark.vllm
@@ -755,16 +755,6 @@ def test_sigterm_drains_a_vllm_worker_with_streams_in_flight(backends: Backends)
     assert backends.vllm.process.wait(timeout=60) is not None
 
 
-def announcement(out: IO[str]) -> str:
-    """dflash-serve's "OpenAI base URL" line, past its "still loading" reports and vLLM's
-    log, which share the stream (bounded)."""
-    for _ in range(20_000):
-        line = out.readline()
-        if not line or "OpenAI base URL" in line:
-            return line
-    raise AssertionError("no announcement")
-
-
 def _readme_vllm_command() -> list[str]:
     text = (ROOT / "docs/worker.md").read_text()
     lines = [ln for ln in text.splitlines() if "dflash-serve --backend vllm" in ln]
@@ -779,30 +769,15 @@ def test_readme_dflash_serve_backend_vllm(tmp_path_factory: pytest.TempPathFacto
     argv[0] = str(ROOT / argv[0])
     argv += ["--worker-port", str(worker_port), "--worker-arg=--dtype=float32"]
     env = {**os.environ, "DFLASH_VLLM_BIN": str(VLLM_BIN), "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        announced = announcement(proc.stdout)
-        assert f"http://127.0.0.1:{port}/v1" in announced and "vllm worker" in announced
+    with dflash_serve(argv, env) as proc:
+        (line,) = announced(proc)
+        assert f"http://127.0.0.1:{port}/v1" in line and "vllm worker" in line
         reply = sdk(f"http://127.0.0.1:{port}").chat.completions.create(
             **chat("def add(a, b):", max_tokens=8, temperature=0)
         )
         assert reply.choices[0].message.content
         assert httpx.get(f"http://127.0.0.1:{worker_port}/version", timeout=10).status_code == 200
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        assert interrupt(proc, 120) == 0
 
 
 def test_vllm_joins_the_gateways_trace(backends: Backends) -> None:

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from tests.fixtures.keys import keys_of
+from tests.fixtures.serve import announced, base_url, dflash_serve, interrupt
 from tests.fixtures.worker import ROOT, free_port, metric, scrape
 from tests.service.conftest import MODEL
 
@@ -50,38 +50,17 @@ def test_compare_serves_dflash_and_plain_side_by_side(tiny_checkpoint: Any) -> N
         f"--worker-arg=--speculative-config={json.dumps(spec)}",
         f"--worker-arg=--served-model-name={MODEL}",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        argv,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        while len(lines) < 2:
-            line = proc.stdout.readline()
-            assert line, "dflash-serve ended before announcing its pools"
-            if "still loading" not in line:
-                lines.append(line)
-        urls = [line.rsplit(" ", 1)[1].strip() for line in lines]
+    with dflash_serve(argv, {**os.environ, "OMP_NUM_THREADS": "1"}) as proc:
+        lines = announced(proc, 2)
         assert "dflash (DFlash speculative" in lines[0] and "plain (plain" in lines[1]
         metrics = []
-        for url in urls:
+        for url in map(base_url, lines):
             sdk = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
             reply = sdk.completions.create(model=MODEL, prompt="def f():", max_tokens=4)
             metrics.append((reply.model_extra or {})["metrics"])
         assert metrics[0]["speculative_decoding"]["num_spec_steps"] >= 1
         assert "speculative_decoding" not in metrics[1]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        assert interrupt(proc) == 0
 
 
 def test_the_gateway_reuses_worker_connections_for_less_than_the_workers_keep_them(
@@ -175,22 +154,8 @@ def test_pools_split_a_model_by_weight_losslessly_and_survive_a_dead_pool(
     argv = [sys.executable, "-m", "launcher.local_stack", "--pools", str(canary_pools(tmp_path))]
     argv += ["--port", str(port), "--worker-port", str(first_worker), "--log-level", "warning"]
     argv += ["--worker-arg=--speculation=fixed"]  # acceptance as configured, for the comparison
-    proc = subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        lines = []
-        while len(lines) < 3:
-            line = proc.stdout.readline()
-            assert line, "dflash-serve ended before announcing its pools"
-            if "still loading" not in line:
-                lines.append(line)
+    with dflash_serve(argv) as proc:
+        lines = announced(proc, 3)
         assert (
             "b16 (DFlash speculative decoding, 1 embedded worker(s), model tiny-coder, "
             "weight 75)" in lines[0]
@@ -244,12 +209,7 @@ def test_pools_split_a_model_by_weight_losslessly_and_survive_a_dead_pool(
             assert reply.status_code == 200, reply.text
             served[reply.headers["x-dflash-pool"]] += 1
         assert served == {"b16": 40}
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        assert interrupt(proc) == 0
 
 
 def test_the_example_pools_file_loads_and_bad_files_are_refused(tmp_path: Path) -> None:
@@ -294,10 +254,8 @@ def test_the_tracing_page_s_dflash_serve_command_gives_one_trace(tiny_checkpoint
         argv += [f"--worker-arg=--speculative-config={json.dumps(spec)}"]
         argv += [f"--worker-arg=--served-model-name={body['model']}"]
         argv += ["--worker-arg=--speculation=fixed"]  # acceptance every step, on a busy machine
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True, cwd=ROOT)
-        try:
-            assert proc.stdout is not None
-            assert "OpenAI base URL" in proc.stdout.readline()
+        with dflash_serve(argv, env) as proc:
+            announced(proc)
             reply = httpx.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions",
                 headers={"traceparent": trace_id.group(0).split(": ")[1]},
@@ -317,9 +275,6 @@ def test_the_tracing_page_s_dflash_serve_command_gives_one_trace(tiny_checkpoint
                     )
                 )
             )
-        finally:
-            proc.send_signal(signal.SIGINT)
-            proc.wait(timeout=60)
     mine = {(s.service, s.name): s for s in spans if s.trace_id == tid}
     server = mine["dflash-gateway", "POST /v1/chat/completions"]
     attempt = mine["dflash-gateway", "attempt 1"]
