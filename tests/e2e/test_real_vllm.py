@@ -724,9 +724,41 @@ def _collect(url: str, body: dict[str, Any], out: list[Any], started: threading.
                 out.append(data if data == "[DONE]" else json.loads(data))
 
 
+def test_vllm_joins_the_gateways_trace(backends: Backends) -> None:
+    """dflash-worker --backend vllm passes --otlp-traces-endpoint: real vLLM's own span for the
+    request arrives at the same receiver, in the client's trace, below the gateway's attempt."""
+    trace_id = os.urandom(16).hex()
+    response = httpx.post(
+        backends.gateway + "/v1/chat/completions",
+        headers={"traceparent": f"00-{trace_id}-{'5' * 16}-01"},
+        json=chat("def square(x):", max_tokens=8, temperature=0),
+        timeout=120,
+    )
+    assert response.status_code == 200, response.text
+
+    def joined(spans: list[Any]) -> bool:
+        mine = [s for s in spans if s.trace_id == trace_id]
+        return any(s.service == "dflash-worker" for s in mine) and any(
+            s.service == "dflash-gateway" and s.kind == 2 for s in mine
+        )
+
+    backends.traces.wait(joined, timeout=60)
+    spans = backends.traces.trace(trace_id)
+    [attempt] = [s for s in spans if s.service == "dflash-gateway" and s.name == "attempt 1"]
+    engine = [s for s in spans if s.service == "dflash-worker"]
+    assert [s.parent_id for s in engine] == [attempt.span_id]  # vLLM's span, under the attempt
+    usage = response.json()["usage"]
+    attributes = engine[0].attributes
+    assert attributes["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
+    assert attributes["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
+    [server] = [s for s in spans if s.service == "dflash-gateway" and s.kind == 2]
+    assert server.attributes["dflash.spec.steps"] > 0  # vLLM's acceptance, read by the gateway
+
+
 def test_sigterm_drains_a_vllm_worker_with_streams_in_flight(backends: Backends) -> None:
     """dflash-worker passes --drain-timeout as vLLM's --shutdown-timeout: streams in flight
-    finish whole ([DONE]) and the process exits."""
+    finish whole ([DONE]) and the process exits. It stops the module's shared vLLM worker, so
+    it stays the last test that uses `backends`."""
     url = f"{backends.vllm.base_url}{COMP_PATH}"
     body = {
         "model": MODEL,
@@ -778,34 +810,3 @@ def test_readme_dflash_serve_backend_vllm(tmp_path_factory: pytest.TempPathFacto
         assert reply.choices[0].message.content
         assert httpx.get(f"http://127.0.0.1:{worker_port}/version", timeout=10).status_code == 200
         assert interrupt(proc, 120) == 0
-
-
-def test_vllm_joins_the_gateways_trace(backends: Backends) -> None:
-    """dflash-worker --backend vllm passes --otlp-traces-endpoint: real vLLM's own span for the
-    request arrives at the same receiver, in the client's trace, below the gateway's attempt."""
-    trace_id = os.urandom(16).hex()
-    response = httpx.post(
-        backends.gateway + "/v1/chat/completions",
-        headers={"traceparent": f"00-{trace_id}-{'5' * 16}-01"},
-        json=chat("def square(x):", max_tokens=8, temperature=0),
-        timeout=120,
-    )
-    assert response.status_code == 200, response.text
-
-    def joined(spans: list[Any]) -> bool:
-        mine = [s for s in spans if s.trace_id == trace_id]
-        return any(s.service == "dflash-worker" for s in mine) and any(
-            s.service == "dflash-gateway" and s.kind == 2 for s in mine
-        )
-
-    backends.traces.wait(joined, timeout=60)
-    spans = backends.traces.trace(trace_id)
-    [attempt] = [s for s in spans if s.service == "dflash-gateway" and s.name == "attempt 1"]
-    engine = [s for s in spans if s.service == "dflash-worker"]
-    assert [s.parent_id for s in engine] == [attempt.span_id]  # vLLM's span, under the attempt
-    usage = response.json()["usage"]
-    attributes = engine[0].attributes
-    assert attributes["gen_ai.usage.prompt_tokens"] == usage["prompt_tokens"]
-    assert attributes["gen_ai.usage.completion_tokens"] == usage["completion_tokens"]
-    [server] = [s for s in spans if s.service == "dflash-gateway" and s.kind == 2]
-    assert server.attributes["dflash.spec.steps"] > 0  # vLLM's acceptance, read by the gateway
