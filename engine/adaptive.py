@@ -336,17 +336,25 @@ class SpecPolicy:
             return self.max_k
         catch_up = pending * self.costs.catch_up_per_position
         k = self.best(batch_size, stats.rates(), catch_up / max(1, self.catch_up_horizon))
-        if k > 0 or not self._interval:
-            self._interval = self.explore_every  # drafting pays again: explore as usual
-        self._steps += 1
-        if not self.explore_every or self._steps < self._interval:
+        if not self.exploration_due(k > 0):
             return k
         if k == 0 and catch_up > EXPLORE_CATCH_UP * self.curve(batch_size)[0]:
             return k  # too dear to look now: at the next step, perhaps
-        self._steps = 0
-        if k == 0:
-            self._interval = min(2 * self._interval, EXPLORE_BACKOFF * self.explore_every)
+        self.explored(k > 0)
         return min(self.max_k, k + max(2, k // 2))
+
+    def exploration_due(self, drafting: bool) -> bool:
+        """Counts a step; True when it is time to verify more drafts than planned."""
+        if drafting or not self._interval:
+            self._interval = self.explore_every  # drafting pays again: explore as usual
+        self._steps += 1
+        return bool(self.explore_every) and self._steps >= self._interval
+
+    def explored(self, drafting: bool) -> None:
+        """A look was taken; one from plain decoding doubles the wait for the next."""
+        self._steps = 0
+        if not drafting:
+            self._interval = min(2 * self._interval, EXPLORE_BACKOFF * self.explore_every)
 
 
 def conditional_rates(accepted_per_pos: Sequence[float], num_drafts: float) -> list[float]:

@@ -18,6 +18,14 @@ from engine.kv_cache import KVCacheShape
 from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target
 from engine.logits_processors import LogitsProcessing
+from engine.row_speculation import (
+    BandPriors,
+    RowView,
+    StepPlan,
+    explored,
+    plan_step,
+    with_forced,
+)
 from engine.sequence import SamplingParams, Sequence
 from engine.speculative import (
     DecodeRow,
@@ -72,19 +80,23 @@ class ModelRunner:
         self._sampling: dict[int, RowSampling] = {}  # by id(sequence), while it runs
         self._shared_generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.policy: SpecPolicy | None = None
-        self.acceptance: AcceptanceStats | None = None
+        self.priors: BandPriors | None = None
+        self._acceptance: dict[int, AcceptanceStats] = {}  # each running request's own
         if config.adaptive and drafter is not None:
             # Measured now, while every slot is free (a few seconds).
             max_k = max_draft_tokens(self._state)
             self.policy = SpecPolicy(calibrate_state(self._state), max_k)
-            self.acceptance = AcceptanceStats(max_k)
+            self.priors = BandPriors(max_k)
 
     def add(self, seq: Sequence) -> None:
         """Set up a sequence's sampling (its own generator when seeded)."""
         self._sampling[id(seq)] = self._row_sampling(seq)
+        if self.priors is not None:
+            self._acceptance[id(seq)] = self.priors.stats_for(seq.params.temperature)
 
     def remove(self, seq: Sequence) -> None:
         self._sampling.pop(id(seq), None)
+        self._acceptance.pop(id(seq), None)
 
     def free_slot(self, slot: int) -> None:
         release(self._state, slot)
@@ -94,35 +106,68 @@ class ModelRunner:
         rows = [PrefillRow(slot=_slot(s), token_ids=s.prompt_token_ids) for s in seqs]
         return prefill(self._state, rows, [self._sampling[id(s)] for s in seqs])
 
-    def decode(self, seqs: list[Sequence]) -> list[RowResult]:
-        """One speculative step over every running sequence; adaptive: with the k the
-        policy picks for this batch, whose cost and acceptance then feed the policy (the
-        step's cost without the catch-up of context put off by plain steps: that is
-        counted by the policy from its own measure, not charged to this k)."""
+    def decode(self, seqs: list[Sequence], extra_seconds: float = 0.0) -> list[RowResult]:
+        """One speculative step over every running sequence. Adaptive: the rows split into
+        a drafting group and a plain group (engine/row_speculation.py) by their own
+        acceptance and the step's costs (`extra_seconds`: this iteration's prefill), one
+        forward each; each group's time feeds the cost model and each row's acceptance
+        its own estimates (the catch-up of context put off by plain steps is not charged
+        to the group's k: the plan counts it from its own measure)."""
         rows = [
             DecodeRow(_slot(s), s.last_token, s.position, s.prompt_token_ids, s.output_token_ids)
             for s in seqs
         ]
         sampling = [self._sampling[id(s)] for s in seqs]
-        if self.policy is None or self.acceptance is None:
+        if self.policy is None:
             return spec_step(self._state, rows, sampling)
-        if any(_seeded_sampling(s) for s in seqs):
-            # A seed promises the same text every time, and how many drafts a row verifies
-            # decides how many random numbers it draws: with a seeded sampled row in the
-            # batch the step verifies them all, as fixed mode does, whatever the live
-            # acceptance says.
-            k = self.policy.max_k
-        else:
-            pending = pending_context(self._state, rows)
-            k = self.policy.choose(len(rows), self.acceptance, pending)
+        plan = self._plan(seqs, rows, extra_seconds)
+        results: list[RowResult | None] = [None] * len(rows)
+        for k, members in ((plan.num_drafts, True), (0, False)):
+            group = [i for i, drafting in enumerate(plan.drafting) if drafting == members]
+            if group:
+                done = self._run_group([rows[i] for i in group], [sampling[i] for i in group], k)
+                for i, result in zip(group, done, strict=True):
+                    results[i] = result
+        final = [r for r in results if r is not None]
+        self._observe(seqs, final)
+        return final
+
+    def _plan(self, seqs: list[Sequence], rows: list[DecodeRow], extra: float) -> StepPlan:
+        assert self.policy is not None
+        views = [
+            RowView(
+                self._acceptance[id(s)].rates(),
+                pending_context(self._state, [row]),
+                _seeded_sampling(s),
+            )
+            for s, row in zip(seqs, rows, strict=True)
+        ]
+        plan = explored(self.policy, plan_step(self.policy, views, extra), views)
+        return with_forced(plan, views, self.policy.max_k)
+
+    def _run_group(
+        self, rows: list[DecodeRow], sampling: list[RowSampling], k: int
+    ) -> list[RowResult]:
+        assert self.policy is not None
         if k > 0:
             catch_up(self._state, rows)
-            synchronize(self._state)  # its kernels are not this step's cost
+            synchronize(self._state)  # its kernels are not this group's cost
         start = time.perf_counter()
         results = spec_step(self._state, rows, sampling, num_draft=k)
+        synchronize(self._state)
         self.policy.observe_cost(len(rows), k, time.perf_counter() - start)
-        self.acceptance.observe((r.num_drafted, r.num_accepted) for r in results)
         return results
+
+    def _observe(self, seqs: list[Sequence], results: list[RowResult]) -> None:
+        """Each row's result into its own estimates, and per band into the priors of the
+        requests still to come (one observation per band per step)."""
+        assert self.priors is not None
+        seen = []
+        for seq, result in zip(seqs, results, strict=True):
+            if result.num_drafted:
+                self._acceptance[id(seq)].observe([(result.num_drafted, result.num_accepted)])
+                seen.append((seq.params.temperature, result.num_drafted, result.num_accepted))
+        self.priors.observe_step(seen)
 
     def kv_cache_usage(self) -> float:
         return self._state.kv_cache_usage()

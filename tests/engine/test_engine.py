@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 import torch
 
+import engine.runner as runner_module
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestRejected
 from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target, save_drafter, save_target
+from engine.row_speculation import RowView, StepPlan
 from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
 from engine.worker.responses import metrics_object
 from tests.fixtures.tiny_models import (
@@ -296,28 +298,54 @@ def test_seeded_sampling_is_reproducible(ckpt: TinyCheckpoint, k: int | None) ->
     assert out["1"].token_ids_delta == first
 
 
-def _prefer(k: int, batch_size: int, stats: object, pending: int = 0) -> int:
-    return k
+def _prefer(k: int, policy: object, rows: list[RowView], extra: float = 0.0) -> StepPlan:
+    """A plan that drafts k for every row (k = 0: none), whatever the estimates say."""
+    return StepPlan(k, (k > 0,) * len(rows))
 
 
-def test_adaptive_speculation_keeps_a_seed_reproducible(ckpt: TinyCheckpoint) -> None:
+def test_adaptive_speculation_keeps_a_seed_reproducible(
+    ckpt: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """How many drafts a sampled row verifies decides how many random numbers it draws, so
-    a step with a seeded sampled row verifies them all, whatever the policy would pick: the
-    seeded text is fixed mode's, and stays so when the policy prefers fewer drafts."""
+    a seeded sampled row verifies them all, whatever the plan would give it: the seeded
+    text is fixed mode's, and stays so when the plan prefers fewer drafts for the others."""
     seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     reqs = [([1, 2], greedy), ([7, 8, 9], seeded)]
     expected = run(make_engine(ckpt, k=3), reqs, join_at=[0, 2])["1"].token_ids_delta
     for preferred in (0, 1, 3):
         engine = make_engine(ckpt, k=3, adaptive=True)
-        policy = engine.runner.policy
-        assert policy is not None
-        policy.choose = functools.partial(_prefer, preferred)  # type: ignore[method-assign]
+        monkeypatch.setattr(runner_module, "plan_step", functools.partial(_prefer, preferred))
         out = run(engine, reqs, join_at=[0, 2])
-        assert out["1"].token_ids_delta == expected, f"policy preferring k={preferred}"
+        assert out["1"].token_ids_delta == expected, f"plan preferring k={preferred}"
         steps = engine.stats().steps_by_k
-        if preferred < 3:  # before the seeded row joins, the preferred k was used
+        if preferred < 3:  # the greedy row kept the preferred k; the seeded one drafted 3
             assert steps[preferred] > 0 and steps[3] > 0, steps
+
+
+def test_sampled_traffic_leaves_the_next_greedy_request_its_own_estimates(
+    ckpt: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four sampled requests, then a greedy one: the greedy request is planned from its
+    own band's prior (what a fresh worker gives it), not from what sampled traffic left,
+    and the sampled requests' own estimates went down as drafts failed."""
+    seen: list[list[list[float]]] = []
+    real_plan = runner_module.plan_step
+
+    def spy(policy: object, rows: list[RowView], extra: float = 0.0) -> StepPlan:
+        seen.append([list(r.rates) for r in rows])
+        return real_plan(policy, rows, extra)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner_module, "plan_step", spy)
+    engine = make_engine(ckpt, k=3, adaptive=True)
+    fresh = engine.runner.priors.stats_for(0.0).rates()  # type: ignore[union-attr]
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=None, ignore_eos=True)
+    run(engine, [([5, 6, 7], sampled)] * 4)
+    assert seen and any(rates[0] < fresh[0] for step in seen for rates in step)
+    seen.clear()
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    run(engine, [([1, 2, 3], greedy)])
+    assert seen[0] == [fresh]
 
 
 def test_num_speculative_tokens_is_checked(ckpt: TinyCheckpoint, tmp_path: Path) -> None:

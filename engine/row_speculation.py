@@ -1,0 +1,176 @@
+"""Speculation per request: each running request's own acceptance, and how one engine step
+splits its rows between a drafting group and a plain group. No torch.
+
+Acceptance is a property of each request (its temperature, its task, its language), not of
+the worker: a worker-wide estimate lets four sampled requests switch drafting off for the
+greedy request after them. So every running request carries its own `AcceptanceStats`:
+
+- It starts from a prior that cannot lock it out: the recent acceptance of requests in its
+  temperature band (`BandPriors`; greedy, low and high temperature), scaled down to a few
+  pseudo-trials so its own steps outweigh it at once, on top of the optimistic prior every
+  `AcceptanceStats` has.
+- Only its own drafting steps move it.
+
+A step then runs at most two forwards (`plan_step`): a drafting group verifying K drafts per
+row (one padded block: every row of the group drafts K, which costs the group nothing more
+than its widest row), and a plain group (k = 0: no drafter forward, no drafter context).
+The split maximises the step's expected tokens per second: rows are taken into the drafting
+group in the order of their own expected tokens, so a row that accepts little never pulls a
+row that accepts much down to plain decoding by averaging, and is never made to draft
+because of it. A row enters the drafting group only if the tokens it adds pay for what it
+costs the step (the drafter's forward, the wider verify, its catch-up of drafter context),
+and the plain rows' wait for the drafting forward is counted in that cost.
+
+Seeded sampled rows always draft `max_k` (how many drafts a row verifies decides how many
+random numbers it draws, and a seed promises the same text every time), so they are always
+in the drafting group and fix its K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.adaptive import EXPLORE_CATCH_UP, AcceptanceStats, SpecPolicy, expected_tokens
+
+BANDS = ("greedy", "low", "high")
+
+
+def band_of(temperature: float) -> str:
+    """Temperature band: drafts are deterministic, so their acceptance falls with it."""
+    if temperature <= 0:
+        return "greedy"
+    return "low" if temperature <= 0.5 else "high"
+
+
+@dataclass
+class BandPriors:
+    """Recent acceptance per temperature band, the starting point of each new request."""
+
+    max_k: int
+    prior_trials: float = 4.0  # weight of the band's estimate in a new request's own
+    bands: dict[str, AcceptanceStats] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in BANDS:
+            self.bands.setdefault(name, AcceptanceStats(self.max_k))
+
+    def stats_for(self, temperature: float) -> AcceptanceStats:
+        """A new request's own estimates: its band's rates at `prior_trials` weight."""
+        band = self.bands[band_of(temperature)]
+        own = AcceptanceStats(self.max_k, band.halflife_steps, band.prior_rate, band.prior_weight)
+        first = band.tried[0] if band.tried else 0.0
+        scale = min(1.0, self.prior_trials / first) if first > 0 else 0.0
+        own.tried = [t * scale for t in band.tried]
+        own.accepted = [a * scale for a in band.accepted]
+        return own
+
+    def observe_step(self, rows: Sequence[tuple[float, int, int]]) -> None:
+        """One step's (temperature, num_drafted, num_accepted) of its drafting rows: one
+        observation per band, so a band's memory goes by steps as a request's does."""
+        by_band: dict[str, list[tuple[int, int]]] = {}
+        for temperature, drafted, accepted in rows:
+            by_band.setdefault(band_of(temperature), []).append((drafted, accepted))
+        for name, seen in by_band.items():
+            self.bands[name].observe(seen)
+
+
+@dataclass(frozen=True)
+class RowView:
+    """What the plan needs of one running row."""
+
+    rates: Sequence[float]  # its own conditional acceptance per position
+    pending: int = 0  # positions of drafter context it lacks (put off by plain steps)
+    forced: bool = False  # a seeded sampled row: always drafts max_k
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """K drafts for every row in the drafting group, none for the others."""
+
+    num_drafts: int
+    drafting: tuple[bool, ...]
+
+    @property
+    def any_drafting(self) -> bool:
+        return self.num_drafts > 0 and any(self.drafting)
+
+    @classmethod
+    def plain(cls, n: int) -> StepPlan:
+        return cls(0, (False,) * n)
+
+
+def plan_step(policy: SpecPolicy, rows: Sequence[RowView], extra_seconds: float = 0.0) -> StepPlan:
+    """The split (drafting group at K, plain group) with the most expected tokens per
+    second; `extra_seconds`: time the step spends anyway (this iteration's prefill), which
+    makes drafting relatively cheaper. Drafting must beat plain decoding by the policy's
+    margin unless a forced row needs it."""
+    n = len(rows)
+    if policy.mode == "fixed" or policy.max_k == 0:
+        return StepPlan(policy.max_k, (True,) * n)
+    forced = sum(r.forced for r in rows)
+    gains = [_cumulative_tokens(r.rates, policy.max_k) for r in rows]
+    order = sorted(range(n), key=lambda i: (not rows[i].forced, -gains[i][-1]))
+    curves = {m: policy.curve(m) for m in range(1, n + 1)}
+    per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
+    plain_score = n / (curves[n][0] + extra_seconds)
+    best_score, best = (-1.0, StepPlan.plain(n)) if forced else (plain_score, StepPlan.plain(n))
+    threshold = best_score * (1.0 + (0.0 if forced else policy.margin))
+    for k in _candidate_ks(policy, forced > 0):
+        tokens, catch = float(n), 0.0
+        for m in range(1, n + 1):
+            row = order[m - 1]
+            tokens += gains[row][k] - 1.0
+            catch += rows[row].pending * per_position
+            if m < forced:
+                continue
+            plain_rest = curves[n - m][0] if m < n else 0.0
+            score = tokens / (extra_seconds + curves[m][k] + plain_rest + catch)
+            if score > threshold and score > best_score:
+                best_score = score
+                chosen = set(order[:m])
+                best = StepPlan(k, tuple(i in chosen for i in range(n)))
+    return best
+
+
+def _cumulative_tokens(rates: Sequence[float], max_k: int) -> list[float]:
+    """E[tokens | k] for k = 0..max_k (bonus token included)."""
+    return [expected_tokens(rates, k) for k in range(max_k + 1)]
+
+
+def _candidate_ks(policy: SpecPolicy, forced: bool) -> list[int]:
+    """The grid's draft counts (the costs are measured there; between them they are
+    interpolated), and max_k; only max_k when a forced row sets it."""
+    if forced:
+        return [policy.max_k]
+    grid = {k for k in policy.costs.num_drafts if 0 < k <= policy.max_k}
+    return sorted(grid | {policy.max_k})
+
+
+def explored(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> StepPlan:
+    """Every `explore_every` steps (backed off while looks find nothing) the step verifies
+    a few more drafts than planned, for every row, so each row's estimates of positions it
+    has not been trying stay fresh. A row that the plan keeps plain is looked at only when
+    the catch-up of its drafter context is cheap (at most `EXPLORE_CATCH_UP` of a plain
+    step of the batch); the drafting group is looked at regardless."""
+    n = len(rows)
+    drafting = plan.any_drafting
+    if not policy.exploration_due(drafting):
+        return plan
+    cheap = sum(r.pending for r in rows) * policy.costs.catch_up_per_position
+    everyone = cheap <= EXPLORE_CATCH_UP * policy.curve(n)[0]
+    if not drafting and not everyone:
+        return plan  # too dear to look now: at the next step, perhaps
+    policy.explored(drafting)
+    k = min(policy.max_k, plan.num_drafts + max(2, plan.num_drafts // 2))
+    group = (True,) * n if everyone else plan.drafting
+    return StepPlan(k, group)
+
+
+def with_forced(plan: StepPlan, rows: Sequence[RowView], max_k: int) -> StepPlan:
+    """The plan with every seeded sampled row in the drafting group at max_k (which the
+    group's other rows then draft too: a padded block costs no more per row)."""
+    if not any(r.forced for r in rows):
+        return plan
+    group = tuple(d or r.forced for d, r in zip(plan.drafting, rows, strict=True))
+    return StepPlan(max_k, group)

@@ -1,0 +1,157 @@
+"""Speculation per request: band priors, the split of a step into drafting and plain groups,
+exploration and seeded rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.adaptive import AcceptanceStats, CostModel, SpecPolicy
+from engine.row_speculation import (
+    BandPriors,
+    RowView,
+    StepPlan,
+    band_of,
+    explored,
+    plan_step,
+    with_forced,
+)
+
+MAX_K = 15
+HIGH = [0.9] * MAX_K  # a greedy row on predictable code
+LOW = [0.05] * MAX_K  # a sampled row at temperature 1.0
+
+
+def _costs(forward: float, per_token: float, drafter: float = 0.3) -> CostModel:
+    """A forward costs `forward` plus `per_token` for each token it verifies; a drafting
+    forward (k > 0) pays `drafter` more for the drafter's forward."""
+    bs, ks = (1, 2, 4, 8, 16, 32), (0, 1, 3, 7, 15)
+
+    def step(b: int, k: int) -> float:
+        return forward + (drafter if k else 0.0) + per_token * b * (k + 1)
+
+    return CostModel(bs, ks, tuple(tuple(step(b, k) for k in ks) for b in bs))
+
+
+def _policy(forward: float = 1.0, per_token: float = 0.05, drafter: float = 0.3) -> SpecPolicy:
+    return SpecPolicy(_costs(forward, per_token, drafter), MAX_K, explore_every=0)
+
+
+def test_bands_split_greedy_from_sampled() -> None:
+    assert [band_of(t) for t in (0.0, 0.3, 0.5, 0.7, 1.5)] == [
+        "greedy",
+        "low",
+        "low",
+        "high",
+        "high",
+    ]
+
+
+def test_sampled_traffic_does_not_lower_a_new_greedy_request_s_prior() -> None:
+    priors = BandPriors(MAX_K)
+    for _ in range(200):  # sampled requests that accept nothing
+        priors.observe_step([(1.0, MAX_K, 0)] * 4)
+    fresh = AcceptanceStats(MAX_K).rates()
+    assert priors.stats_for(0.0).rates() == pytest.approx(fresh)
+    assert priors.stats_for(1.0).rates()[0] < 0.3  # the next sampled one starts low...
+
+
+def test_a_band_s_history_weighs_only_a_few_trials_in_a_new_request() -> None:
+    priors = BandPriors(MAX_K, prior_trials=4.0)
+    for _ in range(500):
+        priors.observe_step([(1.0, MAX_K, 0)] * 8)
+    own = priors.stats_for(1.0)
+    assert own.tried[0] == pytest.approx(4.0)
+    low = own.rates()[0]
+    for _ in range(3):  # ...but its own steps outweigh the band at once
+        own.observe([(MAX_K, MAX_K)])
+    assert own.rates()[0] > 0.5 > low
+
+
+def test_a_low_row_does_not_pull_a_high_row_to_plain() -> None:
+    """A worker-wide estimate that sampled traffic brought down keeps a greedy request
+    plain; its own estimate drafts, and in a batch with a sampled row, still drafts."""
+    policy = _policy(forward=1.0, per_token=0.02, drafter=1.0)
+    worker_wide = AcceptanceStats(MAX_K)
+    for _ in range(100):
+        worker_wide.observe([(MAX_K, 0)] * 4)
+    assert policy.choose(1, worker_wide) == 0
+    greedy = BandPriors(MAX_K).stats_for(0.0)
+    assert plan_step(policy, [RowView(greedy.rates())]).any_drafting
+    plan = plan_step(policy, [RowView(HIGH), RowView(LOW)])
+    assert plan.num_drafts > 0 and plan.drafting[0]
+    assert plan_step(policy, [RowView(LOW), RowView(LOW)]) == StepPlan.plain(2)
+
+
+def test_a_high_row_drafts_alone_when_padding_the_low_rows_costs() -> None:
+    """Tokens cost much: the low row would only pad the block, so it stays in a plain
+    forward of its own."""
+    policy = _policy(forward=0.5, per_token=0.05, drafter=0.5)
+    assert plan_step(policy, [RowView(HIGH), RowView(LOW)]).drafting == (True, False)
+
+
+def test_one_padded_forward_when_a_second_forward_costs_more_than_padding() -> None:
+    """Forwards cost much, tokens little: the low row rides in the drafting block (its
+    drafts are free) rather than paying for a forward of its own."""
+    plan = plan_step(_policy(forward=1.0, per_token=0.001), [RowView(HIGH), RowView(LOW)])
+    assert plan.drafting == (True, True) and plan.num_drafts > 0
+
+
+def test_the_plain_rows_wait_is_counted() -> None:
+    """Drafting one greedy row costs seven sampled rows a second forward each step: with
+    a dear drafter forward the step stays plain, since the batch would lose tokens/s."""
+    policy = _policy(forward=1.0, per_token=0.02, drafter=1.0)
+    assert plan_step(policy, [RowView(HIGH)] + [RowView(LOW)] * 7) == StepPlan.plain(8)
+
+
+def test_nothing_drafts_when_no_row_pays_for_it() -> None:
+    plan = plan_step(_policy(), [RowView(LOW)] * 4)
+    assert plan == StepPlan.plain(4)
+
+
+def test_the_iteration_s_prefill_makes_drafting_cheaper() -> None:
+    """At the break-even of a bare step, a long prefill in the same iteration tips it."""
+    policy = _policy(forward=1.0, per_token=0.05)
+    modest = [0.3] * MAX_K
+    assert not plan_step(policy, [RowView(modest)]).any_drafting
+    assert plan_step(policy, [RowView(modest)], extra_seconds=20.0).any_drafting
+
+
+def test_pending_context_is_counted_against_a_row() -> None:
+    costs = _costs(1.0, 0.02)
+    dear = CostModel(costs.batch_sizes, costs.num_drafts, costs.seconds, 1.0)
+    policy = SpecPolicy(dear, MAX_K, explore_every=0)
+    fresh, behind = RowView(HIGH), RowView(HIGH, pending=10_000)
+    assert plan_step(policy, [fresh]).any_drafting
+    assert not plan_step(policy, [behind]).any_drafting
+
+
+def test_seeded_rows_always_draft_max_k() -> None:
+    policy = _policy()
+    rows = [RowView(LOW, forced=True), RowView(LOW)]
+    planned = plan_step(policy, rows)
+    assert planned.num_drafts == MAX_K and planned.drafting[0]
+    forced = with_forced(StepPlan.plain(2), rows, MAX_K)
+    assert forced == StepPlan(MAX_K, (True, False))
+    assert with_forced(StepPlan(3, (False, True)), rows, MAX_K) == StepPlan(MAX_K, (True, True))
+
+
+def test_exploration_looks_at_every_row_when_the_catch_up_is_cheap() -> None:
+    policy = SpecPolicy(_costs(1.0, 0.05), MAX_K, explore_every=4)
+    rows = [RowView(HIGH), RowView(LOW)]
+    plan = StepPlan(3, (True, False))
+    looks = [explored(policy, plan, rows) for _ in range(8)]
+    wider = [p for p in looks if p != plan]
+    assert len(wider) == 2  # every 4th step
+    assert all(p == StepPlan(5, (True, True)) for p in wider)
+
+
+def test_exploration_skips_plain_rows_whose_catch_up_is_dear() -> None:
+    costs = _costs(1.0, 0.05)
+    dear = CostModel(costs.batch_sizes, costs.num_drafts, costs.seconds, 1.0)
+    policy = SpecPolicy(dear, MAX_K, explore_every=2)
+    rows = [RowView(HIGH), RowView(LOW, pending=100)]
+    plan = StepPlan(3, (True, False))
+    looks = [explored(policy, plan, rows) for _ in range(4)]
+    assert StepPlan(5, (True, False)) in looks  # the drafting group alone
+    plain = StepPlan.plain(2)
+    assert all(explored(policy, plain, rows) == plain for _ in range(20))
