@@ -8,7 +8,9 @@ Three small parts:
   row-step that verified k >= j drafts and accepted the first j - 1; it is *accepted*
   when the first j were. Counts decay exponentially with drafting steps (recent traffic
   weighs most; plain steps tell nothing and age nothing) and start from an optimistic
-  prior, so unexplored positions look worth trying.
+  prior, so unexplored positions look worth trying. Each later position's prior is the
+  estimate of the one before it: a row whose first draft is seldom accepted has little
+  evidence about its deeper ones, and they are not assumed better than its first.
 - `SpecPolicy.choose(batch_size, stats, pending)`: the k in [0, max_k] maximising expected
   tokens per second, b * E[tokens per row | k] / cost(b, k), where
   E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} a_i (a_i = acceptance of position i given
@@ -195,8 +197,13 @@ class AcceptanceStats:
 
     def rates(self) -> list[float]:
         """a_j: acceptance of position j + 1 given every earlier one was accepted."""
-        w, p = self.prior_weight, self.prior_rate
-        return [(a + w * p) / (t + w) for a, t in zip(self.accepted, self.tried, strict=True)]
+        w, prior = self.prior_weight, self.prior_rate
+        rates = []
+        for a, t in zip(self.accepted, self.tried, strict=True):
+            rate = (a + w * prior) / (t + w)
+            rates.append(rate)
+            prior = rate  # a position seldom reached is judged like the one before it
+        return rates
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens committed per row] when verifying k drafts (bonus token included)."""

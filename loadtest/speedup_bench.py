@@ -98,12 +98,14 @@ def build_workload(
     return requests
 
 
-def request_body(req: Request, stream: bool, temperature: float = 0.0) -> dict[str, Any]:
+def request_body(
+    req: Request, stream: bool, temperature: float = 0.0, ignore_eos: bool = True
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL_NAME,
         "max_tokens": req.max_tokens,
         "temperature": temperature,
-        "ignore_eos": True,
+        "ignore_eos": ignore_eos,
         "stream": stream,
     }
     if req.endpoint == "chat":
@@ -142,10 +144,15 @@ def outcome(usage: dict[str, Any], metrics: dict[str, Any], latency_s: float) ->
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, req: Request, stream: bool, temperature: float
+    client: httpx.AsyncClient,
+    url: str,
+    req: Request,
+    stream: bool,
+    temperature: float,
+    ignore_eos: bool = True,
 ) -> Outcome | None:
     path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
-    body = request_body(req, stream, temperature)
+    body = request_body(req, stream, temperature, ignore_eos)
     start = time.perf_counter()
     try:
         if not stream:
@@ -359,7 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_range, default=None, help="default 32-512")
     p.add_argument("--new-tokens", type=_range, default=None, help="default 64-256")
     p.add_argument("--num-requests", type=int, default=None, help="least per round (default 8)")
-    p.add_argument("--requests-per-slot", type=int, default=2, help="round = max(n, c x this)")
+    p.add_argument(
+        "--requests-per-slot",
+        type=int,
+        default=None,
+        help="round = max(n, c x this) (default 2; --matrix: a closed loop's per client, 3)",
+    )
     p.add_argument(
         "--temperature",
         type=float,
@@ -367,7 +379,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="of every request (default 0, greedy; 1.0: drafts are rarely accepted)",
     )
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: largest concurrency")
-    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=None, help="default 1024 (--matrix: 2048)")
+    p.add_argument(
+        "--matrix",
+        action="store_true",
+        help="every workload shape (prompt and output lengths, arrivals, temperatures, "
+        "streaming) in one table: loadtest/speedup_matrix.py",
+    )
     p.add_argument("--quick", action="store_true", help="tiny run: 1 round, c=1,2, short")
     p.add_argument("--threads", type=int, default=0, help="OMP threads per worker (0: default)")
     p.add_argument("--port-base", type=int, default=0, help="ports base, base+1 (default: free)")
@@ -385,10 +403,19 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
     args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
+    args.requests_per_slot = args.requests_per_slot or (3 if args.matrix else 2)
+    from loadtest import speedup_matrix as sm  # it builds on this module
+
+    args.max_model_len = args.max_model_len or (sm.MAX_MODEL_LEN if args.matrix else 1024)
     for name in ("rounds", "num_requests", "requests_per_slot"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.prompt_tokens[1] + args.new_tokens[1] + 64 > args.max_model_len:
+    longest = (
+        (sm.LONG_PROMPT[1] + sm.LONG_OUTPUT[1])
+        if args.matrix
+        else sum((args.prompt_tokens[1], args.new_tokens[1]))
+    )
+    if longest + 64 > args.max_model_len:
         parser.error("--max-model-len must hold the longest prompt, its answer and a template")
     return args
 
@@ -419,6 +446,8 @@ def build_report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.matrix:
+        return run_matrix(args)
     n = max(args.num_requests, max(args.concurrency) * args.requests_per_slot)
     requests = build_workload(n, args.prompt_tokens, args.new_tokens)
     specs = [WorkerSpec("embedded", mode) for mode in MODES]
@@ -430,6 +459,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             cells = asyncio.run(measure(workers, requests, args))
     report = build_report(args, requests, cells, list(os.getloadavg()))
     print(format_table(report))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.json}")
+    return 1 if any(row["errors"] for row in report["results"]) else 0
+
+
+def run_matrix(args: argparse.Namespace) -> int:
+    """`--matrix`: every shape of loadtest/speedup_matrix.py, A/B, one table."""
+    from loadtest import speedup_matrix as sm
+
+    requests = sm.workloads(args)
+    specs = [WorkerSpec("embedded", mode) for mode in MODES]
+    with contextlib.ExitStack() as stack:
+        log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=worker_env)
+        with launch as workers:
+            cells = asyncio.run(sm.measure_matrix(workers, requests, args))
+    argvs = {m: worker_argv(WorkerSpec("embedded", m), 0, args)[1:] for m in MODES}
+    report = sm.matrix_report(args, requests, cells, list(os.getloadavg()), argvs)
+    print(sm.format_matrix(report))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.json}")

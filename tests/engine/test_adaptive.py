@@ -93,13 +93,17 @@ def test_plain_steps_do_not_age_the_estimates() -> None:
     assert stats.rates() == before and before[0] < 0.2
 
 
-def test_unexplored_positions_keep_the_prior_and_old_news_fades() -> None:
+def test_unexplored_positions_follow_the_one_before_and_old_news_fades() -> None:
     stats = AcceptanceStats(max_k=3, halflife_steps=8.0, prior_rate=0.8, prior_weight=1.0)
     assert stats.rates() == pytest.approx([0.8] * 3)
     for _ in range(40):
         stats.observe([(1, 0)])  # position 1 always rejected
     rates = stats.rates()
-    assert rates[0] < 0.1 and rates[1:] == pytest.approx([0.8, 0.8])
+    # Never tried, positions 2 and 3 are judged like position 1, not by the optimistic prior.
+    assert rates[0] < 0.1 and rates[1:] == pytest.approx([rates[0]] * 2)
+    for _ in range(40):
+        stats.observe([(3, 3)])  # the deeper ones, once tried, stand on their own
+    assert stats.rates()[0] > 0.9 and stats.rates()[2] > 0.9
     for _ in range(40):
         stats.observe([(1, 1)])  # now always accepted: the estimate follows within steps
     assert stats.rates()[0] > 0.9

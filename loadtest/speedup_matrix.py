@@ -1,0 +1,352 @@
+"""`dflash-bench speedup --matrix`: DFlash against plain on every workload shape, in one table.
+
+One workload tunes a policy; users send many. The matrix crosses, over the same two
+`dflash-worker`s as `dflash-bench speedup` (DFlash adaptive, and plain):
+
+- prompt length: short (8-48 tokens), medium (32-512), long (1024-1536);
+- output: short (32-96 new tokens, EOS allowed) or long (256, `ignore_eos`);
+- arrivals: a burst (each client sends one or two requests and stops) or a closed loop
+  (each client sends `--requests-per-slot` requests back to back);
+- temperature: 0, 0.7, or a mixed stream (greedy and 1.0 alternating, concurrently);
+- streaming for some shapes.
+
+Every shape runs at every concurrency, A/B interleaved (the order rotating by round, each
+run waiting until both workers are quiet), so load on the machine weighs on both alike.
+A cell's ratio is DFlash's generated tokens/s over plain's (completion tokens over the
+rounds' wall time). A mixed shape also reports each class's per-request speed (its tokens
+over its latency): sampled requests on DFlash against the same on plain, and greedy
+requests on DFlash against the greedy requests of its greedy-only twin (the same requests,
+every one at temperature 0) on DFlash. Prints a table and its worst cell; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from loadtest.backends_bench import MODEL_NAME, RunningWorker, settle
+from loadtest.harness import closed_loop, git_commit
+from loadtest.speedup_bench import Outcome, Request, build_workload, one_request
+
+SHORT_PROMPT, MEDIUM_PROMPT, LONG_PROMPT = (8, 48), (32, 512), (1024, 1536)
+SHORT_OUTPUT, LONG_OUTPUT = (32, 96), (256, 256)
+SAMPLED = 1.0  # the mixed stream's other half: drafts are then rarely accepted
+Arrivals = Literal["burst", "closed"]
+Temperature = Literal["0", "0.7", "mixed"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+    ignore_eos: bool
+    arrivals: Arrivals
+    temperature: Temperature
+    stream: bool = False
+    twin: str | None = None  # a mixed shape's greedy-only twin
+
+    def temperature_of(self, i: int) -> float:
+        if self.temperature == "mixed":
+            return 0.0 if i % 2 == 0 else SAMPLED
+        return float(self.temperature)
+
+    def num_requests(self, c: int, per_slot: int) -> int:
+        """A burst: client j sends 1 + j % 2 requests; a closed loop: per_slot each."""
+        return c + c // 2 if self.arrivals == "burst" else c * per_slot
+
+
+def _shape(
+    name: str,
+    prompt: tuple[int, int],
+    output: Literal["short", "long"],
+    arrivals: Arrivals,
+    temperature: Temperature,
+    stream: bool = False,
+    twin: str | None = None,
+) -> Shape:
+    """Short outputs may end at EOS; long ones run to their 256 tokens (`ignore_eos`)."""
+    long = output == "long"
+    tokens = LONG_OUTPUT if long else SHORT_OUTPUT
+    return Shape(name, prompt, tokens, long, arrivals, temperature, stream, twin)
+
+
+SHAPES = (
+    _shape("short-burst-t0", SHORT_PROMPT, "short", "burst", "0"),
+    _shape("short-burst-mixed", SHORT_PROMPT, "short", "burst", "mixed", twin="short-burst-t0"),
+    _shape("short-closed-t0.7", SHORT_PROMPT, "long", "closed", "0.7"),
+    _shape("medium-closed-t0", MEDIUM_PROMPT, "long", "closed", "0"),
+    _shape("medium-closed-t0-stream", MEDIUM_PROMPT, "short", "closed", "0", stream=True),
+    _shape(
+        "medium-closed-mixed-stream",
+        MEDIUM_PROMPT,
+        "short",
+        "closed",
+        "mixed",
+        stream=True,
+        twin="medium-closed-t0-stream",
+    ),
+    _shape("medium-burst-t0.7", MEDIUM_PROMPT, "short", "burst", "0.7"),
+    _shape("long-burst-t0", LONG_PROMPT, "short", "burst", "0"),
+    _shape("long-closed-t0.7", LONG_PROMPT, "long", "closed", "0.7"),
+)
+QUICK_SHAPES = (
+    Shape("quick-t0", (8, 24), (4, 8), False, "burst", "0"),
+    Shape("quick-mixed", (8, 24), (4, 8), True, "closed", "mixed", stream=True, twin="quick-t0"),
+)
+MAX_MODEL_LEN = 2048  # the long prompts and their answers fit the bundled model's context
+
+
+def shapes_for(args: argparse.Namespace) -> tuple[Shape, ...]:
+    return QUICK_SHAPES if args.quick else SHAPES
+
+
+# ---- cells ----------------------------------------------------------------------------------
+
+
+@dataclass
+class ClassSpeed:
+    """Per-request speed of one class of requests: their tokens over their latencies."""
+
+    tokens: int = 0
+    latency_s: float = 0.0
+
+    @property
+    def speed(self) -> float | None:
+        return self.tokens / self.latency_s if self.latency_s > 0 else None
+
+
+@dataclass
+class MatrixCell:
+    tokens: int = 0
+    elapsed_s: float = 0.0
+    errors: int = 0
+    rounds: list[float] = field(default_factory=list)  # tokens/s of each round
+    acceptance_lengths: list[float] = field(default_factory=list)
+    spec_steps: int = 0
+    plain_steps: int = 0
+    classes: dict[str, ClassSpeed] = field(default_factory=dict)
+
+    def add(self, results: Sequence[Outcome | None], labels: Sequence[str], seconds: float) -> None:
+        done = 0
+        for result, label in zip(results, labels, strict=True):
+            if result is None:
+                self.errors += 1
+                continue
+            done += result.tokens
+            speed = self.classes.setdefault(label, ClassSpeed())
+            speed.tokens += result.tokens
+            speed.latency_s += result.latency_s
+            if result.acceptance_length is not None:
+                self.acceptance_lengths.append(result.acceptance_length)
+            self.spec_steps += result.spec_steps
+            self.plain_steps += result.plain_steps
+        self.tokens += done
+        self.elapsed_s += seconds
+        self.rounds.append(done / seconds if seconds > 0 else 0.0)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+Key = tuple[str, str, int]  # (worker mode, shape name, concurrency)
+
+
+def class_of(temperature: float) -> str:
+    return "greedy" if temperature == 0 else "sampled"
+
+
+# ---- the run --------------------------------------------------------------------------------
+
+
+def workloads(args: argparse.Namespace) -> dict[str, list[Request]]:
+    """Each shape's requests, enough for its largest round (shared by both workers)."""
+    top = max(args.concurrency)
+    return {
+        s.name: build_workload(
+            max(2, s.num_requests(top, args.requests_per_slot)), s.prompt, s.output
+        )
+        for s in shapes_for(args)
+    }
+
+
+async def measure_matrix(
+    workers: Sequence[RunningWorker],
+    requests: dict[str, list[Request]],
+    args: argparse.Namespace,
+) -> dict[Key, MatrixCell]:
+    shapes = shapes_for(args)
+    cells = {(w.spec.mode, s.name, c): MatrixCell() for w in workers for s in shapes
+             for c in args.concurrency}  # fmt: skip
+    limits = httpx.Limits(max_connections=max(args.concurrency) * 2)
+    async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
+        for w in workers:  # first-call allocations out of the timing
+            warm = shapes[0]
+            await _run(client, w.url, warm, requests[warm.name][:2], 2)
+        for r in range(args.rounds):
+            for shape in shapes:
+                for c in args.concurrency:
+                    batch = requests[shape.name][: shape.num_requests(c, args.requests_per_slot)]
+                    for w in [*workers[r % 2 :], *workers[: r % 2]]:
+                        await settle(workers)
+                        results, seconds = await _run(client, w.url, shape, batch, c)
+                        labels = [class_of(shape.temperature_of(i)) for i in range(len(batch))]
+                        cell = cells[(w.spec.mode, shape.name, c)]
+                        cell.add(results, labels, seconds)
+                        print(
+                            f"  round {r + 1}/{args.rounds} {shape.name} c={c} "
+                            f"{w.spec.mode}: {cell.rounds[-1]:.1f} tok/s",
+                            flush=True,
+                        )
+    return cells
+
+
+async def _run(
+    client: httpx.AsyncClient, url: str, shape: Shape, batch: Sequence[Request], c: int
+) -> tuple[list[Outcome | None], float]:
+    async def send(i: int) -> Outcome | None:
+        temperature = shape.temperature_of(i)
+        return await one_request(
+            client, url, batch[i], shape.stream, temperature, ignore_eos=shape.ignore_eos
+        )
+
+    return await closed_loop(len(batch), c, send)
+
+
+# ---- the report -----------------------------------------------------------------------------
+
+
+def matrix_rows(
+    cells: dict[Key, MatrixCell], shapes: Sequence[Shape], cs: Sequence[int]
+) -> list[Any]:
+    rows = []
+    for shape in shapes:
+        for c in cs:
+            fast, plain = cells[("dflash", shape.name, c)], cells[("plain", shape.name, c)]
+            steps = fast.spec_steps + fast.plain_steps
+            row: dict[str, Any] = {
+                "shape": shape.name,
+                "concurrency": c,
+                "dflash_tokens_per_second": fast.tokens_per_second,
+                "plain_tokens_per_second": plain.tokens_per_second,
+                "ratio": _ratio(fast.tokens_per_second, plain.tokens_per_second),
+                "ratio_per_round": [
+                    f / p for f, p in zip(fast.rounds, plain.rounds, strict=True) if p > 0
+                ],
+                "mean_acceptance_length": _mean(fast.acceptance_lengths),
+                "plain_step_share": fast.plain_steps / steps if steps else None,
+                "errors": fast.errors + plain.errors,
+            }
+            if shape.twin is not None:
+                row.update(_mixed(cells, shape, c))
+            rows.append(row)
+    return rows
+
+
+def _mixed(cells: dict[Key, MatrixCell], shape: Shape, c: int) -> dict[str, Any]:
+    """A mixed shape's goals: sampled requests against plain, greedy ones against their
+    greedy-only twin on DFlash."""
+    fast, plain = cells[("dflash", shape.name, c)], cells[("plain", shape.name, c)]
+    twin = cells[("dflash", shape.twin or "", c)]
+    sampled = _ratio(_speed(fast, "sampled"), _speed(plain, "sampled"))
+    greedy = _ratio(_speed(fast, "greedy"), _speed(twin, "greedy"))
+    return {"sampled_vs_plain": sampled, "greedy_vs_greedy_only": greedy}
+
+
+def _speed(cell: MatrixCell, label: str) -> float | None:
+    speed = cell.classes.get(label)
+    return None if speed is None else speed.speed
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The worst cell (what the README quotes), the mean, and the mixed streams' worst."""
+    rated = [r for r in rows if r["ratio"] is not None]
+    worst = min(rated, key=lambda r: r["ratio"]) if rated else None
+    mixed = [r for r in rows if "sampled_vs_plain" in r]
+    return {
+        "worst_ratio": None if worst is None else worst["ratio"],
+        "worst_cell": None if worst is None else f"{worst['shape']} c={worst['concurrency']}",
+        "mean_ratio": _mean([r["ratio"] for r in rated]),
+        "cells_below_0.98": sum(r["ratio"] < 0.98 for r in rated),
+        "cells": len(rated),
+        "worst_sampled_vs_plain": _least(r.get("sampled_vs_plain") for r in mixed),
+        "worst_greedy_vs_greedy_only": _least(r.get("greedy_vs_greedy_only") for r in mixed),
+    }
+
+
+def _least(values: Any) -> float | None:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+def format_matrix(report: dict[str, Any]) -> str:
+    head = (
+        f"{'shape':<28} {'c':>3} {'plain tok/s':>11} {'DFlash tok/s':>12} {'ratio':>6} "
+        f"{'rounds':>11} {'accept':>6} {'plain':>6} {'sampled':>8} {'greedy':>7} {'err':>4}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in report["results"]:
+        rounds = r["ratio_per_round"]
+        span = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
+        lines.append(
+            f"{r['shape']:<28} {r['concurrency']:>3} {r['plain_tokens_per_second']:>11.1f} "
+            f"{r['dflash_tokens_per_second']:>12.1f} {_fmt(r['ratio'], '.2f'):>6} {span:>11} "
+            f"{_fmt(r['mean_acceptance_length'], '.2f'):>6} "
+            f"{_fmt(r['plain_step_share'], '.0%'):>6} "
+            f"{_fmt(r.get('sampled_vs_plain'), '.2f'):>8} "
+            f"{_fmt(r.get('greedy_vs_greedy_only'), '.2f'):>7} {r['errors']:>4}"
+        )
+    s = report["summary"]
+    lines.append(
+        f"worst cell: {_fmt(s['worst_ratio'], '.2f')} ({s['worst_cell']}); mean "
+        f"{_fmt(s['mean_ratio'], '.2f')}; {s['cells_below_0.98']} of {s['cells']} cells below "
+        f"0.98; mixed streams: sampled vs plain >= {_fmt(s['worst_sampled_vs_plain'], '.2f')}, "
+        f"greedy vs greedy-only >= {_fmt(s['worst_greedy_vs_greedy_only'], '.2f')}"
+    )
+    return "\n".join(lines)
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def matrix_report(
+    args: argparse.Namespace,
+    requests: dict[str, list[Request]],
+    cells: dict[Key, MatrixCell],
+    load: list[float],
+    workers: dict[str, list[str]],
+) -> dict[str, Any]:
+    shapes = shapes_for(args)
+    rows = matrix_rows(cells, shapes, args.concurrency)
+    config = {k: str(v) if not isinstance(v, (int, float, list, bool)) else v
+              for k, v in vars(args).items()}  # fmt: skip
+    return {
+        "benchmark": "speedup-matrix",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "model": MODEL_NAME,
+        "config": config,
+        "workers": workers,
+        "shapes": [asdict(s) for s in shapes],
+        "workload": {name: [r.prompt_tokens for r in reqs] for name, reqs in requests.items()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_average": load},
+        "results": rows,
+        "summary": summary(rows),
+    }

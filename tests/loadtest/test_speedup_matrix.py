@@ -1,0 +1,99 @@
+"""`dflash-bench speedup --matrix`: the shapes, the per-class arithmetic of mixed streams,
+the summary's worst cell, and a --quick run against two real embedded workers (speed is
+never asserted)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest import backends_bench as bb
+from loadtest import bench
+from loadtest import speedup_bench as sb
+from loadtest import speedup_matrix as sm
+
+
+def test_the_matrix_covers_every_level_of_every_axis() -> None:
+    shapes = sm.SHAPES
+    assert {s.prompt for s in shapes} == {sm.SHORT_PROMPT, sm.MEDIUM_PROMPT, sm.LONG_PROMPT}
+    assert {(s.output, s.ignore_eos) for s in shapes} == {
+        (sm.SHORT_OUTPUT, False),
+        (sm.LONG_OUTPUT, True),
+    }
+    assert {s.arrivals for s in shapes} == {"burst", "closed"}
+    assert {s.temperature for s in shapes} == {"0", "0.7", "mixed"}
+    assert any(s.stream for s in shapes)
+    names = {s.name for s in shapes}
+    for mixed in (s for s in shapes if s.temperature == "mixed"):
+        twin = next(s for s in shapes if s.name == mixed.twin)  # its greedy-only twin
+        assert twin.temperature == "0" and twin.name in names
+        assert (twin.prompt, twin.output, twin.arrivals) == (
+            mixed.prompt,
+            mixed.output,
+            mixed.arrivals,
+        )
+
+
+def test_mixed_streams_alternate_and_bursts_are_one_or_two_per_client() -> None:
+    mixed = next(s for s in sm.SHAPES if s.temperature == "mixed")
+    assert [mixed.temperature_of(i) for i in range(4)] == [0.0, sm.SAMPLED, 0.0, sm.SAMPLED]
+    burst = next(s for s in sm.SHAPES if s.arrivals == "burst")
+    assert burst.num_requests(4, 3) == 6 and burst.num_requests(1, 3) == 1
+    closed = next(s for s in sm.SHAPES if s.arrivals == "closed")
+    assert closed.num_requests(4, 3) == 12
+
+
+def _out(tokens: int, latency: float, accept: float | None = None) -> sb.Outcome:
+    return sb.Outcome(tokens, latency, accept, 2 if accept else 0, 0 if accept else 2)
+
+
+def test_rows_report_each_class_and_the_worst_cell() -> None:
+    mixed = sm.Shape("m", (8, 48), (32, 96), False, "closed", "mixed", twin="g")
+    greedy = sm.Shape("g", (8, 48), (32, 96), False, "closed", "0")
+    cells = {key: sm.MatrixCell() for key in
+             [(w, s, 2) for w in ("dflash", "plain") for s in ("m", "g")]}  # fmt: skip
+    labels = ["greedy", "sampled"]
+    cells[("dflash", "m", 2)].add([_out(40, 1.0, 4.0), _out(10, 1.0, 1.0)], labels, 2.0)
+    cells[("plain", "m", 2)].add([_out(20, 1.0), _out(20, 1.0)], labels, 1.0)
+    cells[("dflash", "g", 2)].add([_out(50, 1.0, 5.0), _out(50, 1.0, 5.0)], ["greedy"] * 2, 1.0)
+    cells[("plain", "g", 2)].add([_out(20, 1.0), None], ["greedy"] * 2, 1.0)
+    rows = sm.matrix_rows(cells, [mixed, greedy], [2])
+    m, g = rows
+    assert m["ratio"] == pytest.approx(25 / 40)
+    assert m["sampled_vs_plain"] == pytest.approx(10 / 20)
+    assert m["greedy_vs_greedy_only"] == pytest.approx(40 / 50)
+    assert "sampled_vs_plain" not in g and g["errors"] == 1 and g["ratio"] == pytest.approx(5)
+    summary = sm.summary(rows)
+    assert summary["worst_ratio"] == pytest.approx(25 / 40) and summary["worst_cell"] == "m c=2"
+    assert summary["cells_below_0.98"] == 1 and summary["worst_sampled_vs_plain"] == 0.5
+    table = sm.format_matrix({"results": rows, "summary": summary})
+    assert "worst cell: 0.62 (m c=2)" in table
+
+
+def test_matrix_options() -> None:
+    args = sb.parse_args(["--matrix"])
+    assert args.max_model_len == sm.MAX_MODEL_LEN and args.requests_per_slot == 3
+    assert sb.parse_args([]).max_model_len == 1024
+    with pytest.raises(SystemExit):  # the long prompts and answers would not fit
+        sb.parse_args(["--matrix", "--max-model-len", "1024"])
+
+
+def test_quick_matrix_against_embedded_workers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(bb.REPO))
+    out = tmp_path / "matrix.json"
+    assert bench.main(["speedup", "--matrix", "--quick", "--json", str(out)]) == 0
+    assert "worst cell:" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [(r["shape"], r["concurrency"]) for r in rows] == [
+        (s.name, c) for s in sm.QUICK_SHAPES for c in (1, 2)
+    ]
+    for r in rows:
+        assert r["errors"] == 0 and r["ratio"] is not None and r["ratio"] > 0
+    mixed = [r for r in rows if r["shape"] == "quick-mixed"]
+    assert all(r["sampled_vs_plain"] and r["greedy_vs_greedy_only"] for r in mixed)
+    assert report["summary"]["cells"] == 4
