@@ -171,6 +171,10 @@ class AcceptanceStats:
     halflife_steps: float = 32.0  # steps after which old observations weigh half
     prior_rate: float = 0.8  # optimistic: positions never tried look worth trying
     prior_weight: float = 2.0  # pseudo-trials behind the prior
+    # Per-position priors instead (e.g. the acceptance of requests like this one), each
+    # behind `prior_weight` pseudo-trials and capped by the estimate of the position
+    # before; empty: `prior_rate`, chained as below.
+    prior_rates: tuple[float, ...] = ()
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
 
@@ -199,10 +203,12 @@ class AcceptanceStats:
         """a_j: acceptance of position j + 1 given every earlier one was accepted."""
         w, prior = self.prior_weight, self.prior_rate
         rates = []
-        for a, t in zip(self.accepted, self.tried, strict=True):
+        for j, (a, t) in enumerate(zip(self.accepted, self.tried, strict=True)):
+            if self.prior_rates:
+                prior = min(prior, self.prior_rates[j]) if j else self.prior_rates[0]
             rate = (a + w * prior) / (t + w)
             rates.append(rate)
-            prior = rate  # a position seldom reached is judged like the one before it
+            prior = rate  # a position seldom reached is not judged better than the one before
         return rates
 
     def expected_tokens(self, k: int) -> float:

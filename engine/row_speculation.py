@@ -5,10 +5,10 @@ Acceptance is a property of each request (its temperature, its task, its languag
 the worker: a worker-wide estimate lets four sampled requests switch drafting off for the
 greedy request after them. So every running request carries its own `AcceptanceStats`:
 
-- It starts from a prior that cannot lock it out: the recent acceptance of requests in its
-  temperature band (`BandPriors`; greedy, low and high temperature), scaled down to a few
-  pseudo-trials so its own steps outweigh it at once, on top of the optimistic prior every
-  `AcceptanceStats` has.
+- It starts from the recent acceptance of requests in its temperature band (`BandPriors`;
+  greedy, low and high temperature), weighed as a few pseudo-trials so that its own steps
+  outweigh it at once. A band starts from the optimistic prior, and sampled traffic moves
+  only its own band: a greedy request after sampled ones is not locked out.
 - Only its own drafting steps move it.
 
 A step then runs at most two forwards (`plan_step`): a drafting group verifying K drafts per
@@ -56,14 +56,15 @@ class BandPriors:
             self.bands.setdefault(name, AcceptanceStats(self.max_k))
 
     def stats_for(self, temperature: float) -> AcceptanceStats:
-        """A new request's own estimates: its band's rates at `prior_trials` weight."""
+        """A new request's own estimates: its band's current rates as the prior, behind
+        `prior_trials` pseudo-trials (a fresh band's rates are the optimistic prior)."""
         band = self.bands[band_of(temperature)]
-        own = AcceptanceStats(self.max_k, band.halflife_steps, band.prior_rate, band.prior_weight)
-        first = band.tried[0] if band.tried else 0.0
-        scale = min(1.0, self.prior_trials / first) if first > 0 else 0.0
-        own.tried = [t * scale for t in band.tried]
-        own.accepted = [a * scale for a in band.accepted]
-        return own
+        return AcceptanceStats(
+            self.max_k,
+            band.halflife_steps,
+            prior_weight=self.prior_trials,
+            prior_rates=tuple(band.rates()),
+        )
 
     def observe_step(self, rows: Sequence[tuple[float, int, int]]) -> None:
         """One step's (temperature, num_drafted, num_accepted) of its drafting rows: one

@@ -60,9 +60,11 @@ def test_a_band_s_history_weighs_only_a_few_trials_in_a_new_request() -> None:
     for _ in range(500):
         priors.observe_step([(1.0, MAX_K, 0)] * 8)
     own = priors.stats_for(1.0)
-    assert own.tried[0] == pytest.approx(4.0)
+    band = priors.bands["high"].rates()
+    assert own.rates() == pytest.approx(band)  # it starts where requests like it are
+    assert own.prior_weight == 4.0 and own.tried == [0.0] * MAX_K
     low = own.rates()[0]
-    for _ in range(3):  # ...but its own steps outweigh the band at once
+    for _ in range(5):  # ...but its own steps outweigh the band at once
         own.observe([(MAX_K, MAX_K)])
     assert own.rates()[0] > 0.5 > low
 
