@@ -36,15 +36,45 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 Measure = Callable[[int, int], float]  # (batch size, num drafts k) -> seconds per step
 
 
 @dataclass(frozen=True)
+class ContextTerm:
+    """How a step's cost moves with its rows' context away from the grid's: every row
+    reads the keys up to the batch's longest context (whatever k), and every verified
+    query attends to them. Zero slopes: the grid's context is assumed throughout."""
+
+    tokens: int = 0  # the context the grid was measured at
+    per_row_key: float = 0.0  # seconds per row per key position
+    per_query_key: float = 0.0  # seconds per verified query (k + 1 per row) per key
+
+    def extra(self, batch_size: int, k: int, context: int) -> float:
+        per_key = self.per_row_key + (k + 1) * self.per_query_key
+        return batch_size * per_key * (context - self.tokens)
+
+    @classmethod
+    def fit(
+        cls, short: int, long: int, batch_size: int, k: int, plain: tuple[float, float],
+        drafting: tuple[float, float],
+    ) -> ContextTerm:  # fmt: skip
+        """From one batch size's plain and k-draft step seconds at a short and a long
+        context: (short, long) pairs. Noise never makes a slope negative."""
+        span = batch_size * (long - short)
+        grow_plain = max(0.0, plain[1] - plain[0])
+        grow_draft = max(0.0, drafting[1] - drafting[0])
+        per_query = max(0.0, (grow_draft - grow_plain) / (span * k)) if k else 0.0
+        per_row = max(0.0, grow_plain / span - per_query)
+        return cls(short, per_row, per_query)
+
+
+@dataclass(frozen=True)
 class CostModel:
-    """Step seconds on a grid of batch sizes x draft counts (k = 0 is plain decoding)."""
+    """Step seconds on a grid of batch sizes x draft counts (k = 0 is plain decoding),
+    measured at one context, and how they move with the context."""
 
     batch_sizes: tuple[int, ...]
     num_drafts: tuple[int, ...]
@@ -52,6 +82,7 @@ class CostModel:
     # Seconds per position of drafter context put off by plain steps and projected in one
     # batched pass when speculation resumes (speculative.catch_up); 0 = not measured.
     catch_up_per_position: float = 0.0
+    context: ContextTerm = ContextTerm()
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or not self.num_drafts:
@@ -73,13 +104,22 @@ class CostModel:
         """Seconds of one step verifying k drafts for batch_size rows (interpolated)."""
         return self.curve(batch_size, k)[k]
 
-    def curve(self, batch_size: int, max_k: int) -> list[float]:
-        """cost(batch_size, k) for k = 0..max_k, interpolating over the batch once."""
+    def curve(self, batch_size: int, max_k: int, context: int | None = None) -> list[float]:
+        """cost(batch_size, k) for k = 0..max_k, interpolating over the batch once; at
+        the grid's context, or at `context` (the longest of the step's rows)."""
         at_b = [
             _interpolate(self.batch_sizes, [row[j] for row in self.seconds], batch_size)
             for j in range(len(self.num_drafts))
         ]
-        return [max(1e-9, _interpolate(self.num_drafts, at_b, k)) for k in range(max_k + 1)]
+        base = [max(1e-9, _interpolate(self.num_drafts, at_b, k)) for k in range(max_k + 1)]
+        return base if context is None else self.at_context(base, batch_size, context)
+
+    def at_context(self, base: list[float], batch_size: int, context: int) -> list[float]:
+        """A grid curve moved to `context` (never below a quarter of the grid's cost)."""
+        term = self.context
+        if not (term.per_row_key or term.per_query_key):
+            return base
+        return [max(c / 4, c + term.extra(batch_size, k, context)) for k, c in enumerate(base)]
 
     def relative(self, batch_size: int, k: int) -> float:
         """The cost in plain steps at the same batch size."""
@@ -103,6 +143,7 @@ class CostModel:
             "num_drafts": list(self.num_drafts),
             "seconds": [list(row) for row in self.seconds],
             "catch_up_per_position": self.catch_up_per_position,
+            "context": asdict(self.context),
         }
 
     @classmethod
@@ -114,9 +155,10 @@ class CostModel:
             rows = raw["seconds"]
             seconds = tuple(tuple(float(x) for x in row) for row in rows)  # type: ignore[attr-defined]
             catch_up = float(raw.get("catch_up_per_position", 0.0))  # type: ignore[arg-type]
+            context = ContextTerm(**raw.get("context", {}))  # type: ignore[arg-type]
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc}") from exc
-        return cls(bs, ks, seconds, catch_up)
+        return cls(bs, ks, seconds, catch_up, context)
 
 
 def _running_max(values: Iterable[float]) -> Iterable[float]:
@@ -301,19 +343,27 @@ class SpecPolicy:
             base = self._base[batch_size] = self.costs.curve(batch_size, self.max_k)
         return base
 
-    def curve(self, batch_size: int) -> list[float]:
-        """cost(batch_size, k) for k = 0..max_k, feedback included."""
+    def curve(self, batch_size: int, context: int | None = None) -> list[float]:
+        """cost(batch_size, k) for k = 0..max_k at `context` (None: the grid's), feedback
+        included."""
         base = self._model_curve(batch_size)
+        if context is not None:
+            base = self.costs.at_context(base, batch_size, context)
         factor = self._feedback_at(batch_size).factors()
         if not factor:
             return base
         nearest = self._nearest_grid()
         return [c * factor.get(nearest[k], 1.0) for k, c in enumerate(base)]
 
-    def observe_cost(self, batch_size: int, k: int, seconds: float) -> None:
+    def observe_cost(
+        self, batch_size: int, k: int, seconds: float, context: int | None = None
+    ) -> None:
         if seconds <= 0:
             return
-        ratio = math.log(seconds / self._model_curve(batch_size)[k])
+        base = self._model_curve(batch_size)
+        if context is not None:
+            base = self.costs.at_context(base, batch_size, context)
+        ratio = math.log(seconds / base[k])
         grid_k = self._nearest_grid()[k]
         self._feedback_at(batch_size).observe(grid_k, ratio, self.feedback_weight)
 

@@ -9,14 +9,17 @@ and the policy needs the steps' relative costs). The rows do not advance between
 (same positions each time: what a step writes past a row's length is dead), so every
 cell sees the same context. After the grid, the drafter context of the rows' prompts is
 dropped and projected again (`catch_up`) a few times: the per-position cost of catching
-up context that plain steps put off.
+up context that plain steps put off. Last, a few rows at a long context give the slopes of
+the cost's growth with context (`ContextTerm`): the grid's context is one of many a live
+batch has, and a long context makes plain steps dearer relative to drafting ones.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
-from engine.adaptive import CostModel, default_grid
+from engine.adaptive import ContextTerm, CostModel, default_grid
 from engine.speculative import (
     DecodeRow,
     PrefillRow,
@@ -49,19 +52,14 @@ def measure_grid(
     if top_b > state.caches.target.num_slots:
         slots = state.caches.target.num_slots
         raise ValueError(f"batch size {top_b} exceeds the {slots} slots")
-    room = state.caches.target.capacity - max(num_drafts) - 1
-    context = max(1, min(context_tokens, room))
-    prompts = [[(7 * i + j) % vocab + 1 for j in range(context)] for i in range(top_b)]
+    context = max(1, min(context_tokens, _room(state, max(num_drafts))))
     best: dict[tuple[int, int], float] = {}
     try:
-        firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)], [GREEDY] * top_b)
-        rows = [DecodeRow(i, firsts[i].token_ids[0], context) for i in range(top_b)]
+        rows = _scratch_rows(state, top_b, context, vocab)
         for n in range(passes + 1):
             for b in batch_sizes:
                 for k in num_drafts:
-                    start = time.perf_counter()
-                    spec_step(state, rows[:b], [GREEDY] * b, num_draft=k)
-                    seconds = time.perf_counter() - start
+                    seconds = _timed_step(state, rows[:b], k)
                     if n:  # pass 0 warms up
                         best[(b, k)] = min(seconds, best.get((b, k), seconds))
         per_position = _catch_up_seconds(state, rows, passes) / (top_b * context)
@@ -69,6 +67,44 @@ def measure_grid(
         for i in range(top_b):
             release(state, i)
     return best, per_position
+
+
+def measure_context(
+    state: SpecState, batch_size: int, num_draft: int, context_tokens: int, passes: int = 6
+) -> tuple[float, float]:
+    """Fastest seconds of a plain step and of a `num_draft` step for `batch_size` rows at
+    `context_tokens` of context, interleaved over `passes` (after one warm-up pass)."""
+    plain = drafting = float("inf")
+    try:
+        rows = _scratch_rows(state, batch_size, context_tokens, 256)
+        for n in range(passes + 1):
+            seconds = (_timed_step(state, rows, 0), _timed_step(state, rows, num_draft))
+            if n:
+                plain, drafting = min(plain, seconds[0]), min(drafting, seconds[1])
+    finally:
+        for i in range(batch_size):
+            release(state, i)
+    return plain, drafting
+
+
+def _room(state: SpecState, max_k: int) -> int:
+    """The longest context a scratch row can have and still take a step of max_k drafts."""
+    return state.caches.target.capacity - max_k - 1
+
+
+def _scratch_rows(state: SpecState, n: int, context: int, vocab: int) -> list[DecodeRow]:
+    """Rows in slots 0..n-1 holding `context` tokens of a deterministic prompt each."""
+    vocab = min(vocab, state.target.config.vocab_size - 1)
+    prompts = [[(7 * i + j) % vocab + 1 for j in range(context)] for i in range(n)]
+    firsts = prefill(state, [PrefillRow(i, p) for i, p in enumerate(prompts)], [GREEDY] * n)
+    return [DecodeRow(i, firsts[i].token_ids[0], context) for i in range(n)]
+
+
+def _timed_step(state: SpecState, rows: list[DecodeRow], k: int) -> float:
+    start = time.perf_counter()
+    spec_step(state, rows, [GREEDY] * len(rows), num_draft=k)
+    synchronize(state)
+    return time.perf_counter() - start
 
 
 def _catch_up_seconds(state: SpecState, rows: list[DecodeRow], passes: int) -> float:
@@ -94,14 +130,29 @@ def calibrate_state(
     max_num_seqs: int | None = None,
     *,
     context_tokens: int = 128,
+    long_context: int = 1024,
     passes: int = 6,
 ) -> CostModel:
-    """The cost model of this state on the default grid (about 10 s for the bundled
-    tiny-coder with 16 slots on a busy 2-core machine), made monotone."""
+    """The cost model of this state on the default grid at `context_tokens`, made
+    monotone, with its context term fitted from a few rows at `long_context` (where the
+    slots have room for twice the grid's context; else the grid's context throughout)."""
     seqs = state.caches.target.num_slots if max_num_seqs is None else max_num_seqs
     batch_sizes, num_drafts = default_grid(seqs, max_draft_tokens(state))
     best, per_position = measure_grid(
         state, batch_sizes, num_drafts, context_tokens=context_tokens, passes=passes
     )
     seconds = tuple(tuple(best[(b, k)] for k in num_drafts) for b in batch_sizes)
-    return CostModel(tuple(batch_sizes), tuple(num_drafts), seconds, per_position).monotone()
+    costs = CostModel(tuple(batch_sizes), tuple(num_drafts), seconds, per_position).monotone()
+    short = max(1, min(context_tokens, _room(state, max(num_drafts))))
+    long = min(long_context, _room(state, max(num_drafts)))
+    if long < 2 * short:
+        return costs
+    b, k = min(CONTEXT_ROWS, max(batch_sizes)), max(num_drafts)
+    plain, drafting = measure_context(state, b, k, long, passes)
+    term = ContextTerm.fit(short, long, b, k, (best[(b, 0)], plain), (best[(b, k)], drafting))
+    return replace(costs, context=term)
+
+
+# Rows measured at the long context: enough for the per-row and per-query slopes to show,
+# few enough that their prefill stays a fraction of the calibration.
+CONTEXT_ROWS = 4

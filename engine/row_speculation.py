@@ -83,6 +83,7 @@ class RowView:
     rates: Sequence[float]  # its own conditional acceptance per position
     pending: int = 0  # positions of drafter context it lacks (put off by plain steps)
     forced: bool = False  # a seeded sampled row: always drafts max_k
+    context: int | None = None  # tokens in its cache (None: the cost grid's context)
 
 
 @dataclass(frozen=True)
@@ -104,34 +105,56 @@ class StepPlan:
 def plan_step(policy: SpecPolicy, rows: Sequence[RowView], extra_seconds: float = 0.0) -> StepPlan:
     """The split (drafting group at K, plain group) with the most expected tokens per
     second; `extra_seconds`: time the step spends anyway (this iteration's prefill), which
-    makes drafting relatively cheaper. Drafting must beat plain decoding by the policy's
-    margin unless a forced row needs it."""
+    makes drafting relatively cheaper. Each group's cost is taken at its longest row's
+    context. Drafting must beat plain decoding by the policy's margin unless a forced row
+    needs it."""
     n = len(rows)
     if policy.mode == "fixed" or policy.max_k == 0:
         return StepPlan(policy.max_k, (True,) * n)
     forced = sum(r.forced for r in rows)
     gains = [_cumulative_tokens(r.rates, policy.max_k) for r in rows]
     order = sorted(range(n), key=lambda i: (not rows[i].forced, -gains[i][-1]))
-    curves = {m: policy.curve(m) for m in range(1, n + 1)}
+    head, tail = _running_contexts([rows[i].context for i in order])
     per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
-    plain_score = n / (curves[n][0] + extra_seconds)
+    plain_score = n / (policy.curve(n, head[n])[0] + extra_seconds)
     best_score, best = (-1.0, StepPlan.plain(n)) if forced else (plain_score, StepPlan.plain(n))
     threshold = best_score * (1.0 + (0.0 if forced else policy.margin))
-    for k in _candidate_ks(policy, forced > 0):
-        tokens, catch = float(n), 0.0
-        for m in range(1, n + 1):
-            row = order[m - 1]
-            tokens += gains[row][k] - 1.0
-            catch += rows[row].pending * per_position
-            if m < forced:
-                continue
-            plain_rest = curves[n - m][0] if m < n else 0.0
-            score = tokens / (extra_seconds + curves[m][k] + plain_rest + catch)
+    ks = _candidate_ks(policy, forced > 0)
+    tokens, catch = dict.fromkeys(ks, float(n)), 0.0
+    for m in range(1, n + 1):
+        row = order[m - 1]
+        catch += rows[row].pending * per_position
+        for k in ks:
+            tokens[k] += gains[row][k] - 1.0
+        if m < forced:
+            continue
+        drafting = policy.curve(m, head[m])
+        rest = policy.curve(n - m, tail[m])[0] if m < n else 0.0
+        for k in ks:
+            score = tokens[k] / (extra_seconds + drafting[k] + rest + catch)
             if score > threshold and score > best_score:
                 best_score = score
                 chosen = set(order[:m])
                 best = StepPlan(k, tuple(i in chosen for i in range(n)))
     return best
+
+
+def _running_contexts(
+    contexts: Sequence[int | None],
+) -> tuple[list[int | None], list[int | None]]:
+    """head[m]: the longest context among the first m rows; tail[m]: among the rest."""
+
+    def longest(a: int | None, b: int | None) -> int | None:
+        return b if a is None else a if b is None else max(a, b)
+
+    head: list[int | None] = [None]
+    for c in contexts:
+        head.append(longest(head[-1], c))
+    tail: list[int | None] = [None]
+    for c in reversed(contexts):
+        tail.append(longest(tail[-1], c))
+    tail.reverse()
+    return head, tail
 
 
 def _cumulative_tokens(rates: Sequence[float], max_k: int) -> list[float]:

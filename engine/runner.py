@@ -139,6 +139,7 @@ class ModelRunner:
                 self._acceptance[id(s)].rates(),
                 pending_context(self._state, [row]),
                 _seeded_sampling(s),
+                row.position,
             )
             for s, row in zip(seqs, rows, strict=True)
         ]
@@ -155,7 +156,8 @@ class ModelRunner:
         start = time.perf_counter()
         results = spec_step(self._state, rows, sampling, num_draft=k)
         synchronize(self._state)
-        self.policy.observe_cost(len(rows), k, time.perf_counter() - start)
+        context = max(r.position for r in rows)
+        self.policy.observe_cost(len(rows), k, time.perf_counter() - start, context)
         return results
 
     def _observe(self, seqs: list[Sequence], results: list[RowResult]) -> None:

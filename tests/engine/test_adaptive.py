@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.adaptive import (
     EXPLORE_BACKOFF,
     AcceptanceStats,
+    ContextTerm,
     CostModel,
     SpecPolicy,
     calibrate,
@@ -223,3 +226,21 @@ def test_cost_model_json_round_trip_and_counter_rates() -> None:
         CostModel.from_json({"batch_sizes": [1]})
     assert conditional_rates([80, 40, 0], 100) == pytest.approx([0.8, 0.5, 0.0])
     assert conditional_rates([0, 0], 0) == [0.0, 0.0]
+
+
+def test_the_context_term_moves_the_grid_with_the_rows_context() -> None:
+    # Plain steps grow by 0.2 s and 3-draft steps by 0.5 s from context 100 to 500 at b=2.
+    term = ContextTerm.fit(100, 500, 2, 3, plain=(1.0, 1.2), drafting=(2.0, 2.5))
+    assert term.per_query_key == pytest.approx(0.3 / (2 * 400 * 3))
+    assert term.per_row_key == pytest.approx(0.2 / 800 - term.per_query_key)
+    assert term.extra(2, 0, 500) == pytest.approx(0.2)
+    assert term.extra(2, 3, 500) == pytest.approx(0.5)
+    costs = replace(_linear_costs(), context=term)
+    at_grid = costs.curve(2, 3)
+    assert costs.curve(2, 3, context=100) == pytest.approx(at_grid)
+    longer = costs.curve(2, 3, context=500)
+    assert longer[0] - at_grid[0] == pytest.approx(0.2) and longer[3] > at_grid[3]
+    assert min(costs.curve(2, 3, context=-(10**9))) > 0  # never below a quarter of the grid
+    assert CostModel.from_json(costs.to_json()) == costs
+    # Noise that shrinks a cost with context never makes a slope negative.
+    assert ContextTerm.fit(100, 500, 2, 3, (1.0, 0.9), (2.0, 1.0)) == ContextTerm(100)

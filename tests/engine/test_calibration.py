@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.calibration import calibrate_state, measure_grid
+from engine.adaptive import ContextTerm
+from engine.calibration import calibrate_state, measure_context, measure_grid
 from engine.speculative import SpecState
 from tests.fixtures.tiny_models import random_drafter, random_target, tiny_target_config
 
@@ -30,3 +31,18 @@ def test_calibrated_grid_covers_batch_sizes_and_draft_counts() -> None:
     for row in costs.seconds:
         assert list(row) == sorted(row) and row[0] > 0
     assert 0 < costs.catch_up_per_position < costs.seconds[0][0]
+
+
+def test_the_context_term_is_fitted_from_a_long_context_and_the_slots_are_emptied() -> None:
+    state = _state()
+    costs = calibrate_state(state, context_tokens=8, passes=2)
+    assert costs.context.tokens == 8  # the grid's context; the long one had room
+    assert costs.context.per_row_key >= 0 and costs.context.per_query_key >= 0
+    assert state.caches.target.lengths == [0, 0]
+    plain, drafting = measure_context(state, 2, 3, 48, passes=1)
+    assert plain > 0 and drafting > 0 and state.caches.target.lengths == [0, 0]
+
+
+def test_no_context_term_without_room_for_a_long_context() -> None:
+    costs = calibrate_state(_state(), context_tokens=40, passes=1)
+    assert costs.context == ContextTerm()
