@@ -6,9 +6,10 @@ the worker: a worker-wide estimate lets four sampled requests switch drafting of
 greedy request after them. So every running request carries its own `AcceptanceStats`:
 
 - It starts from the recent acceptance of requests in its temperature band (`BandPriors`;
-  greedy, low and high temperature), weighed as a few pseudo-trials so that its own steps
-  outweigh it at once. A band starts from the optimistic prior, and sampled traffic moves
-  only its own band: a greedy request after sampled ones is not locked out.
+  greedy, low and high temperature), floored at a coin flip and weighed as two
+  pseudo-trials, so that its own first drafting steps outweigh it. A band starts from the
+  optimistic prior, and sampled traffic moves only its own band: a greedy request after
+  sampled ones is not locked out, and neither is a request unlike the rest of its band.
 - Only its own drafting steps move it.
 
 A step then runs at most two forwards (`plan_step`): a drafting group verifying K drafts per
@@ -48,7 +49,11 @@ class BandPriors:
     """Recent acceptance per temperature band, the starting point of each new request."""
 
     max_k: int
-    prior_trials: float = 4.0  # weight of the band's estimate in a new request's own
+    prior_trials: float = 2.0  # weight of the band's estimate in a new request's own
+    # Requests in one band differ (greedy code accepts most drafts, greedy prose few): a
+    # band brought low by others starts a new request at a coin flip, where one or two of
+    # its own drafting steps tell, rather than lower, where it would never draft.
+    floor: float = 0.5
     bands: dict[str, AcceptanceStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,14 +61,15 @@ class BandPriors:
             self.bands.setdefault(name, AcceptanceStats(self.max_k))
 
     def stats_for(self, temperature: float) -> AcceptanceStats:
-        """A new request's own estimates: its band's current rates as the prior, behind
-        `prior_trials` pseudo-trials (a fresh band's rates are the optimistic prior)."""
+        """A new request's own estimates: its band's current rates, floored at `floor`,
+        as the prior behind `prior_trials` pseudo-trials (a fresh band's rates are the
+        optimistic prior)."""
         band = self.bands[band_of(temperature)]
         return AcceptanceStats(
             self.max_k,
             band.halflife_steps,
             prior_weight=self.prior_trials,
-            prior_rates=tuple(band.rates()),
+            prior_rates=tuple(max(self.floor, r) for r in band.rates()),
         )
 
     def observe_step(self, rows: Sequence[tuple[float, int, int]]) -> None:

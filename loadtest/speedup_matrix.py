@@ -243,6 +243,7 @@ def matrix_rows(
                 ],
                 "mean_acceptance_length": _mean(fast.acceptance_lengths),
                 "plain_step_share": fast.plain_steps / steps if steps else None,
+                "generated_tokens": {"dflash": fast.tokens, "plain": plain.tokens},
                 "errors": fast.errors + plain.errors,
             }
             if shape.twin is not None:
