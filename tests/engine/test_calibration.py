@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from engine import calibration
 from engine.adaptive import ContextTerm
 from engine.calibration import calibrate_state, measure_context, measure_grid
 from engine.speculative import SpecState
@@ -46,3 +48,30 @@ def test_the_context_term_is_fitted_from_a_long_context_and_the_slots_are_emptie
 def test_no_context_term_without_room_for_a_long_context() -> None:
     costs = calibrate_state(_state(), context_tokens=40, passes=1)
     assert costs.context == ContextTerm()
+
+
+def test_passes_go_on_until_the_minima_settle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A neighbour busy through the first five passes (every step twice as slow) and gone
+    by the sixth: the sixth still finds the grid faster, so the passes go on until one
+    finds nothing faster."""
+    calls: list[int] = []
+    cells = 4  # 2 batch sizes x 2 draft counts
+
+    def timed(state: SpecState, rows: list[object], k: int) -> float:
+        calls.append(k)
+        busy = len(calls) <= cells * 6  # the warm-up and five passes
+        return (2.0 if busy else 1.0) * (1 + len(rows) + k)
+
+    monkeypatch.setattr(calibration, "_timed_step", timed)
+    best, _ = measure_grid(_state(), [1, 2], [0, 3], context_tokens=16, passes=6, vocab=60)
+    assert best == {(b, k): 1.0 + b + k for b in (1, 2) for k in (0, 3)}
+    assert len(calls) == cells * (1 + 6 + 1)  # one more pass, which settled
+    calls.clear()
+
+    def ever_faster(state: SpecState, rows: list[object], k: int) -> float:
+        calls.append(k)
+        return 100.0 / len(calls)  # a machine that never settles
+
+    monkeypatch.setattr(calibration, "_timed_step", ever_faster)
+    measure_grid(_state(), [1, 2], [0, 3], context_tokens=16, passes=2, vocab=60)
+    assert len(calls) == cells * (1 + 2 * (1 + calibration.MORE_PASSES))  # bounded
