@@ -289,40 +289,60 @@ def running_workers(
     log_dir: Path,
     argv: Callable[[WorkerSpec, int, argparse.Namespace], list[str]] = worker_argv,
     env: Callable[[WorkerSpec, int], dict[str, str]] = worker_env,
+    together: bool = False,
 ) -> Iterator[list[RunningWorker]]:
-    """Start the workers one at a time (a vLLM start takes both cores for a minute), keep
+    """Start the workers one at a time (a vLLM start takes both cores for a minute), or all
+    at the same moment (`together`: each start then has the others' as a neighbour), keep
     them all up, stop them all at the end. `argv`/`env`: each worker's command line and
     environment (from its spec, port and the options; from its spec and --threads)."""
     workers: list[RunningWorker] = []
     try:
         for i, spec in enumerate(specs):
-            port = args.port_base + i if args.port_base else free_port()
-            log_path = log_dir / f"{spec.name}.log"
-            print(f"starting {spec.name} on port {port} (log {log_path})", flush=True)
-            with log_path.open("wb") as log:
-                process = subprocess.Popen(
-                    argv(spec, port, args),
-                    cwd=REPO,
-                    env=env(spec, args.threads),
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            worker = RunningWorker(spec, f"http://127.0.0.1:{port}", process, log_path)
-            workers.append(worker)
-            worker.startup_s = wait_healthy(
-                f"{worker.url}/health",
-                process,
-                args.startup_timeout,
-                name=spec.name,
-                log=log_path,
-                report_every=15.0,
-                interval=0.5,
-            )
-            print(f"  {spec.name}: ready after {worker.startup_s:.0f} s", flush=True)
+            workers.append(_launch(spec, i, args, log_dir, argv, env))
+            if not together:
+                _await_ready(workers[-1], args)
+        for worker in workers if together else ():
+            _await_ready(worker, args)
         yield workers
     finally:
         for worker in workers:
             stop(worker.process, timeout=60)
+
+
+def _launch(
+    spec: WorkerSpec,
+    i: int,
+    args: argparse.Namespace,
+    log_dir: Path,
+    argv: Callable[[WorkerSpec, int, argparse.Namespace], list[str]],
+    env: Callable[[WorkerSpec, int], dict[str, str]],
+) -> RunningWorker:
+    port = args.port_base + i if args.port_base else free_port()
+    log_path = log_dir / f"{spec.name}.log"
+    print(f"starting {spec.name} on port {port} (log {log_path})", flush=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            argv(spec, port, args),
+            cwd=REPO,
+            env=env(spec, args.threads),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return RunningWorker(spec, f"http://127.0.0.1:{port}", process, log_path)
+
+
+def _await_ready(worker: RunningWorker, args: argparse.Namespace) -> None:
+    name = worker.spec.name
+    worker.startup_s = wait_healthy(
+        f"{worker.url}/health",
+        worker.process,
+        args.startup_timeout,
+        name=name,
+        log=worker.log_path,
+        report_every=15.0,
+        interval=0.5,
+    )
+    print(f"  {name}: ready after {worker.startup_s:.0f} s", flush=True)
 
 
 # ---- load -----------------------------------------------------------------------------------

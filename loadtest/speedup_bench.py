@@ -259,6 +259,34 @@ def result_rows(cells: dict[Key, Cell], streams: Sequence[bool], cs: Sequence[in
     return rows
 
 
+def start_spread(
+    starts: Sequence[dict[Key, Cell]], streams: Sequence[bool], cs: Sequence[int]
+) -> list[dict[str, Any]]:
+    """Each start's rows (marked with the start's number)."""
+    out = []
+    for i, cells in enumerate(starts):
+        rows = [{**row, "start": i + 1} for row in result_rows(cells, streams, cs)]
+        out.append({"start": i + 1, "results": rows})
+    return out
+
+
+def format_spread(starts: Sequence[dict[str, Any]]) -> str:
+    """Per (stream, concurrency): the ratio of each start, and their range."""
+    by_cell: dict[tuple[bool, int], list[float]] = {}
+    for start in starts:
+        for row in start["results"]:
+            if row["ratio"] is not None:
+                by_cell.setdefault((row["stream"], row["concurrency"]), []).append(row["ratio"])
+    lines = ["spread over starts (DFlash / plain, each start's ratio):"]
+    for (stream, c), ratios in by_cell.items():
+        each = " ".join(f"{r:.2f}" for r in ratios)
+        lines.append(
+            f"  stream={'yes' if stream else 'no'} c={c}: {min(ratios):.2f}-{max(ratios):.2f}"
+            f"  ({each})"
+        )
+    return "\n".join(lines)
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -381,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: largest concurrency")
     p.add_argument("--max-model-len", type=int, default=None, help="default 1024 (--matrix: 2048)")
     p.add_argument(
+        "--starts",
+        type=int,
+        default=1,
+        help="start both workers at the same moment this many times, measuring after each "
+        "start (the spread of DFlash's start-up calibration under a busy neighbour)",
+    )
+    p.add_argument(
         "--matrix",
         action="store_true",
         help="every workload shape (prompt and output lengths, arrivals, temperatures, "
@@ -407,7 +442,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     from loadtest import speedup_matrix as sm  # it builds on this module
 
     args.max_model_len = args.max_model_len or (sm.MAX_MODEL_LEN if args.matrix else 1024)
-    for name in ("rounds", "num_requests", "requests_per_slot"):
+    if args.matrix and args.starts > 1:
+        parser.error("--starts measures one workload: not with --matrix")
+    for name in ("rounds", "num_requests", "requests_per_slot", "starts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     longest = (
@@ -451,14 +488,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     n = max(args.num_requests, max(args.concurrency) * args.requests_per_slot)
     requests = build_workload(n, args.prompt_tokens, args.new_tokens)
     specs = [WorkerSpec("embedded", mode) for mode in MODES]
+    starts: list[dict[Key, Cell]] = []
     with contextlib.ExitStack() as stack:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
-        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=worker_env)
-        with launch as workers:
-            cells = asyncio.run(measure(workers, requests, args))
-    report = build_report(args, requests, cells, list(os.getloadavg()))
+        for _ in range(args.starts):  # together: each start has the other as a neighbour
+            together = args.starts > 1
+            launch = running_workers(
+                specs, args, log_dir, argv=worker_argv, env=worker_env, together=together
+            )
+            with launch as workers:
+                starts.append(asyncio.run(measure(workers, requests, args)))
+    report = build_report(args, requests, starts[0], list(os.getloadavg()))
+    if args.starts > 1:
+        report["starts"] = start_spread(starts, args.streams, args.concurrency)
+        report["results"] = [row for start in report["starts"] for row in start["results"]]
     print(format_table(report))
+    if args.starts > 1:
+        print(format_spread(report["starts"]))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.json}")

@@ -89,3 +89,34 @@ def test_quick_run_against_embedded_workers(
         assert r["generated_tokens"]["dflash"] == r["generated_tokens"]["plain"] > 0
         assert r["plain_step_share"] is not None
     assert len(report["workload"]) == 4 and report["workers"]["plain"][-1] == "--no-speculation"
+
+
+def test_starts_report_each_start_and_their_spread() -> None:
+    assert sb.parse_args(["--starts", "3"]).starts == 3
+    for bad in (["--starts", "0"], ["--starts", "2", "--matrix"]):
+        with pytest.raises(SystemExit):
+            sb.parse_args(bad)
+    starts = []
+    for fast_tokens in (30, 20):  # DFlash 1.5x plain after the first start, 1.0x after the second
+        fast, plain = sb.Cell(), sb.Cell()
+        fast.add_round([_outcome(fast_tokens, 3.0)], 1.0)
+        plain.add_round([_outcome(20, None)], 1.0)
+        starts.append({("dflash", False, 1): fast, ("plain", False, 1): plain})
+    spread = sb.start_spread(starts, [False], [1])
+    assert [s["start"] for s in spread] == [1, 2]
+    assert [s["results"][0]["ratio"] for s in spread] == pytest.approx([1.5, 1.0])
+    assert "stream=no c=1: 1.00-1.50  (1.50 1.00)" in sb.format_spread(spread)
+
+
+def test_two_starts_with_both_workers_starting_together(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(bb.REPO))
+    out = tmp_path / "starts.json"
+    argv = ["speedup", "--quick", "--starts", "2", "--stream", "no", "--concurrency", "1"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "spread over starts" in printed and printed.count("starting embedded-dflash") == 2
+    report = json.loads(out.read_text())
+    assert [s["start"] for s in report["starts"]] == [1, 2]
+    assert all(r["ratio"] and r["errors"] == 0 for r in report["results"])
