@@ -57,6 +57,9 @@ class EngineStats:
     prompt_tokens: int
     generation_tokens: int
     num_requests_finished: int
+    # Cumulative seconds and forwards per kind of step work (runner.STEP_KINDS).
+    step_seconds: dict[str, float] = field(default_factory=dict)
+    step_counts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -264,6 +267,8 @@ class Engine:
             prompt_tokens=c.prompt_tokens,
             generation_tokens=c.generation_tokens,
             num_requests_finished=c.num_requests_finished,
+            step_seconds=dict(self.runner.profile.seconds),
+            step_counts=dict(self.runner.profile.counts),
         )
 
 

@@ -8,6 +8,7 @@ back; nothing here decides who runs.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,6 +42,21 @@ from engine.speculative import (
     spec_step,
     synchronize,
 )
+
+STEP_KINDS = ("prefill", "drafting", "plain", "catch_up")
+
+
+@dataclass
+class StepProfile:
+    """Seconds and forwards per kind of work: prefill, drafting groups, plain groups, and
+    the catch-up of drafter context before a drafting group (cumulative)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+
+    def record(self, kind: str, seconds: float) -> None:
+        self.seconds[kind] += seconds
+        self.counts[kind] += 1
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -79,6 +95,7 @@ class ModelRunner:
         )
         self._sampling: dict[int, RowSampling] = {}  # by id(sequence), while it runs
         self._shared_generator = torch.Generator(device=config.device).manual_seed(config.seed)
+        self.profile = StepProfile()
         self.policy: SpecPolicy | None = None
         self.priors: BandPriors | None = None
         self._acceptance: dict[int, AcceptanceStats] = {}  # each running request's own
@@ -104,7 +121,11 @@ class ModelRunner:
     def prefill(self, seqs: list[Sequence]) -> list[RowResult]:
         """Prompts into the caches; the first token of each sequence."""
         rows = [PrefillRow(slot=_slot(s), token_ids=s.prompt_token_ids) for s in seqs]
-        return prefill(self._state, rows, [self._sampling[id(s)] for s in seqs])
+        start = time.perf_counter()
+        results = prefill(self._state, rows, [self._sampling[id(s)] for s in seqs])
+        synchronize(self._state)
+        self.profile.record("prefill", time.perf_counter() - start)
+        return results
 
     def decode(self, seqs: list[Sequence], extra_seconds: float = 0.0) -> list[RowResult]:
         """One speculative step over every running sequence. Adaptive: the rows split into
@@ -119,7 +140,12 @@ class ModelRunner:
         ]
         sampling = [self._sampling[id(s)] for s in seqs]
         if self.policy is None:
-            return spec_step(self._state, rows, sampling)
+            start = time.perf_counter()
+            every = spec_step(self._state, rows, sampling)
+            synchronize(self._state)
+            kind = "drafting" if max_draft_tokens(self._state) else "plain"
+            self.profile.record(kind, time.perf_counter() - start)
+            return every
         plan = self._plan(seqs, rows, extra_seconds)
         results: list[RowResult | None] = [None] * len(rows)
         for k, members in ((plan.num_drafts, True), (0, False)):
@@ -151,13 +177,16 @@ class ModelRunner:
     ) -> list[RowResult]:
         assert self.policy is not None
         if k > 0:
-            catch_up(self._state, rows)
-            synchronize(self._state)  # its kernels are not this group's cost
+            start = time.perf_counter()
+            if catch_up(self._state, rows):
+                synchronize(self._state)  # its kernels are not this group's cost
+                self.profile.record("catch_up", time.perf_counter() - start)
         start = time.perf_counter()
         results = spec_step(self._state, rows, sampling, num_draft=k)
         synchronize(self._state)
-        context = max(r.position for r in rows)
-        self.policy.observe_cost(len(rows), k, time.perf_counter() - start, context)
+        seconds = time.perf_counter() - start
+        self.profile.record("drafting" if k else "plain", seconds)
+        self.policy.observe_cost(len(rows), k, seconds, max(r.position for r in rows))
         return results
 
     def _observe(self, seqs: list[Sequence], results: list[RowResult]) -> None:

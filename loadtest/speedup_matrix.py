@@ -38,6 +38,8 @@ from loadtest.speedup_bench import Outcome, Request, build_workload, one_request
 SHORT_PROMPT, MEDIUM_PROMPT, LONG_PROMPT = (8, 48), (32, 512), (1024, 1536)
 SHORT_OUTPUT, LONG_OUTPUT = (32, 96), (256, 256)
 SAMPLED = 1.0  # the mixed stream's other half: drafts are then rarely accepted
+STEP_SECONDS = "dflash:engine_step_seconds"  # the worker's profile, per kind of forward
+KINDS = ("prefill", "drafting", "plain", "catch_up")
 Arrivals = Literal["burst", "closed"]
 Temperature = Literal["0", "0.7", "mixed"]
 
@@ -133,6 +135,12 @@ class MatrixCell:
     spec_steps: int = 0
     plain_steps: int = 0
     classes: dict[str, ClassSpeed] = field(default_factory=dict)
+    # The engine's seconds per kind of forward over the cell's rounds (its /metrics).
+    profile: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+
+    def add_profile(self, before: dict[str, float], after: dict[str, float]) -> None:
+        for kind in KINDS:
+            self.profile[kind] += after[kind] - before[kind]
 
     def add(self, results: Sequence[Outcome | None], labels: Sequence[str], seconds: float) -> None:
         done = 0
@@ -158,6 +166,21 @@ class MatrixCell:
 
 
 Key = tuple[str, str, int]  # (worker mode, shape name, concurrency)
+
+
+async def step_seconds(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The worker's cumulative engine seconds per kind of forward (its /metrics)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = await client.get(url + "/metrics")
+    response.raise_for_status()
+    out = dict.fromkeys(KINDS, 0.0)
+    for family in text_string_to_metric_families(response.text):
+        if family.name == STEP_SECONDS:
+            for sample in family.samples:
+                if sample.name.endswith("_total") and sample.labels.get("kind") in out:
+                    out[sample.labels["kind"]] += sample.value
+    return out
 
 
 def class_of(temperature: float) -> str:
@@ -197,10 +220,12 @@ async def measure_matrix(
                     batch = requests[shape.name][: shape.num_requests(c, args.requests_per_slot)]
                     for w in [*workers[r % 2 :], *workers[: r % 2]]:
                         await settle(workers)
+                        before = await step_seconds(client, w.url)
                         results, seconds = await _run(client, w.url, shape, batch, c)
                         labels = [class_of(shape.temperature_of(i)) for i in range(len(batch))]
                         cell = cells[(w.spec.mode, shape.name, c)]
                         cell.add(results, labels, seconds)
+                        cell.add_profile(before, await step_seconds(client, w.url))
                         print(
                             f"  round {r + 1}/{args.rounds} {shape.name} c={c} "
                             f"{w.spec.mode}: {cell.rounds[-1]:.1f} tok/s",
@@ -244,6 +269,7 @@ def matrix_rows(
                 "mean_acceptance_length": _mean(fast.acceptance_lengths),
                 "plain_step_share": fast.plain_steps / steps if steps else None,
                 "generated_tokens": {"dflash": fast.tokens, "plain": plain.tokens},
+                "profile": {"dflash": _shares(fast), "plain": _shares(plain)},
                 "errors": fast.errors + plain.errors,
             }
             if shape.twin is not None:
@@ -260,6 +286,12 @@ def _mixed(cells: dict[Key, MatrixCell], shape: Shape, c: int) -> dict[str, Any]
     sampled = _ratio(_speed(fast, "sampled"), _speed(plain, "sampled"))
     greedy = _ratio(_speed(fast, "greedy"), _speed(twin, "greedy"))
     return {"sampled_vs_plain": sampled, "greedy_vs_greedy_only": greedy}
+
+
+def _shares(cell: MatrixCell) -> dict[str, float]:
+    """Each kind's engine seconds as a share of the cell's wall time."""
+    wall = cell.elapsed_s
+    return {kind: (cell.profile[kind] / wall if wall > 0 else 0.0) for kind in KINDS}
 
 
 def _speed(cell: MatrixCell, label: str) -> float | None:
@@ -299,7 +331,8 @@ def _least(values: Any) -> float | None:
 def format_matrix(report: dict[str, Any]) -> str:
     head = (
         f"{'shape':<28} {'c':>3} {'plain tok/s':>11} {'DFlash tok/s':>12} {'ratio':>6} "
-        f"{'rounds':>11} {'accept':>6} {'plain':>6} {'sampled':>8} {'greedy':>7} {'err':>4}"
+        f"{'rounds':>11} {'accept':>6} {'plain':>6} {'sampled':>8} {'greedy':>7} {'err':>4} "
+        f"{'DFlash time: prefill/draft/plain/catch-up %':>43}"
     )
     lines = [head, "-" * len(head)]
     for r in report["results"]:
@@ -311,7 +344,8 @@ def format_matrix(report: dict[str, Any]) -> str:
             f"{_fmt(r['mean_acceptance_length'], '.2f'):>6} "
             f"{_fmt(r['plain_step_share'], '.0%'):>6} "
             f"{_fmt(r.get('sampled_vs_plain'), '.2f'):>8} "
-            f"{_fmt(r.get('greedy_vs_greedy_only'), '.2f'):>7} {r['errors']:>4}"
+            f"{_fmt(r.get('greedy_vs_greedy_only'), '.2f'):>7} {r['errors']:>4} "
+            f"{_profile(r):>43}"
         )
     s = report["summary"]
     lines.append(
@@ -321,6 +355,11 @@ def format_matrix(report: dict[str, Any]) -> str:
         f"greedy vs greedy-only >= {_fmt(s['worst_greedy_vs_greedy_only'], '.2f')}"
     )
     return "\n".join(lines)
+
+
+def _profile(row: dict[str, Any]) -> str:
+    shares = row.get("profile", {}).get("dflash")
+    return "/".join(f"{100 * shares[k]:.0f}" for k in KINDS) if shares else "-"
 
 
 def _fmt(value: float | None, spec: str) -> str:

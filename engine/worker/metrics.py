@@ -114,6 +114,10 @@ class EngineStatsView(Protocol):
     def prompt_tokens(self) -> int: ...
     @property
     def generation_tokens(self) -> int: ...
+    @property
+    def step_seconds(self) -> dict[str, float]: ...
+    @property
+    def step_counts(self) -> dict[str, int]: ...
 
 
 StatsSource = Callable[[], "EngineStatsView | None"]
@@ -169,6 +173,19 @@ class EngineCollector(Collector):
         yield by_k
         yield self._counter("vllm:prompt_tokens", "Prefill tokens processed.", s.prompt_tokens)
         yield self._counter("vllm:generation_tokens", "Tokens generated.", s.generation_tokens)
+        yield from self._step_profile(s)
+
+    def _step_profile(self, s: EngineStatsView) -> Iterator[Metric]:
+        """Where the engine's time goes, per kind of forward: prefill, drafting groups,
+        plain groups and the catch-up of drafter context before a drafting group."""
+        for name, doc, values in (
+            ("dflash:engine_step_seconds", "Seconds of engine forwards by kind.", s.step_seconds),
+            ("dflash:engine_steps", "Engine forwards by kind.", s.step_counts),
+        ):
+            family = CounterMetricFamily(name, doc, labels=[*self._labels, "kind"])
+            for kind, value in values.items():
+                family.add_metric([*self._labels.values(), kind], value)
+            yield family
 
     def _cache_config_info(self, s: EngineStatsView) -> Metric:
         """vLLM's info gauge (always 1): its cache config as labels, named as vLLM's

@@ -97,3 +97,5 @@ def test_quick_matrix_against_embedded_workers(
     mixed = [r for r in rows if r["shape"] == "quick-mixed"]
     assert all(r["sampled_vs_plain"] and r["greedy_vs_greedy_only"] for r in mixed)
     assert report["summary"]["cells"] == 4
+    shares = [r["profile"]["dflash"] for r in rows]  # where DFlash's time went
+    assert all(s["prefill"] > 0 and s["drafting"] + s["plain"] > 0 for s in shares)

@@ -678,6 +678,13 @@ def test_adaptive_speculation_shows_its_choices(ckpt: TinyCheckpoint) -> None:
         samples = scrape(handle.base_url)
         steps = metric(samples, "dflash:spec_decode_steps_by_num_drafts_total")
         assert steps == spec["num_plain_steps"] + spec["num_spec_steps"] >= 1
+        # Where the engine's time went, per kind of forward (one prefill at least).
+        assert metric(samples, "dflash:engine_steps_total", kind="prefill") >= 1
+        forwards = sum(
+            metric(samples, "dflash:engine_steps_total", kind=kind)
+            for kind in ("drafting", "plain")
+        )
+        assert forwards >= 1 and metric(samples, "dflash:engine_step_seconds_total") > 0
 
 
 def _joined_bytes(content: Any) -> str:
