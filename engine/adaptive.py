@@ -219,6 +219,7 @@ class AcceptanceStats:
     prior_rates: tuple[float, ...] = ()
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    _rates: list[float] | None = field(default=None, repr=False)  # until the next observe
 
     def __post_init__(self) -> None:
         if not self.tried:
@@ -233,6 +234,7 @@ class AcceptanceStats:
         if not any(num_drafted for num_drafted, _ in rows):
             return
         keep = 0.5 ** (1.0 / self.halflife_steps)
+        self._rates = None
         self.tried = [t * keep for t in self.tried]
         self.accepted = [a * keep for a in self.accepted]
         for num_drafted, num_accepted in rows:
@@ -243,6 +245,11 @@ class AcceptanceStats:
 
     def rates(self) -> list[float]:
         """a_j: acceptance of position j + 1 given every earlier one was accepted."""
+        if self._rates is None:
+            self._rates = self._estimate()
+        return self._rates
+
+    def _estimate(self) -> list[float]:
         w, prior = self.prior_weight, self.prior_rate
         rates = []
         for j, (a, t) in enumerate(zip(self.accepted, self.tried, strict=True)):
@@ -353,7 +360,8 @@ class SpecPolicy:
         if not factor:
             return base
         nearest = self._nearest_grid()
-        return [c * factor.get(nearest[k], 1.0) for k, c in enumerate(base)]
+        # Corrected per grid k, a wider step must still never look cheaper than a narrower.
+        return list(_running_max(c * factor.get(nearest[k], 1.0) for k, c in enumerate(base)))
 
     def observe_cost(
         self, batch_size: int, k: int, seconds: float, context: int | None = None

@@ -6,10 +6,11 @@ the worker: a worker-wide estimate lets four sampled requests switch drafting of
 greedy request after them. So every running request carries its own `AcceptanceStats`:
 
 - It starts from the recent acceptance of requests in its temperature band (`BandPriors`;
-  greedy, low and high temperature), floored at a coin flip and weighed as two
-  pseudo-trials, so that its own first drafting steps outweigh it. A band starts from the
-  optimistic prior, and sampled traffic moves only its own band: a greedy request after
-  sampled ones is not locked out, and neither is a request unlike the rest of its band.
+  greedy, low and high temperature), weighed as a few pseudo-trials that its own drafting
+  steps soon outweigh. A band starts from the optimistic prior, and sampled traffic moves
+  only its own band: a greedy request after sampled ones is not locked out. A request
+  unlike its band that the band's estimate keeps plain is looked at by the exploration
+  steps (`explored`), which try every row of a batch whose catch-up is cheap.
 - Only its own drafting steps move it.
 
 A step then runs at most two forwards (`plan_step`): a drafting group verifying K drafts per
@@ -29,10 +30,10 @@ in the drafting group and fix its K.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from engine.adaptive import EXPLORE_CATCH_UP, AcceptanceStats, SpecPolicy, expected_tokens
+from engine.adaptive import EXPLORE_CATCH_UP, AcceptanceStats, SpecPolicy
 
 BANDS = ("greedy", "low", "high")
 
@@ -49,11 +50,10 @@ class BandPriors:
     """Recent acceptance per temperature band, the starting point of each new request."""
 
     max_k: int
-    prior_trials: float = 2.0  # weight of the band's estimate in a new request's own
-    # Requests in one band differ (greedy code accepts most drafts, greedy prose few): a
-    # band brought low by others starts a new request at a coin flip, where one or two of
-    # its own drafting steps tell, rather than lower, where it would never draft.
-    floor: float = 0.5
+    # Weight of the band's estimate in a new request's own: a request's first drafting
+    # steps are too few to estimate 15 positions alone (its plan would swing from step to
+    # step), so they refine the band's estimate rather than replace it.
+    prior_trials: float = 8.0
     bands: dict[str, AcceptanceStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,15 +61,14 @@ class BandPriors:
             self.bands.setdefault(name, AcceptanceStats(self.max_k))
 
     def stats_for(self, temperature: float) -> AcceptanceStats:
-        """A new request's own estimates: its band's current rates, floored at `floor`,
-        as the prior behind `prior_trials` pseudo-trials (a fresh band's rates are the
-        optimistic prior)."""
+        """A new request's own estimates: its band's current rates as the prior, behind
+        `prior_trials` pseudo-trials (a fresh band's rates are the optimistic prior)."""
         band = self.bands[band_of(temperature)]
         return AcceptanceStats(
             self.max_k,
             band.halflife_steps,
             prior_weight=self.prior_trials,
-            prior_rates=tuple(max(self.floor, r) for r in band.rates()),
+            prior_rates=tuple(band.rates()),
         )
 
     def observe_step(self, rows: Sequence[tuple[float, int, int]]) -> None:
@@ -164,8 +163,13 @@ def _running_contexts(
 
 
 def _cumulative_tokens(rates: Sequence[float], max_k: int) -> list[float]:
-    """E[tokens | k] for k = 0..max_k (bonus token included)."""
-    return [expected_tokens(rates, k) for k in range(max_k + 1)]
+    """E[tokens | k] for k = 0..max_k (bonus token included), in one pass."""
+    out, total, survive = [1.0], 1.0, 1.0
+    for a in rates[:max_k]:
+        survive *= a
+        total += survive
+        out.append(total)
+    return out
 
 
 def _candidate_ks(policy: SpecPolicy, forced: bool) -> list[int]:
@@ -197,10 +201,74 @@ def explored(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> Ste
     return StepPlan(k, group)
 
 
-def with_forced(plan: StepPlan, rows: Sequence[RowView], max_k: int) -> StepPlan:
+def with_forced(plan: StepPlan, forced: Sequence[bool], max_k: int) -> StepPlan:
     """The plan with every seeded sampled row in the drafting group at max_k (which the
     group's other rows then draft too: a padded block costs no more per row)."""
-    if not any(r.forced for r in rows):
+    if not any(forced):
         return plan
-    group = tuple(d or r.forced for d, r in zip(plan.drafting, rows, strict=True))
+    group = tuple(d or f for d, f in zip(plan.drafting, forced, strict=True))
     return StepPlan(max_k, group)
+
+
+# A plain plan is kept this many steps while its batch stays the same: plain steps change
+# no row's estimates and the costs move slowly with the contexts, so re-planning every step
+# would only spend host time (a tenth of a plain step at 16 rows) for the same answer.
+REPLAN_EVERY = 8
+
+
+@dataclass
+class RowPlanner:
+    """Per-request speculation for one engine: each running request's own estimates, the
+    bands' priors, and each step's plan (a plain one kept while its batch stays the same).
+    Requests are named by any hashable key."""
+
+    policy: SpecPolicy
+    priors: BandPriors
+    _own: dict[Hashable, AcceptanceStats] = field(default_factory=dict)
+    _kept: tuple[tuple[Hashable, ...], StepPlan, int] | None = None  # keys, plan, age
+
+    def add(self, key: Hashable, temperature: float) -> None:
+        self._own[key] = self.priors.stats_for(temperature)
+
+    def remove(self, key: Hashable) -> None:
+        self._own.pop(key, None)
+
+    def plan(
+        self,
+        keys: Sequence[Hashable],
+        forced: Sequence[bool],
+        contexts: Sequence[int],
+        pending: Callable[[int], int],
+        extra_seconds: float = 0.0,
+    ) -> StepPlan:
+        """The step's plan for these rows; `pending(i)`: row i's drafter context to catch
+        up (asked only when the rows are weighed again)."""
+        batch = tuple(keys)
+        kept = self._kept
+        if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY and not extra_seconds:
+            self._kept = (batch, kept[1], kept[2] + 1)
+            return with_forced(kept[1], forced, self.policy.max_k)
+        views = [
+            RowView(self._own[key].rates(), pending(i), forced[i], contexts[i])
+            for i, key in enumerate(batch)
+        ]
+        planned = plan_step(self.policy, views, extra_seconds)
+        self._kept = None if planned.any_drafting else (batch, planned, 0)
+        return with_forced(explored(self.policy, planned, views), forced, self.policy.max_k)
+
+    def observe(
+        self,
+        keys: Sequence[Hashable],
+        temperatures: Sequence[float],
+        results: Sequence[tuple[int, int]],
+    ) -> None:
+        """Each row's (num_drafted, num_accepted) into its own estimates, and per band into
+        the priors of the requests still to come."""
+        seen = []
+        for key, temperature, (drafted, accepted) in zip(keys, temperatures, results, strict=True):
+            if drafted:
+                self._own[key].observe([(drafted, accepted)])
+                seen.append((temperature, drafted, accepted))
+        if seen:
+            self._kept = None  # estimates moved: weigh the rows again
+            self.priors.observe_step(seen)

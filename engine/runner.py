@@ -12,21 +12,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.adaptive import AcceptanceStats, SpecPolicy
+from engine.adaptive import SpecPolicy
 from engine.calibration import calibrate_state
 from engine.config import EngineConfig, block_size_for
 from engine.kv_cache import KVCacheShape
 from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target
 from engine.logits_processors import LogitsProcessing
-from engine.row_speculation import (
-    BandPriors,
-    RowView,
-    StepPlan,
-    explored,
-    plan_step,
-    with_forced,
-)
+from engine.row_speculation import BandPriors, RowPlanner, StepPlan
 from engine.sequence import SamplingParams, Sequence
 from engine.speculative import (
     DecodeRow,
@@ -97,23 +90,23 @@ class ModelRunner:
         self._shared_generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.profile = StepProfile()
         self.policy: SpecPolicy | None = None
-        self.priors: BandPriors | None = None
-        self._acceptance: dict[int, AcceptanceStats] = {}  # each running request's own
+        self.planner: RowPlanner | None = None
         if config.adaptive and drafter is not None:
             # Measured now, while every slot is free (a few seconds).
             max_k = max_draft_tokens(self._state)
             self.policy = SpecPolicy(calibrate_state(self._state), max_k)
-            self.priors = BandPriors(max_k)
+            self.planner = RowPlanner(self.policy, BandPriors(max_k))
 
     def add(self, seq: Sequence) -> None:
         """Set up a sequence's sampling (its own generator when seeded)."""
         self._sampling[id(seq)] = self._row_sampling(seq)
-        if self.priors is not None:
-            self._acceptance[id(seq)] = self.priors.stats_for(seq.params.temperature)
+        if self.planner is not None:
+            self.planner.add(id(seq), seq.params.temperature)
 
     def remove(self, seq: Sequence) -> None:
         self._sampling.pop(id(seq), None)
-        self._acceptance.pop(id(seq), None)
+        if self.planner is not None:
+            self.planner.remove(id(seq))
 
     def free_slot(self, slot: int) -> None:
         release(self._state, slot)
@@ -159,18 +152,14 @@ class ModelRunner:
         return final
 
     def _plan(self, seqs: list[Sequence], rows: list[DecodeRow], extra: float) -> StepPlan:
-        assert self.policy is not None
-        views = [
-            RowView(
-                self._acceptance[id(s)].rates(),
-                pending_context(self._state, [row]),
-                _seeded_sampling(s),
-                row.position,
-            )
-            for s, row in zip(seqs, rows, strict=True)
-        ]
-        plan = explored(self.policy, plan_step(self.policy, views, extra), views)
-        return with_forced(plan, views, self.policy.max_k)
+        assert self.planner is not None
+        return self.planner.plan(
+            [id(s) for s in seqs],
+            [_seeded_sampling(s) for s in seqs],
+            [row.position for row in rows],
+            lambda i: pending_context(self._state, [rows[i]]),
+            extra,
+        )
 
     def _run_group(
         self, rows: list[DecodeRow], sampling: list[RowSampling], k: int
@@ -190,15 +179,12 @@ class ModelRunner:
         return results
 
     def _observe(self, seqs: list[Sequence], results: list[RowResult]) -> None:
-        """Each row's result into its own estimates, and per band into the priors of the
-        requests still to come (one observation per band per step)."""
-        assert self.priors is not None
-        seen = []
-        for seq, result in zip(seqs, results, strict=True):
-            if result.num_drafted:
-                self._acceptance[id(seq)].observe([(result.num_drafted, result.num_accepted)])
-                seen.append((seq.params.temperature, result.num_drafted, result.num_accepted))
-        self.priors.observe_step(seen)
+        assert self.planner is not None
+        self.planner.observe(
+            [id(s) for s in seqs],
+            [s.params.temperature for s in seqs],
+            [(r.num_drafted, r.num_accepted) for r in results],
+        )
 
     def kv_cache_usage(self) -> float:
         return self._state.kv_cache_usage()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-import engine.runner as runner_module
+import engine.row_speculation as planning
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestRejected
 from engine.layers import INT8_LINEAR
@@ -315,7 +315,7 @@ def test_adaptive_speculation_keeps_a_seed_reproducible(
     expected = run(make_engine(ckpt, k=3), reqs, join_at=[0, 2])["1"].token_ids_delta
     for preferred in (0, 1, 3):
         engine = make_engine(ckpt, k=3, adaptive=True)
-        monkeypatch.setattr(runner_module, "plan_step", functools.partial(_prefer, preferred))
+        monkeypatch.setattr(planning, "plan_step", functools.partial(_prefer, preferred))
         out = run(engine, reqs, join_at=[0, 2])
         assert out["1"].token_ids_delta == expected, f"plan preferring k={preferred}"
         steps = engine.stats().steps_by_k
@@ -330,15 +330,15 @@ def test_sampled_traffic_leaves_the_next_greedy_request_its_own_estimates(
     own band's prior (what a fresh worker gives it), not from what sampled traffic left,
     and the sampled requests' own estimates went down as drafts failed."""
     seen: list[list[list[float]]] = []
-    real_plan = runner_module.plan_step
+    real_plan = planning.plan_step
 
     def spy(policy: object, rows: list[RowView], extra: float = 0.0) -> StepPlan:
         seen.append([list(r.rates) for r in rows])
         return real_plan(policy, rows, extra)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(runner_module, "plan_step", spy)
+    monkeypatch.setattr(planning, "plan_step", spy)
     engine = make_engine(ckpt, k=3, adaptive=True)
-    fresh = engine.runner.priors.stats_for(0.0).rates()  # type: ignore[union-attr]
+    fresh = engine.runner.planner.priors.stats_for(0.0).rates()  # type: ignore[union-attr]
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=None, ignore_eos=True)
     run(engine, [([5, 6, 7], sampled)] * 4)
     assert seen and any(rates[0] < fresh[0] for step in seen for rates in step)

@@ -7,7 +7,9 @@ import pytest
 
 from engine.adaptive import AcceptanceStats, CostModel, SpecPolicy
 from engine.row_speculation import (
+    REPLAN_EVERY,
     BandPriors,
+    RowPlanner,
     RowView,
     StepPlan,
     band_of,
@@ -52,26 +54,22 @@ def test_sampled_traffic_does_not_lower_a_new_greedy_request_s_prior() -> None:
         priors.observe_step([(1.0, MAX_K, 0)] * 4)
     fresh = AcceptanceStats(MAX_K).rates()
     assert priors.stats_for(0.0).rates() == pytest.approx(fresh)
-    assert priors.stats_for(1.0).rates()[0] == pytest.approx(priors.floor)  # ...at the floor
+    assert priors.stats_for(1.0).rates()[0] < 0.1  # the next sampled one starts low
 
 
 def test_a_band_s_history_weighs_only_a_few_trials_in_a_new_request() -> None:
-    priors = BandPriors(MAX_K, prior_trials=2.0)
+    priors = BandPriors(MAX_K, prior_trials=8.0)
     for _ in range(50):
         priors.observe_step([(0.0, MAX_K, MAX_K)] * 8)  # greedy code: every draft accepted
     greedy = priors.stats_for(0.0)
     assert greedy.rates() == pytest.approx(priors.bands["greedy"].rates(), rel=0.01)
     assert greedy.rates()[0] > 0.95 and greedy.tried == [0.0] * MAX_K
-    for _ in range(50):
-        priors.observe_step([(1.0, MAX_K, 0)] * 8)  # sampled: nothing accepted
-    sampled = priors.stats_for(1.0)
-    assert sampled.rates()[0] == pytest.approx(priors.floor)  # floored, not locked out
-    for _ in range(2):  # two of its own rejected steps bring it down
-        sampled.observe([(MAX_K, 0)])
-    assert sampled.rates()[0] == pytest.approx(0.25, abs=0.01)  # (1) / (2 + 2), less decay
-    for _ in range(4):  # a greedy request unlike its band comes down as fast
+    for _ in range(8):  # a greedy request unlike its band: its own steps soon outweigh it
         greedy.observe([(MAX_K, 0)])
-    assert greedy.rates()[0] < 0.5
+    assert greedy.rates()[0] < 0.55
+    for _ in range(8):
+        greedy.observe([(MAX_K, 0)])
+    assert greedy.rates()[0] < 0.4
 
 
 def test_a_low_row_does_not_pull_a_high_row_to_plain() -> None:
@@ -137,9 +135,10 @@ def test_seeded_rows_always_draft_max_k() -> None:
     rows = [RowView(LOW, forced=True), RowView(LOW)]
     planned = plan_step(policy, rows)
     assert planned.num_drafts == MAX_K and planned.drafting[0]
-    forced = with_forced(StepPlan.plain(2), rows, MAX_K)
+    flags = [r.forced for r in rows]
+    forced = with_forced(StepPlan.plain(2), flags, MAX_K)
     assert forced == StepPlan(MAX_K, (True, False))
-    assert with_forced(StepPlan(3, (False, True)), rows, MAX_K) == StepPlan(MAX_K, (True, True))
+    assert with_forced(StepPlan(3, (False, True)), flags, MAX_K) == StepPlan(MAX_K, (True, True))
 
 
 def test_exploration_looks_at_every_row_when_the_catch_up_is_cheap() -> None:
@@ -162,3 +161,49 @@ def test_exploration_skips_plain_rows_whose_catch_up_is_dear() -> None:
     assert StepPlan(5, (True, False)) in looks  # the drafting group alone
     plain = StepPlan.plain(2)
     assert all(explored(policy, plain, rows) == plain for _ in range(20))
+
+
+def test_a_plain_plan_is_kept_while_its_batch_stays_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain steps change no estimate: the planner weighs the rows again only when the
+    batch changes, a row's estimates move, or REPLAN_EVERY steps have passed; it asks for
+    the rows' pending context only then."""
+    planner = RowPlanner(_policy(), BandPriors(MAX_K))
+    for key in ("a", "b"):
+        planner.add(key, 1.0)
+        planner._own[key] = AcceptanceStats(MAX_K, prior_rates=tuple(LOW), prior_weight=1e9)
+    asked: list[int] = []
+
+    def plan(keys: tuple[str, ...]) -> StepPlan:
+        def pending(i: int) -> int:
+            asked.append(i)
+            return 0
+
+        return planner.plan(keys, [False] * len(keys), [64] * len(keys), pending)
+
+    assert plan(("a", "b")) == StepPlan.plain(2) and asked == [0, 1]
+    for _ in range(REPLAN_EVERY):
+        assert plan(("a", "b")) == StepPlan.plain(2)
+    assert asked == [0, 1]  # kept
+    plan(("a", "b"))
+    assert asked == [0, 1, 0, 1]  # REPLAN_EVERY steps: weighed again
+    plan(("a",))
+    assert asked[-1:] == [0] and len(asked) == 5  # the batch changed
+    planner.observe(["a"], [1.0], [(3, 3)])
+    plan(("a",))
+    assert len(asked) == 6  # its estimates moved
+    # A seeded sampled row drafts max_k even on a kept plain plan.
+    assert planner.plan(("a",), [True], [64], lambda i: 0) == StepPlan(MAX_K, (True,))
+
+
+def test_a_drafting_plan_is_weighed_every_step() -> None:
+    planner = RowPlanner(_policy(forward=1.0, per_token=0.001), BandPriors(MAX_K))
+    planner.add("g", 0.0)  # a fresh greedy band: the optimistic prior drafts
+    asked: list[int] = []
+    for _ in range(3):
+        plan = planner.plan(("g",), [False], [64], lambda i: asked.append(i) or 0)
+        assert plan.any_drafting
+    assert asked == [0, 0, 0]
+    planner.remove("g")
+    assert "g" not in planner._own
