@@ -31,7 +31,7 @@ from service.api import (
     router,
 )
 from service.metrics import GatewayMetrics, code_label
-from service.openapi import build_openapi
+from service.openapi import served_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
 from service.routing.fleet import WorkerFleet
 from service.routing.upstream import ConnectionPool
@@ -390,5 +390,5 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(router)
     install_handlers(app, log)
     outermost(app, auth, metrics, tracing)
-    app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: served_openapi(app, state.runtime)  # type: ignore[method-assign]
     return app

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wire.schemas import Count
+from wire.schemas import INTEGRAL, Count
 
 _CLOSED = ConfigDict(extra="forbid", strict=True)
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -108,7 +108,7 @@ class ResponsesRequest(BaseModel):
     stream_options: Any = None
     tool_choice: Any = None
     tools: list[Any] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
     def input_items(self) -> list[dict[str, Any]]:
