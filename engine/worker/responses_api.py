@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 # Read and honoured (`user` as in chat: an end-user id for the caller's own records).
 HONOURED = frozenset(
     {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream"}
-    | {"metadata", "text", "user"}
+    | {"metadata", "text", "user", "stop"}
 )
 
 
@@ -61,6 +61,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
+        ("stop", "stop"),
     ):
         value = getattr(req, ours)
         if value is not None:

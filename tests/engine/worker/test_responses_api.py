@@ -160,3 +160,28 @@ def test_an_integer_may_come_as_a_float_with_no_fraction(worker: AppHandle) -> N
     done = answer.json()
     assert done["max_output_tokens"] == 2 and type(done["max_output_tokens"]) is int
     assert 1 <= done["usage"]["output_tokens"] <= 2
+
+
+def test_stop_strings_end_a_response_as_they_end_a_chat(client: openai.OpenAI) -> None:
+    """vLLM's `stop` extension: the text up to the first stop string, then `completed`."""
+    greedy = client.responses.create(model=NAME, input="x", max_output_tokens=12, temperature=0)
+    text = greedy.output_text
+    # The first character not seen before it: the answer stops just short of it.
+    cut = next(i for i in range(1, len(text)) if text[i] not in text[:i])
+    stopped = client.responses.create(
+        model=NAME,
+        input="x",
+        max_output_tokens=12,
+        temperature=0,
+        extra_body={"stop": [text[cut]]},
+    )
+    assert stopped.output_text == text[:cut] and stopped.status == "completed"
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=12,
+        temperature=0,
+        stop=[text[cut]],
+    )
+    assert chat.choices[0].message.content == text[:cut]
+    assert chat.choices[0].finish_reason == "stop"
