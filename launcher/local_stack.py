@@ -306,7 +306,7 @@ def gateway_settings(
 ) -> GatewaySettings:
     """The gateway over `gateway.pools`, whose workers are `urls[pool name]`."""
     pools = [
-        PoolSpec(name=p.name, model=p.model, weight=p.weight, workers=urls[p.name])
+        PoolSpec(name=p.name, model=p.model, weight=p.weight, engine=p.engine, workers=urls[p.name])
         for p in gateway.pools
     ]
     # Env (DFLASH_GATEWAY_*) still applies to everything not decided here.

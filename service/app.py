@@ -31,7 +31,7 @@ from service.api import (
     router,
 )
 from service.metrics import GatewayMetrics, code_label
-from service.openapi import build_openapi
+from service.openapi import served_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
 from service.routing.fleet import WorkerFleet
 from service.routing.upstream import ConnectionPool
@@ -304,7 +304,7 @@ def ledger(settings: GatewaySettings) -> Ledger:
     return RedisLedger(client, settings.rate_limit_window_s, lease_s)
 
 
-def response_store(settings: GatewaySettings) -> ResponseStore:
+def response_store(settings: GatewaySettings, metrics: GatewayMetrics) -> ResponseStore:
     """Stored responses live beside the ledger: Redis when configured, else this process.
     Its own client: a stored conversation is larger than a ledger call and may take longer."""
     if settings.redis_url is None:
@@ -314,7 +314,7 @@ def response_store(settings: GatewaySettings) -> ResponseStore:
             settings.responses_memory_bytes,
         )
     client = redis_client(settings, STORE_DEADLINE_S)
-    return RedisResponseStore(client, settings.responses_ttl_s)
+    return RedisResponseStore(client, settings.responses_ttl_s, metrics.count_response_store_error)
 
 
 def describe_tenants(metrics: GatewayMetrics, ring: KeyRing) -> None:
@@ -339,7 +339,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         metrics=metrics,
         auth=auth,
         limiter=limiter,
-        responses=response_store(settings),
+        responses=response_store(settings, metrics),
     )
     tracing = open_tracing(settings.tracing, GATEWAY_SERVICE)
     if tracing is not None:
@@ -390,5 +390,5 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(router)
     install_handlers(app, log)
     outermost(app, auth, metrics, tracing)
-    app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: served_openapi(app, state.runtime)  # type: ignore[method-assign]
     return app

@@ -32,6 +32,9 @@ STORE_OUTCOMES = (
     ("settle", "served"),
     ("usage", "served"),
 )
+# The operation label of dflash_response_store_errors_total: a write that fails is skipped (the
+# answer still goes out, not kept); a read or delete that fails answers 503.
+RESPONSE_STORE_OPERATIONS = ("write", "read", "delete")
 # Why a ledger settlement was given up (dflash_rate_limit_ledger_lost_total).
 LEDGER_LOSSES = ("backlog_full", "rejected", "shutdown")
 # The `pool` label of a response no worker was tried for (refused by the gateway itself).
@@ -64,7 +67,8 @@ class _Children:
 
 class TenancySeries(_Children):
     """The tenants' series: usage per tenant (names from the key file, never keys), their
-    limits and 429s, and the ledger's store (errors, retried settlements, what is lost)."""
+    limits and 429s, the ledger's store (errors, retried settlements, what is lost), and the
+    stored responses' store (its errors)."""
 
     def _tenant_series(self, r: CollectorRegistry) -> None:
         """Usage per tenant (names from the key file, never keys), by model."""
@@ -128,6 +132,16 @@ class TenancySeries(_Children):
         )
         for reason in LEDGER_LOSSES:
             self.child(self.ledger_lost, reason)
+        self.response_store_errors = Counter(
+            "dflash_response_store_errors",
+            "Stored-response store calls (Redis) that failed or missed their deadline: a write "
+            "is skipped (the answer still goes out, the response is not kept), a read or a "
+            "delete answers 503",
+            ["operation"],
+            registry=r,
+        )
+        for operation in RESPONSE_STORE_OPERATIONS:
+            self.child(self.response_store_errors, operation)
         self.ledger_backlog = Gauge(
             "dflash_rate_limit_ledger_backlog",
             "Ledger settlements waiting for the store to take them",
@@ -143,6 +157,9 @@ class TenancySeries(_Children):
 
     def count_store_error(self, operation: str, outcome: str) -> None:
         self.child(self.store_errors, operation, outcome).inc()
+
+    def count_response_store_error(self, operation: str) -> None:
+        self.child(self.response_store_errors, operation).inc()
 
     def count_settle_retries(self, count: int) -> None:
         self.settle_retries.inc(count)

@@ -164,7 +164,7 @@ def from_validation_errors(errors: list[Any]) -> InvalidRequest:
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str"}
 
 
 def _param_path(loc: Any) -> str:

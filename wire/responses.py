@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from wire.schemas import Count
+from wire.schemas import INTEGRAL, Count, StopString
 
 _CLOSED = ConfigDict(extra="forbid", strict=True)
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -90,6 +90,9 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     previous_response_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     user: str | None = None
+    # vLLM's extension of the Responses request (its ResponsesRequest, 0.32): honoured by the
+    # embedded worker as in chat; OpenAI's Responses API has no stop strings.
+    stop: StopString | list[StopString] | None = None
     # Forwarded to the worker as given (see the module's docstring).
     background: bool | None = None
     context_management: Any = None
@@ -108,7 +111,7 @@ class ResponsesRequest(BaseModel):
     stream_options: Any = None
     tool_choice: Any = None
     tools: list[Any] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20), INTEGRAL] | None = None
     truncation: Literal["auto", "disabled"] | None = None
 
     def input_items(self) -> list[dict[str, Any]]:

@@ -9,21 +9,43 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from wire.errors import InvalidRequest, from_validation_errors
 from wire.nested import STREAM_OPTIONS, check_chat_objects, check_messages, check_object
 
 _OPEN = ConfigDict(extra="allow", strict=True)
 
+
+def integral(value: Any) -> Any:
+    """JSON has one number type: `8.0` is the integer 8 (JSON Schema's `integer` includes it,
+    and vLLM's lax models accept it). `8.5` stays a float, which the strict int refuses with a
+    400 naming the field; so do a string and a bool."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An integer field: an int, or a float with no fractional part. INTEGRAL comes after a
+# field's bounds, so that they stay JSON Schema's `minimum` and `maximum`.
+INTEGRAL = BeforeValidator(integral)
+Int = Annotated[int, INTEGRAL]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 # Counts and token ids fit int32 on every engine; a seed fits int64 (torch's generator).
-Count = Annotated[int, Field(ge=1, le=2**31 - 1)]
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Count = Annotated[int, Field(ge=1, le=2**31 - 1), INTEGRAL]
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), INTEGRAL]
+StopString = Annotated[str, Field(min_length=1)]
 # Completions' max_tokens may be 0 with echo: the prompt alone (with its logprobs), as vLLM;
 # eval harnesses score prompts this way.
-EchoCount = Annotated[int, Field(ge=0, le=2**31 - 1)]
+EchoCount = Annotated[int, Field(ge=0, le=2**31 - 1), INTEGRAL]
 
 
 class StreamOptions(BaseModel):
@@ -46,25 +68,30 @@ class SamplingFields(BaseModel):
     model: Annotated[str, Field(min_length=1, max_length=256)]
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=128)] | None = 1
+    n: Annotated[int, Field(ge=1, le=128), INTEGRAL] | None = 1
     max_tokens: Count | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: StopString | list[StopString] | None = None  # empty: refused by every engine
     user: str | None = None
 
     @model_validator(mode="before")
     @classmethod
-    def _stream_options_shape(cls, data: Any) -> Any:
+    def _shapes_and_stops(cls, data: Any) -> Any:
         if isinstance(data, dict):
             check_object(data.get("stream_options"), STREAM_OPTIONS, "stream_options")
+            stop = data.get("stop")
+            if stop == "" or (isinstance(stop, list) and "" in stop):  # said plainly
+                raise InvalidRequest("stop: stop strings must not be empty", param="stop")
         return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true")
+            raise InvalidRequest(
+                "stream_options: can only be set when stream is true", param="stream_options"
+            )
         return self
 
 
@@ -93,7 +120,13 @@ class ChatCompletionRequest(SamplingFields):
         return data
 
 
-PromptItems = list[str] | list[TokenId] | list[list[TokenId]]
+# A prompt of token ids holds at least one (an empty one is refused by every engine).
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+PromptItems = (
+    Annotated[list[str], Field(min_length=1)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1)]
+)
 
 
 class CompletionRequest(SamplingFields):
@@ -104,7 +137,7 @@ class CompletionRequest(SamplingFields):
             "examples": [{"model": "tiny-coder", "prompt": "def fib(n):", "max_tokens": 8}]
         },
     )
-    prompt: str | Annotated[PromptItems, Field(min_length=1)]
+    prompt: str | PromptItems
     echo: bool | None = None
     max_tokens: EchoCount | None = None
 

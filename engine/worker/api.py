@@ -86,7 +86,12 @@ async def models(request: Request) -> dict[str, Any]:
         "owned_by": "dflash-serving",
         "root": s.model,
         "max_model_len": s.resolved_max_model_len(),
+        # n x prompts past it are refused (_start): the gateway's /openapi.json bounds n by it.
+        "max_sequences_per_request": s.max_num_seqs + s.max_waiting,
     }
+    if state.ready and state.engine is not None:
+        # Token ids at or past it are refused: the gateway's /openapi.json bounds them by it.
+        card["vocab_size"] = state.engine.engine.vocab_size
     return {"object": "list", "data": [card]}
 
 

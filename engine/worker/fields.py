@@ -13,19 +13,12 @@ ignores those; we do not).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any
 
 from wire.errors import InvalidRequest
+from wire.refused import Refused
 
 VLLM_BACKEND = "the vLLM backend supports it"
-
-
-@dataclass(frozen=True)
-class Refused:
-    off: tuple[Any, ...]  # values that ask for nothing (None always does)
-    example: Any  # a value that asks for something (for the tests)
-    why: str
 
 
 # Read by the worker and honoured exactly (the endpoint's own fields: ENDPOINT_FIELDS).

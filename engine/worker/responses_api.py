@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from engine.worker.fields import Refused, asks_nothing
+from engine.worker.fields import asks_nothing
 from engine.worker.generate import Choice, ClientGone, collect, finish_reason, merged_outputs
 from engine.worker.responses import metrics_object
 from engine.worker.responses_wire import ResponseFormatter, response_usage
@@ -28,55 +28,28 @@ from wire.errors import (
     from_validation_errors,
 )
 from wire.http import read_json
+from wire.refused import RESPONSES_REFUSED, RESPONSES_TEXT_FORMATS, VLLM
 from wire.responses import ResponsesRequest, chat_messages
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.worker.state import WorkerState
 
-_STATELESS = "this worker keeps no responses: the gateway stores them (send it through the gateway)"
-_NO_TOOLS = "the embedded engine has no tool-call parser; the vLLM backend supports it"
-_VLLM = "not supported by the embedded engine; the vLLM backend supports it"
-
-# Every create-response field the worker does not read, accepted only when it asks nothing.
-REFUSED: dict[str, Refused] = {
-    "store": Refused((False,), True, _STATELESS),
-    "previous_response_id": Refused((), "resp_1", _STATELESS),
-    "background": Refused((False,), True, "responses are answered while the client waits"),
-    "context_management": Refused((), [{"type": "compaction"}], _VLLM),
-    "conversation": Refused((), "conv_1", "no conversations are kept; use the gateway's store"),
-    "include": Refused(([],), ["message.output_text.logprobs"], _VLLM),
-    "max_tool_calls": Refused((), 1, _NO_TOOLS),
-    "moderation": Refused((), {"type": "x"}, "no moderation here"),
-    "parallel_tool_calls": Refused((True, False), None, _NO_TOOLS),  # moot without tools
-    "prompt": Refused((), {"id": "pmpt_1"}, "no stored prompts here"),
-    "prompt_cache_key": Refused((), "k", "no prompt cache is shared between requests here"),
-    "prompt_cache_options": Refused((), {"mode": "explicit"}, "no prompt cache here"),
-    "prompt_cache_retention": Refused((), "24h", "no prompt cache here"),
-    "reasoning": Refused(({},), {"effort": "high"}, "the bundled models do not reason"),
-    "safety_identifier": Refused((), "u-1", "no safety system here"),
-    "service_tier": Refused(("auto", "default"), "flex", "one service tier"),
-    "stream_options": Refused(({},), {"include_obfuscation": True}, _VLLM),
-    "tool_choice": Refused(("none", "auto"), "required", _NO_TOOLS),
-    "tools": Refused(([],), [{"type": "function", "name": "f"}], _NO_TOOLS),
-    "top_logprobs": Refused((0,), 2, _VLLM),
-    "truncation": Refused(("disabled",), "auto", "prompts are never truncated: a 400 says so"),
-}
 # Read and honoured (`user` as in chat: an end-user id for the caller's own records).
 HONOURED = frozenset(
     {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream"}
-    | {"metadata", "text", "user"}
+    | {"metadata", "text", "user", "stop"}
 )
 
 
 def check_response_fields(req: ResponsesRequest, payload: dict[str, Any]) -> None:
     for name, value in payload.items():
-        rule = REFUSED.get(name)
+        rule = RESPONSES_REFUSED.get(name)
         if rule is not None and not asks_nothing(value, rule.off):
             raise InvalidRequest(f"{name}: {rule.why}", param=name)
     fmt = req.text.format if req.text is not None else None
-    if fmt is not None and fmt.type != "text":
-        raise InvalidRequest(f"text.format: {fmt.type} is {_VLLM}", param="text.format")
+    if fmt is not None and fmt.type not in RESPONSES_TEXT_FORMATS:
+        raise InvalidRequest(f"text.format: {fmt.type} is {VLLM}", param="text.format")
     if req.text is not None and req.text.verbosity is not None:
         raise InvalidRequest("text.verbosity: the bundled models have one", param="text.verbosity")
 
@@ -88,6 +61,7 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         ("max_output_tokens", "max_tokens"),
         ("temperature", "temperature"),
         ("top_p", "top_p"),
+        ("stop", "stop"),
     ):
         value = getattr(req, ours)
         if value is not None:

@@ -12,17 +12,17 @@ from pydantic import ConfigDict, Field
 
 from wire import schemas as shared
 from wire.errors import InvalidRequest
+from wire.refused import CHAT_ROLES, MESSAGE_REFUSED
 
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
 Endpoint = Literal["chat", "completion"]
 
 
 class _WorkerFields(shared.SamplingFields):
     # A worker serves one model: like vLLM, a request may leave `model` out.
     model: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # type: ignore[assignment]
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    top_k: Annotated[int, Field(ge=-1), shared.INTEGRAL] | None = None
     seed: shared.Seed | None = None  # torch's int64
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[shared.Int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     # Ranges are the engine's to check (engine.py): one place, vLLM's messages.
@@ -31,9 +31,9 @@ class _WorkerFields(shared.SamplingFields):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    min_tokens: int = 0
+    min_tokens: shared.Int = 0
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
+    allowed_token_ids: list[shared.Int] | None = None
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -70,7 +70,7 @@ RESERVED_TEMPLATE_VARIABLES = frozenset(
 
 class ChatCompletionRequest(_WorkerFields, shared.ChatCompletionRequest):
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: shared.Int | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -114,23 +114,6 @@ class ChatCompletionRequest(_WorkerFields, shared.ChatCompletionRequest):
         return "max_tokens", self.max_tokens
 
 
-# Message keys the gateway passes to vLLM (wire/nested.py) that the embedded worker cannot
-# honour: a 400 naming them, never dropped.
-_NO_TOOLS = "the embedded engine has no tool-call parser; the vLLM backend supports it"
-UNHONOURED_MESSAGE_KEYS = {
-    "name": "the bundled chat template has no participant names; the vLLM backend passes it "
-    "to the model's template",
-    "tool_calls": _NO_TOOLS,
-    "tool_call_id": _NO_TOOLS,
-    "function_call": _NO_TOOLS,
-    "tools": _NO_TOOLS,
-    "reasoning": "the bundled models do not reason",
-    "task": "the bundled models have no task markers",
-    "refusal": "the bundled chat template has no refusals",
-    "audio": "the bundled models are text-only",
-}
-
-
 def _flatten(index: int, message: shared.ChatMessage) -> dict[str, str]:
     where = f"messages[{index}]"
     if message.role not in CHAT_ROLES:
@@ -139,7 +122,7 @@ def _flatten(index: int, message: shared.ChatMessage) -> dict[str, str]:
             param=f"{where}.role",
         )
     for key in sorted(message.model_fields_set | set(message.model_extra or {})):
-        why = UNHONOURED_MESSAGE_KEYS.get(key)
+        why = MESSAGE_REFUSED.get(key)
         if why is not None and getattr(message, key, None) is not None:
             raise InvalidRequest(f"{where}.{key}: {why}", param=f"{where}.{key}")
     role = "system" if message.role == "developer" else message.role
@@ -170,7 +153,7 @@ def _flatten(index: int, message: shared.ChatMessage) -> dict[str, str]:
 
 class CompletionRequest(_WorkerFields, shared.CompletionRequest):
     max_tokens: shared.EchoCount | None = None  # the gateway's rule, not _WorkerFields'
-    logprobs: int | None = None
+    logprobs: shared.Int | None = None
     add_special_tokens: bool = True  # vLLM's completions default
 
     def num_logprobs(self) -> int | None:

@@ -323,6 +323,10 @@ class WorkerFleet:
                 seen.setdefault(model["id"], model)
         return list(seen.values())
 
+    def engines(self) -> set[str]:
+        """The engines of the routable workers (their pools')."""
+        return {self.specs[w.pool].engine for w in self.routable()}
+
     def model_names(self) -> list[str]:
         """What a client may ask for: the models served now, then configured ones that are
         down (a pool's model is a name from configuration, so also a bounded label)."""

@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from service.tenancy.redis_client import RedisClient
+from service.tenancy.redis_client import RedisClient, RedisUnavailable, ReplyError
 
 Record = dict[str, Any]  # {"response": {...}, "input_items": [...], "conversation": [...]}
 
@@ -85,24 +85,42 @@ def redis_key(tenant: str, response_id: str) -> str:
 
 class RedisResponseStore:
     """SET with EX (Redis expires it), GET, DEL; the size bound is the gateway's, checked
-    before a record is written (service/responses.py)."""
+    before a record is written (service/responses.py). A call that fails is counted
+    (`on_error(operation)`: write, read, delete) and raised as RedisUnavailable, an error
+    reply included: the caller skips the write or answers 503 either way."""
 
-    def __init__(self, client: RedisClient, ttl_s: float) -> None:
-        self.client, self.ttl_s = client, ttl_s
+    def __init__(
+        self,
+        client: RedisClient,
+        ttl_s: float,
+        on_error: Callable[[str], None] = lambda operation: None,
+    ) -> None:
+        self.client, self.ttl_s, self.on_error = client, ttl_s, on_error
+
+    async def _call(self, operation: str, *args: Any) -> Any:
+        try:
+            return await self.client.call(*args)
+        except RedisUnavailable:
+            self.on_error(operation)
+            raise
+        except ReplyError as exc:  # OOM under maxmemory, READONLY after a failover, ...
+            self.on_error(operation)
+            raise RedisUnavailable(f"Redis refused the {operation}: {exc}") from exc
 
     async def put(self, tenant: str, response_id: str, record: Record) -> None:
         data = json.dumps(record, separators=(",", ":"))
-        await self.client.call("SET", redis_key(tenant, response_id), data, "EX", int(self.ttl_s))
+        key = redis_key(tenant, response_id)
+        await self._call("write", "SET", key, data, "EX", int(self.ttl_s))
 
     async def get(self, tenant: str, response_id: str) -> Record | None:
-        data = await self.client.call("GET", redis_key(tenant, response_id))
+        data = await self._call("read", "GET", redis_key(tenant, response_id))
         if data is None:
             return None
         record: Record = json.loads(data)
         return record
 
     async def delete(self, tenant: str, response_id: str) -> bool:
-        return bool(await self.client.call("DEL", redis_key(tenant, response_id)))
+        return bool(await self._call("delete", "DEL", redis_key(tenant, response_id)))
 
     async def close(self) -> None:
         await self.client.close()

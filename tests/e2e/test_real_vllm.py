@@ -182,6 +182,28 @@ def test_responses_through_the_gateway_on_vllm_match_the_embedded_worker(
     assert gateway.responses.retrieve(second.id).output_text == second.output_text
 
 
+def test_integral_floats_and_responses_stop_on_vllm_as_on_the_embedded_worker(
+    backends: Backends,
+) -> None:
+    """`8.0` for an integer passes the gateway as sent and real vLLM reads it as 8; vLLM's
+    `stop` on /v1/responses cuts the greedy answer where the embedded worker cuts it."""
+    gateway, embedded = sdk(backends.gateway), sdk(backends.embedded.base_url)
+    ask: dict[str, Any] = {"model": MODEL, "input": PROMPTS[1], "temperature": 0}
+    whole = gateway.responses.create(max_output_tokens=8, **ask)
+    floats = httpx.post(
+        f"{backends.gateway}/v1/responses", json={**ask, "max_output_tokens": 8.0}, timeout=60
+    )
+    assert floats.status_code == 200, floats.text
+    assert floats.json()["usage"]["output_tokens"] == whole.usage.output_tokens  # type: ignore[union-attr]
+    text = whole.output_text
+    cut = next(i for i in range(1, len(text)) if text[i] not in text[:i])
+    stop = {"stop": [text[cut]]}
+    on_vllm = gateway.responses.create(max_output_tokens=8, extra_body=stop, **ask)
+    on_embedded = embedded.responses.create(max_output_tokens=8, extra_body=stop, **ask)
+    assert on_vllm.output_text == on_embedded.output_text == text[:cut]
+    assert on_vllm.status == on_embedded.status == "completed"
+
+
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_stream_usage_is_as_openai_defines_it(backends: Backends, endpoint: str) -> None:
     """No usage on any chunk unless asked; asked: exactly one usage chunk, last, with the

@@ -108,6 +108,16 @@ def test_dflash_serve_api_key_protects_the_gateway() -> None:
     assert not gateway_settings(pool, URLS, "info", {}, []).load_key_ring().by_digest
 
 
+def test_the_gateway_knows_each_pools_engine() -> None:
+    """Its /openapi.json offers of the Responses fields only what embedded workers honour."""
+    from launcher.local_stack import LocalGateway, LocalPool, gateway_settings
+
+    pools = (LocalPool(name="dflash", model="a"), LocalPool(name="d", model="b", engine="vllm"))
+    urls = {"dflash": ["http://127.0.0.1:9001"], "d": ["http://127.0.0.1:9002"]}
+    settings = gateway_settings(LocalGateway(8000, pools), urls, "info", {})
+    assert [p.engine for p in settings.pool_specs()] == ["embedded", "vllm"]
+
+
 BUNDLED_DRAFTER = ROOT / "engine" / "assets" / "tiny-coder" / "dflash"
 PROMPTS = [
     "def fibonacci(n):",

@@ -17,7 +17,7 @@ from openai.types.responses import ResponseCompletedEvent, ResponseTextDeltaEven
 from tests.fixtures.redis import RedisServer, running_redis
 from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import WorkerHandle, free_port
-from tests.service.conftest import MODEL, scrape, worker_args, worker_on_port
+from tests.service.conftest import MODEL, scrape, wait_until, worker_args, worker_on_port
 from tests.service.gateway_process import gateway_process
 
 KEYS = """
@@ -168,3 +168,34 @@ def test_bad_requests_are_400s_naming_the_field(
     )
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def test_a_store_that_is_down_is_counted_and_the_answer_still_goes_out(
+    gateways: tuple[str, str], redis: RedisServer
+) -> None:
+    """redis-server stopped mid-test (last in the module: the others need it): the write is
+    skipped, the answer still goes out, and dflash_response_store_errors_total counts it; a
+    read answers 503 and is counted too. With Redis back, responses are kept again."""
+    base = gateways[0]
+
+    def errors(operation: str) -> float:
+        return scrape(base, "dflash_response_store_errors_total", operation=operation)
+
+    writes, reads = errors("write"), errors("read")
+    redis.kill()
+    try:
+        answer = sdk(base).responses.create(model=MODEL, input="x", max_output_tokens=2)
+        assert answer.status in ("completed", "incomplete") and answer.store is True
+        assert errors("write") == writes + 1
+        with pytest.raises(openai.InternalServerError) as caught:
+            sdk(base).responses.retrieve(answer.id)
+        assert caught.value.status_code == 503 and caught.value.body["code"] == "store"  # type: ignore[index]
+        assert errors("read") == reads + 1
+    finally:
+        redis.start()  # the same port, nothing kept (no persistence)
+
+    def kept_again() -> bool:
+        made = sdk(base).responses.create(model=MODEL, input="x", max_output_tokens=2)
+        return redis.command("EXISTS", f"{{dflash:search}}:response:{made.id}") == "1"
+
+    wait_until(kept_again, timeout=15, interval=0.5)

@@ -36,7 +36,13 @@ def test_unknown_fields_are_kept() -> None:
         ({"top_p": 0}, "top_p"),
         ({"n": 0}, "n"),
         ({"stream": "yes"}, "stream"),
-        ({"stream_options": {"include_usage": True}}, None),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": 8.5}, "max_tokens"),  # an integer: no fraction
+        ({"max_tokens": True}, "max_tokens"),
+        ({"n": 2.5}, "n"),
+        ({"seed": float("inf")}, "seed"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["a", ""]}, "stop"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(patch: dict[str, Any], param: str | None) -> None:
@@ -49,6 +55,24 @@ def test_bad_fields_are_400_naming_the_field(patch: dict[str, Any], param: str |
 @pytest.mark.parametrize("prompt", ["x", ["a", "b"], [1, 2], [[1], [2]]])
 def test_completion_prompt_shapes(prompt: Any) -> None:
     assert validate_request(CompletionRequest, {"model": "m", "prompt": prompt})
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [[1], []]])
+def test_an_empty_prompt_of_token_ids_is_refused(prompt: Any) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate_request(CompletionRequest, {"model": "m", "prompt": prompt})
+    assert info.value.param == "prompt"
+
+
+def test_integers_may_be_floats_with_no_fraction() -> None:
+    """JSON Schema's `integer` includes 8.0, and vLLM's (lax) request models take it: the
+    parsed request holds ints."""
+    chat = validate_request(ChatCompletionRequest, {**CHAT, "max_tokens": 8.0, "n": 2.0})
+    assert (chat.max_tokens, chat.n) == (8, 2) and type(chat.max_tokens) is int
+    body = {"model": "m", "prompt": [[1.0, 2.0]], "seed": -3.0, "max_tokens": 0.0, "echo": True}
+    completion = validate_request(CompletionRequest, body)
+    assert (completion.prompt, completion.seed, completion.max_tokens) == ([[1, 2]], -3, 0)
+    assert all(type(t) is int for t in completion.prompt[0])  # type: ignore[union-attr]
 
 
 def test_not_an_object() -> None:

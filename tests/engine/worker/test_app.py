@@ -573,7 +573,13 @@ def test_chat_stream_opens_with_a_role_chunk_then_the_first_token_alone(
 def test_models_retrieve_version_tokenize_detokenize(
     client: openai.OpenAI, worker: AppHandle
 ) -> None:
-    assert client.models.retrieve(NAME).id == NAME
+    card = client.models.retrieve(NAME)
+    assert card.id == NAME
+    # What the gateway's /openapi.json bounds requests by: ids under the vocabulary, n.
+    extra = card.model_extra or {}
+    assert (
+        extra["max_sequences_per_request"] == 2 + WorkerSettings.model_fields["max_waiting"].default
+    )
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("nope")
     version = httpx.get(f"{worker.base_url}/version", timeout=10).json()["version"]
@@ -586,6 +592,15 @@ def test_models_retrieve_version_tokenize_detokenize(
     assert tok["max_model_len"] == MAX_LEN
     back = post(f"{base}/detokenize", json={"tokens": tok["tokens"]}).json()
     assert back["prompt"] == "def add(a, b):"
+    last, past = [extra["vocab_size"] - 1], [extra["vocab_size"]]
+    assert post(f"{base}/detokenize", json={"tokens": last}).status_code == 200
+    assert post(f"{base}/detokenize", json={"tokens": past}).json()["error"]["param"] == "tokens"
+    assert (
+        post(f"{base}/detokenize", json={"tokens": [float(t) for t in tok["tokens"]]}).json()[
+            "prompt"
+        ]
+        == "def add(a, b):"
+    )  # integers as floats with no fraction, as vLLM takes them
     chat_ids = post(f"{base}/tokenize", json={"messages": HI}).json()
     reply = client.chat.completions.create(model=NAME, messages=HI, max_tokens=1)  # type: ignore[arg-type]
     assert reply.usage is not None and chat_ids["count"] == reply.usage.prompt_tokens

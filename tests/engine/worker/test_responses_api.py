@@ -16,10 +16,10 @@ from openai.types.responses import (
     ResponseTextDeltaEvent,
 )
 
-from engine.worker.responses_api import REFUSED
 from engine.worker.settings import WorkerSettings, load_settings
 from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import AppHandle, serving_app
+from wire.refused import RESPONSES_REFUSED as REFUSED
 
 NAME = "tiny"
 KEY = "sk-responses"
@@ -133,6 +133,7 @@ def test_a_field_the_worker_cannot_honour_is_400_naming_it(worker: AppHandle, na
         ({"input": [{"role": "user", "content": [{"type": "input_image", "text": "x"}]}]}, None),
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"max_output_tokens": 100_000}, "max_output_tokens"),
+        ({"max_output_tokens": 2.5}, "max_output_tokens"),  # an integer, no fraction
         ({"model": "other"}, "model"),
     ],
 )
@@ -147,3 +148,40 @@ def test_bad_requests_are_400s_naming_the_field(
     error = answer.json()["error"]
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_an_integer_may_come_as_a_float_with_no_fraction(worker: AppHandle) -> None:
+    """`max_output_tokens: 2.0` is 2, as JSON Schema's integer and vLLM's models say."""
+    body = {"model": NAME, "input": "x", "max_output_tokens": 2.0, "top_logprobs": 0.0}
+    answer = httpx.post(
+        f"{worker.base_url}/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"}
+    )
+    assert answer.status_code == 200, answer.text
+    done = answer.json()
+    assert done["max_output_tokens"] == 2 and type(done["max_output_tokens"]) is int
+    assert 1 <= done["usage"]["output_tokens"] <= 2
+
+
+def test_stop_strings_end_a_response_as_they_end_a_chat(client: openai.OpenAI) -> None:
+    """vLLM's `stop` extension: the text up to the first stop string, then `completed`."""
+    greedy = client.responses.create(model=NAME, input="x", max_output_tokens=12, temperature=0)
+    text = greedy.output_text
+    # The first character not seen before it: the answer stops just short of it.
+    cut = next(i for i in range(1, len(text)) if text[i] not in text[:i])
+    stopped = client.responses.create(
+        model=NAME,
+        input="x",
+        max_output_tokens=12,
+        temperature=0,
+        extra_body={"stop": [text[cut]]},
+    )
+    assert stopped.output_text == text[:cut] and stopped.status == "completed"
+    chat = client.chat.completions.create(
+        model=NAME,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=12,
+        temperature=0,
+        stop=[text[cut]],
+    )
+    assert chat.choices[0].message.content == text[:cut]
+    assert chat.choices[0].finish_reason == "stop"

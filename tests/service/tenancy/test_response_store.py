@@ -1,11 +1,16 @@
-"""The in-process store of responses: per-tenant keys, TTL, the entry bound, deletes. (The
-Redis store runs end to end in tests/service/test_responses.py, against a real redis-server.)"""
+"""The in-process store of responses: per-tenant keys, TTL, the entry bound, deletes; the Redis
+store's error replies, against a real redis-server. (The Redis store runs end to end, and down,
+in tests/service/test_responses.py.)"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from service.tenancy.response_store import MemoryResponseStore, redis_key
+from service.tenancy.redis_client import RedisClient, RedisUnavailable
+from service.tenancy.response_store import MemoryResponseStore, RedisResponseStore, redis_key
+from tests.fixtures.redis import running_redis
 
 pytestmark = pytest.mark.anyio
 
@@ -57,3 +62,21 @@ async def test_the_oldest_go_beyond_the_byte_bound() -> None:
 
 def test_redis_keys_share_the_tenant_hash_tag_of_the_ledger() -> None:
     assert redis_key("search", "resp_1") == "{dflash:search}:response:resp_1"
+
+
+async def test_a_redis_error_reply_is_counted_as_the_store_being_away(tmp_path: Path) -> None:
+    """A real redis-server over its memory bound (noeviction): SET gets an OOM error reply,
+    which the caller sees as RedisUnavailable (the write skipped, a read answered 503), and
+    on_error counts it by operation; reads still work."""
+    failed: list[str] = []
+    args = ["--maxmemory", "1", "--maxmemory-policy", "noeviction"]
+    with running_redis(tmp_path, args=args) as server:
+        client = RedisClient(server.url, deadline_s=2.0)
+        store = RedisResponseStore(client, ttl_s=60, on_error=failed.append)
+        try:
+            with pytest.raises(RedisUnavailable, match="OOM"):
+                await store.put("a", "resp_1", {"n": 1})
+            assert await store.get("a", "resp_1") is None
+        finally:
+            await store.close()
+    assert failed == ["write"]
