@@ -181,24 +181,42 @@ def _candidate_ks(policy: SpecPolicy, forced: bool) -> list[int]:
     return sorted(grid | {policy.max_k})
 
 
+# The most a look at the plain rows may add to the step, in plain steps of the batch (its
+# wider verify and the plain rows' catch-up). About what a drafting step adds at one row:
+# a lone request is looked at, a busy batch stays plain (its plain rows' estimates come
+# from their band and their own drafting steps).
+EXPLORE_COST = 0.6
+
+
 def explored(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> StepPlan:
     """Every `explore_every` steps (backed off while looks find nothing) the step verifies
-    a few more drafts than planned, for every row, so each row's estimates of positions it
-    has not been trying stay fresh. A row that the plan keeps plain is looked at only when
-    the catch-up of its drafter context is cheap (at most `EXPLORE_CATCH_UP` of a plain
-    step of the batch); the drafting group is looked at regardless."""
+    a few more drafts than planned, so each row's estimates of positions it has not been
+    trying stay fresh: the drafting group's rows always; every row when that costs the
+    step at most `EXPLORE_COST` of a plain step (and the catch-up of the plain rows'
+    drafter context at most `EXPLORE_CATCH_UP`)."""
     n = len(rows)
     drafting = plan.any_drafting
     if not policy.exploration_due(drafting):
         return plan
-    cheap = sum(r.pending for r in rows) * policy.costs.catch_up_per_position
-    everyone = cheap <= EXPLORE_CATCH_UP * policy.curve(n)[0]
+    k = min(policy.max_k, plan.num_drafts + max(2, plan.num_drafts // 2))
+    plain = policy.curve(n)[0]
+    catch = sum(r.pending for r in rows) * policy.costs.catch_up_per_position
+    everyone = catch <= EXPLORE_CATCH_UP * plain and _look_cost(policy, plan, k) <= (
+        EXPLORE_COST * plain
+    )
     if not drafting and not everyone:
         return plan  # too dear to look now: at the next step, perhaps
     policy.explored(drafting)
-    k = min(policy.max_k, plan.num_drafts + max(2, plan.num_drafts // 2))
-    group = (True,) * n if everyone else plan.drafting
-    return StepPlan(k, group)
+    return StepPlan(k, (True,) * n if everyone else plan.drafting)
+
+
+def _look_cost(policy: SpecPolicy, plan: StepPlan, k: int) -> float:
+    """What verifying k drafts for every row adds to the planned step."""
+    n, m = len(plan.drafting), sum(plan.drafting) if plan.any_drafting else 0
+    planned = (policy.curve(m)[plan.num_drafts] if m else 0.0) + (
+        policy.curve(n - m)[0] if m < n else 0.0
+    )
+    return policy.curve(n)[k] - planned
 
 
 def with_forced(plan: StepPlan, forced: Sequence[bool], max_k: int) -> StepPlan:

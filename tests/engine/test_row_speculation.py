@@ -207,3 +207,15 @@ def test_a_drafting_plan_is_weighed_every_step() -> None:
     assert asked == [0, 0, 0]
     planner.remove("g")
     assert "g" not in planner._own
+
+
+def test_a_busy_plain_batch_is_not_looked_at() -> None:
+    """A look at every row of a plain batch costs a step at k = 2 over a plain one: worth
+    it for a lone request, not for a batch of eight whose wide step costs much more."""
+    lone = SpecPolicy(_costs(1.0, 0.05), MAX_K, explore_every=2)
+    assert StepPlan(2, (True,)) in [
+        explored(lone, StepPlan.plain(1), [RowView(LOW)]) for _ in range(2)
+    ]
+    busy = SpecPolicy(_costs(1.0, 0.2), MAX_K, explore_every=2)
+    rows = [RowView(LOW)] * 8
+    assert all(explored(busy, StepPlan.plain(8), rows) == StepPlan.plain(8) for _ in range(20))
