@@ -189,16 +189,13 @@ class Engine:
         with self._lock:
             batch = self._scheduler.schedule(time.monotonic())
         self._release(batch)
-        prefill_seconds = 0.0
         if batch.prefill:
-            start = time.perf_counter()
             self._commit_prefill(batch.prefill, self.runner.prefill(batch.prefill))
-            prefill_seconds = time.perf_counter() - start
         # A sequence prefilled in this step decodes from the next one, so its first token goes
         # out alone, right after the prefill (as vLLM's): the client's first token is early.
         decode = [s for s in batch.decode if not s.finished]
         if decode:
-            self._commit_decode(decode, prefill_seconds)
+            self._commit_decode(decode)
         with self._lock:
             done = self._scheduler.retire(time.monotonic())
         self._release(done)
@@ -227,10 +224,8 @@ class Engine:
             seq.prompt_logprobs = first.prompt_logprobs
             counters.generation_tokens += seq.append(first.token_ids, now, first.logprobs)
 
-    def _commit_decode(self, seqs: list[Sequence], prefill_seconds: float) -> None:
-        # The iteration's prefill is spent whatever the step does: the policy weighs the
-        # step's tokens against the whole iteration's time.
-        results = self.runner.decode(seqs, prefill_seconds)
+    def _commit_decode(self, seqs: list[Sequence]) -> None:
+        results = self.runner.decode(seqs)
         now = time.monotonic()
         counters = self._counters
         for seq, result in zip(seqs, results, strict=True):

@@ -107,12 +107,12 @@ class StepPlan:
         return cls(0, (False,) * n)
 
 
-def plan_step(policy: SpecPolicy, rows: Sequence[RowView], extra_seconds: float = 0.0) -> StepPlan:
+def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     """The split (drafting group at K, plain group) with the most expected tokens per
-    second; `extra_seconds`: time the step spends anyway (this iteration's prefill), which
-    makes drafting relatively cheaper. Each group's cost is taken at its longest row's
-    context. Drafting must beat plain decoding by the policy's margin unless a forced row
-    needs it."""
+    second of decoding. A prefill in the same iteration is not counted: it is spent
+    whatever the step does, so the time per generated token is the decode step's alone.
+    Each group's cost is taken at its longest row's context. Drafting must beat plain
+    decoding by the policy's margin unless a forced row needs it."""
     n = len(rows)
     if policy.mode == "fixed" or policy.max_k == 0:
         return StepPlan(policy.max_k, (True,) * n)
@@ -121,7 +121,7 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView], extra_seconds: float 
     order = sorted(range(n), key=lambda i: (not rows[i].forced, -gains[i][-1]))
     head, tail = _running_contexts([rows[i].context for i in order])
     per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
-    plain_score = n / (policy.curve(n, head[n])[0] + extra_seconds)
+    plain_score = n / policy.curve(n, head[n])[0]
     best_score, best = (-1.0, StepPlan.plain(n)) if forced else (plain_score, StepPlan.plain(n))
     threshold = best_score * (1.0 + (0.0 if forced else policy.margin))
     ks = _candidate_ks(policy, forced > 0)
@@ -136,7 +136,7 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView], extra_seconds: float 
         drafting = policy.curve(m, head[m])
         rest = policy.curve(n - m, tail[m])[0] if m < n else 0.0
         for k in ks:
-            score = tokens[k] / (extra_seconds + drafting[k] + rest + catch)
+            score = tokens[k] / (drafting[k] + rest + catch)
             if score > threshold and score > best_score:
                 best_score = score
                 chosen = set(order[:m])
@@ -257,20 +257,19 @@ class RowPlanner:
         forced: Sequence[bool],
         contexts: Sequence[int],
         pending: Callable[[int], int],
-        extra_seconds: float = 0.0,
     ) -> StepPlan:
         """The step's plan for these rows; `pending(i)`: row i's drafter context to catch
         up (asked only when the rows are weighed again)."""
         batch = tuple(keys)
         kept = self._kept
-        if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY and not extra_seconds:
+        if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY:
             self._kept = (batch, kept[1], kept[2] + 1)
             return with_forced(kept[1], forced, self.policy.max_k)
         views = [
             RowView(self._own[key].rates(), pending(i), forced[i], contexts[i])
             for i, key in enumerate(batch)
         ]
-        planned = plan_step(self.policy, views, extra_seconds)
+        planned = plan_step(self.policy, views)
         self._kept = None if planned.any_drafting else (batch, planned, 0)
         return with_forced(explored(self.policy, planned, views), forced, self.policy.max_k)
 

@@ -120,10 +120,10 @@ class ModelRunner:
         self.profile.record("prefill", time.perf_counter() - start)
         return results
 
-    def decode(self, seqs: list[Sequence], extra_seconds: float = 0.0) -> list[RowResult]:
+    def decode(self, seqs: list[Sequence]) -> list[RowResult]:
         """One speculative step over every running sequence. Adaptive: the rows split into
         a drafting group and a plain group (engine/row_speculation.py) by their own
-        acceptance and the step's costs (`extra_seconds`: this iteration's prefill), one
+        acceptance and the step's costs, one
         forward each; each group's time feeds the cost model and each row's acceptance
         its own estimates (the catch-up of context put off by plain steps is not charged
         to the group's k: the plan counts it from its own measure)."""
@@ -139,7 +139,7 @@ class ModelRunner:
             kind = "drafting" if max_draft_tokens(self._state) else "plain"
             self.profile.record(kind, time.perf_counter() - start)
             return every
-        plan = self._plan(seqs, rows, extra_seconds)
+        plan = self._plan(seqs, rows)
         results: list[RowResult | None] = [None] * len(rows)
         for k, members in ((plan.num_drafts, True), (0, False)):
             group = [i for i, drafting in enumerate(plan.drafting) if drafting == members]
@@ -151,14 +151,13 @@ class ModelRunner:
         self._observe(seqs, final)
         return final
 
-    def _plan(self, seqs: list[Sequence], rows: list[DecodeRow], extra: float) -> StepPlan:
+    def _plan(self, seqs: list[Sequence], rows: list[DecodeRow]) -> StepPlan:
         assert self.planner is not None
         return self.planner.plan(
             [id(s) for s in seqs],
             [_seeded_sampling(s) for s in seqs],
             [row.position for row in rows],
             lambda i: pending_context(self._state, [rows[i]]),
-            extra,
         )
 
     def _run_group(

@@ -154,11 +154,11 @@ async def test_a_failing_step_fails_its_streams_and_the_engine_goes_on(
     real_decode = engine.engine.runner.decode
     calls = {"n": 0}
 
-    def flaky(seqs: list[Sequence], extra_seconds: float = 0.0) -> list[RowResult]:
+    def flaky(seqs: list[Sequence]) -> list[RowResult]:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("boom")
-        return real_decode(seqs, extra_seconds)
+        return real_decode(seqs)
 
     monkeypatch.setattr(engine.engine.runner, "decode", flaky)
     await engine.start()

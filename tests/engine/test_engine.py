@@ -298,7 +298,7 @@ def test_seeded_sampling_is_reproducible(ckpt: TinyCheckpoint, k: int | None) ->
     assert out["1"].token_ids_delta == first
 
 
-def _prefer(k: int, policy: object, rows: list[RowView], extra: float = 0.0) -> StepPlan:
+def _prefer(k: int, policy: object, rows: list[RowView]) -> StepPlan:
     """A plan that drafts k for every row (k = 0: none), whatever the estimates say."""
     return StepPlan(k, (k > 0,) * len(rows))
 
@@ -332,9 +332,9 @@ def test_sampled_traffic_leaves_the_next_greedy_request_its_own_estimates(
     seen: list[list[list[float]]] = []
     real_plan = planning.plan_step
 
-    def spy(policy: object, rows: list[RowView], extra: float = 0.0) -> StepPlan:
+    def spy(policy: object, rows: list[RowView]) -> StepPlan:
         seen.append([list(r.rates) for r in rows])
-        return real_plan(policy, rows, extra)  # type: ignore[arg-type]
+        return real_plan(policy, rows)  # type: ignore[arg-type]
 
     monkeypatch.setattr(planning, "plan_step", spy)
     engine = make_engine(ckpt, k=3, adaptive=True)

@@ -113,14 +113,6 @@ def test_nothing_drafts_when_no_row_pays_for_it() -> None:
     assert plan == StepPlan.plain(4)
 
 
-def test_the_iteration_s_prefill_makes_drafting_cheaper() -> None:
-    """At the break-even of a bare step, a long prefill in the same iteration tips it."""
-    policy = _policy(forward=1.0, per_token=0.05)
-    modest = [0.3] * MAX_K
-    assert not plan_step(policy, [RowView(modest)]).any_drafting
-    assert plan_step(policy, [RowView(modest)], extra_seconds=20.0).any_drafting
-
-
 def test_pending_context_is_counted_against_a_row() -> None:
     costs = _costs(1.0, 0.02)
     dear = CostModel(costs.batch_sizes, costs.num_drafts, costs.seconds, 1.0)
