@@ -290,15 +290,17 @@ def running_workers(
     argv: Callable[[WorkerSpec, int, argparse.Namespace], list[str]] = worker_argv,
     env: Callable[[WorkerSpec, int], dict[str, str]] = worker_env,
     together: bool = False,
+    cwd: Callable[[WorkerSpec], Path] = lambda spec: REPO,
 ) -> Iterator[list[RunningWorker]]:
     """Start the workers one at a time (a vLLM start takes both cores for a minute), or all
     at the same moment (`together`: each start then has the others' as a neighbour), keep
     them all up, stop them all at the end. `argv`/`env`: each worker's command line and
-    environment (from its spec, port and the options; from its spec and --threads)."""
+    environment (from its spec, port and the options; from its spec and --threads); `cwd`:
+    the checkout each one runs from (`python -m` imports from there first)."""
     workers: list[RunningWorker] = []
     try:
         for i, spec in enumerate(specs):
-            workers.append(_launch(spec, i, args, log_dir, argv, env))
+            workers.append(_launch(spec, i, args, log_dir, argv, env, cwd(spec)))
             if not together:
                 _await_ready(workers[-1], args)
         for worker in workers if together else ():
@@ -316,6 +318,7 @@ def _launch(
     log_dir: Path,
     argv: Callable[[WorkerSpec, int, argparse.Namespace], list[str]],
     env: Callable[[WorkerSpec, int], dict[str, str]],
+    cwd: Path,
 ) -> RunningWorker:
     port = args.port_base + i if args.port_base else free_port()
     log_path = log_dir / f"{spec.name}.log"
@@ -323,7 +326,7 @@ def _launch(
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             argv(spec, port, args),
-            cwd=REPO,
+            cwd=cwd,
             env=env(spec, args.threads),
             stdout=log,
             stderr=subprocess.STDOUT,

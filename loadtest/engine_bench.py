@@ -231,15 +231,17 @@ def make_engines(args: argparse.Namespace, variants: list[Variant]) -> dict[Vari
 
 
 def adaptive_report(engine: Any, batch_sizes: list[int]) -> dict[str, Any]:
-    """An adaptive engine's start-up cost model, live acceptance rates, and the vLLM
-    batch-size -> k table they give."""
+    """An adaptive engine's start-up cost model, live acceptance rates (of greedy requests,
+    what this bench sends, and per temperature band), and the vLLM batch-size -> k table
+    they give."""
     from engine.adaptive import speculative_tokens_per_batch_size
 
-    policy, stats = engine.runner.policy, engine.runner.acceptance
-    rates = stats.rates()
+    policy, bands = engine.runner.policy, engine.runner.planner.priors.bands
+    rates = bands["greedy"].rates()
     return {
         "costs": policy.costs.to_json(),
         "rates": rates,
+        "band_rates": {name: stats.rates() for name, stats in bands.items()},
         "table": speculative_tokens_per_batch_size(policy.costs, rates, batch_sizes, policy.max_k),
     }
 

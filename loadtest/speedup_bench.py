@@ -320,7 +320,15 @@ def worker_argv(spec: WorkerSpec, port: int, args: argparse.Namespace) -> list[s
     argv = [sys.executable, "-m", "engine.worker.cli", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--served-model-name", MODEL_NAME, "--max-num-seqs", str(args.max_num_seqs)]
     argv += ["--max-model-len", str(args.max_model_len), "--seed", "0"]
-    return argv + (["--no-speculation"] if spec.mode == "plain" else [])
+    if spec.mode == "plain":
+        return [*argv, "--no-speculation"]
+    if spec.mode.startswith("fixed-"):  # the same drafter, every step verifying K drafts
+        from engine.worker.settings import BUNDLED_DRAFTER
+
+        k = int(spec.mode.removeprefix("fixed-"))
+        config = {"method": "dflash", "model": str(BUNDLED_DRAFTER), "num_speculative_tokens": k}
+        return [*argv, "--speculation", "fixed", "--speculative-config", json.dumps(config)]
+    return argv  # dflash, and a --tree checkout's dflash: their defaults
 
 
 async def measure(
@@ -409,6 +417,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: largest concurrency")
     p.add_argument("--max-model-len", type=int, default=None, help="default 1024 (--matrix: 2048)")
     p.add_argument(
+        "--fixed",
+        type=int_list,
+        default=[],
+        help="--matrix: also DFlash workers verifying K drafts every step (e.g. 7,15), at c=1",
+    )
+    p.add_argument(
+        "--tree",
+        type=Path,
+        default=None,
+        help="--matrix: also the DFlash worker of another checkout (e.g. a git worktree of an "
+        "older commit), at c=1",
+    )
+    p.add_argument(
         "--starts",
         type=int,
         default=1,
@@ -444,6 +465,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (sm.MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
+    if (args.fixed or args.tree) and not args.matrix:
+        parser.error("--fixed and --tree compare at c=1 in --matrix only")
+    if args.tree is not None and not (args.tree / "engine" / "worker" / "cli.py").is_file():
+        parser.error(f"--tree {args.tree}: not a dflash-serving checkout")
     for name in ("rounds", "num_requests", "requests_per_slot", "starts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -517,14 +542,24 @@ def run_matrix(args: argparse.Namespace) -> int:
     from loadtest import speedup_matrix as sm
 
     requests = sm.workloads(args)
-    specs = [WorkerSpec("embedded", mode) for mode in MODES]
+    specs = [WorkerSpec("embedded", mode) for mode in sm.modes(args)]
+    tree = (args.tree or REPO).resolve()
+
+    def cwd(spec: WorkerSpec) -> Path:
+        return tree if spec.mode == "tree" else REPO
+
+    def env(spec: WorkerSpec, threads: int) -> dict[str, str]:
+        out = worker_env(spec, threads)
+        out["PYTHONPATH"] = str(cwd(spec))
+        return out
+
     with contextlib.ExitStack() as stack:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
-        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=worker_env)
+        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=env, cwd=cwd)
         with launch as workers:
             cells = asyncio.run(sm.measure_matrix(workers, requests, args))
-    argvs = {m: worker_argv(WorkerSpec("embedded", m), 0, args)[1:] for m in MODES}
+    argvs = {s.mode: worker_argv(s, 0, args)[1:] for s in specs}
     report = sm.matrix_report(args, requests, cells, list(os.getloadavg()), argvs)
     print(sm.format_matrix(report))
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -110,6 +110,16 @@ def shapes_for(args: argparse.Namespace) -> tuple[Shape, ...]:
     return QUICK_SHAPES if args.quick else SHAPES
 
 
+def modes(args: argparse.Namespace) -> list[str]:
+    """The workers: DFlash (adaptive) and plain at every concurrency; at c=1 also DFlash
+    verifying K drafts every step for each --fixed K, and a --tree checkout's DFlash."""
+    extra = [f"fixed-{k}" for k in args.fixed] + (["tree"] if args.tree is not None else [])
+    return ["dflash", "plain", *extra]
+
+
+BASE_MODES = ("dflash", "plain")
+
+
 # ---- cells ----------------------------------------------------------------------------------
 
 
@@ -208,7 +218,7 @@ async def measure_matrix(
 ) -> dict[Key, MatrixCell]:
     shapes = shapes_for(args)
     cells = {(w.spec.mode, s.name, c): MatrixCell() for w in workers for s in shapes
-             for c in args.concurrency}  # fmt: skip
+             for c in args.concurrency if c == 1 or w.spec.mode in BASE_MODES}  # fmt: skip
     limits = httpx.Limits(max_connections=max(args.concurrency) * 2)
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         for w in workers:  # first-call allocations out of the timing
@@ -218,7 +228,9 @@ async def measure_matrix(
             for shape in shapes:
                 for c in args.concurrency:
                     batch = requests[shape.name][: shape.num_requests(c, args.requests_per_slot)]
-                    for w in [*workers[r % 2 :], *workers[: r % 2]]:
+                    present = [w for w in workers if (w.spec.mode, shape.name, c) in cells]
+                    turn = r % len(present)
+                    for w in [*present[turn:], *present[:turn]]:
                         await settle(workers)
                         before = await step_seconds(client, w.url)
                         results, seconds = await _run(client, w.url, shape, batch, c)
@@ -274,6 +286,7 @@ def matrix_rows(
             }
             if shape.twin is not None:
                 row.update(_mixed(cells, shape, c))
+            row.update(_against_others(cells, shape, c))
             rows.append(row)
     return rows
 
@@ -292,6 +305,23 @@ def _shares(cell: MatrixCell) -> dict[str, float]:
     """Each kind's engine seconds as a share of the cell's wall time."""
     wall = cell.elapsed_s
     return {kind: (cell.profile[kind] / wall if wall > 0 else 0.0) for kind in KINDS}
+
+
+def _against_others(cells: dict[Key, MatrixCell], shape: Shape, c: int) -> dict[str, Any]:
+    """At c=1: adaptive DFlash over each fixed-K worker, over the best of them, and over
+    the --tree checkout's DFlash (tokens/s)."""
+    fast = cells[("dflash", shape.name, c)].tokens_per_second
+    others = {m: cell.tokens_per_second for (m, name, cc), cell in cells.items()
+              if name == shape.name and cc == c and m not in BASE_MODES}  # fmt: skip
+    if not others:
+        return {}
+    fixed = {m: _ratio(fast, v) for m, v in others.items() if m.startswith("fixed-")}
+    out: dict[str, Any] = {"vs_fixed": fixed}
+    if fixed:
+        out["vs_best_fixed"] = _ratio(fast, max(v for m, v in others.items() if m in fixed))
+    if "tree" in others:
+        out["vs_tree"] = _ratio(fast, others["tree"])
+    return out
 
 
 def _speed(cell: MatrixCell, label: str) -> float | None:
@@ -320,6 +350,8 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "cells": len(rated),
         "worst_sampled_vs_plain": _least(r.get("sampled_vs_plain") for r in mixed),
         "worst_greedy_vs_greedy_only": _least(r.get("greedy_vs_greedy_only") for r in mixed),
+        "worst_vs_best_fixed_c1": _least(r.get("vs_best_fixed") for r in rows),
+        "worst_vs_tree_c1": _least(r.get("vs_tree") for r in rows),
     }
 
 
@@ -352,7 +384,9 @@ def format_matrix(report: dict[str, Any]) -> str:
         f"worst cell: {_fmt(s['worst_ratio'], '.2f')} ({s['worst_cell']}); mean "
         f"{_fmt(s['mean_ratio'], '.2f')}; {s['cells_below_0.98']} of {s['cells']} cells below "
         f"0.98; mixed streams: sampled vs plain >= {_fmt(s['worst_sampled_vs_plain'], '.2f')}, "
-        f"greedy vs greedy-only >= {_fmt(s['worst_greedy_vs_greedy_only'], '.2f')}"
+        f"greedy vs greedy-only >= {_fmt(s['worst_greedy_vs_greedy_only'], '.2f')}; "
+        f"c=1: vs best fixed k >= {_fmt(s['worst_vs_best_fixed_c1'], '.2f')}, "
+        f"vs --tree >= {_fmt(s['worst_vs_tree_c1'], '.2f')}"
     )
     return "\n".join(lines)
 

@@ -91,9 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--speculation",
         choices=["fixed", "adaptive"],
         default=sup,
-        help="embedded only: adaptive (default) = each step verifies the number of drafts, "
-        "up to num_speculative_tokens, that a start-up cost model and the live acceptance "
-        "favour (0 = plain decoding), so speculation never costs throughput; fixed = every "
+        help="embedded only: adaptive (default) = each step, each request drafts or not, "
+        "and the drafting ones verify the number of drafts (up to num_speculative_tokens) "
+        "that a start-up cost model and the requests' own acceptance favour; fixed = every "
         "step verifies num_speculative_tokens drafts (vLLM's policy)",
     )
     p.add_argument(

@@ -72,12 +72,34 @@ def test_rows_report_each_class_and_the_worst_cell() -> None:
     assert "worst cell: 0.62 (m c=2)" in table
 
 
+def test_c1_rows_compare_adaptive_with_each_fixed_k_and_another_tree() -> None:
+    shape = sm.Shape("s", (8, 48), (32, 96), False, "burst", "0")
+    cells = {
+        (m, "s", 1): sm.MatrixCell() for m in ("dflash", "plain", "fixed-7", "fixed-15", "tree")
+    }
+    for mode, tokens in (("dflash", 30), ("plain", 15), ("fixed-7", 25), ("fixed-15", 32),
+                         ("tree", 30)):  # fmt: skip
+        cells[(mode, "s", 1)].add([_out(tokens, 1.0)], ["greedy"], 1.0)
+    (row,) = sm.matrix_rows(cells, [shape], [1])
+    assert row["vs_fixed"] == pytest.approx({"fixed-7": 1.2, "fixed-15": 30 / 32})
+    assert row["vs_best_fixed"] == pytest.approx(30 / 32) and row["vs_tree"] == pytest.approx(1)
+    summary = sm.summary([row])
+    assert summary["worst_vs_best_fixed_c1"] == pytest.approx(30 / 32)
+    assert "vs best fixed k >= 0.94" in sm.format_matrix({"results": [row], "summary": summary})
+
+
 def test_matrix_options() -> None:
     args = sb.parse_args(["--matrix"])
     assert args.max_model_len == sm.MAX_MODEL_LEN and args.requests_per_slot == 3
     assert sb.parse_args([]).max_model_len == 1024
     with pytest.raises(SystemExit):  # the long prompts and answers would not fit
         sb.parse_args(["--matrix", "--max-model-len", "1024"])
+    assert sm.modes(sb.parse_args(["--matrix", "--fixed", "7,15", "--tree", str(bb.REPO)])) == [
+        "dflash", "plain", "fixed-7", "fixed-15", "tree"
+    ]  # fmt: skip
+    for bad in (["--fixed", "7"], ["--matrix", "--tree", "/nonexistent"]):
+        with pytest.raises(SystemExit):
+            sb.parse_args(bad)
 
 
 def test_quick_matrix_against_embedded_workers(
@@ -85,7 +107,8 @@ def test_quick_matrix_against_embedded_workers(
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(bb.REPO))
     out = tmp_path / "matrix.json"
-    assert bench.main(["speedup", "--matrix", "--quick", "--json", str(out)]) == 0
+    argv = ["speedup", "--matrix", "--quick", "--fixed", "3", "--tree", str(bb.REPO)]
+    assert bench.main([*argv, "--json", str(out)]) == 0
     assert "worst cell:" in capsys.readouterr().out
     report = json.loads(out.read_text())
     rows = report["results"]
@@ -97,5 +120,8 @@ def test_quick_matrix_against_embedded_workers(
     mixed = [r for r in rows if r["shape"] == "quick-mixed"]
     assert all(r["sampled_vs_plain"] and r["greedy_vs_greedy_only"] for r in mixed)
     assert report["summary"]["cells"] == 4
+    c1 = [r for r in rows if r["concurrency"] == 1]  # the extra workers ran at c=1 only
+    assert all(r["vs_best_fixed"] and r["vs_tree"] for r in c1)
+    assert all("vs_fixed" not in r for r in rows if r["concurrency"] == 2)
     shares = [r["profile"]["dflash"] for r in rows]  # where DFlash's time went
     assert all(s["prefill"] > 0 and s["drafting"] + s["plain"] > 0 for s in shares)
