@@ -45,26 +45,31 @@ def summed(stats: list[SpecStats]) -> SpecStats:
     )
 
 
+def server_span(
+    tracing: Tracing, method: str, route: str, headers: list[tuple[bytes, bytes]]
+) -> RequestTrace | bytes:
+    """The request's trace if the sampler keeps it, else the `traceparent` header line the
+    worker gets (the decision passed on; nothing else is built for such a request)."""
+    name = f"{method} {route}"
+    begun = tracing.begin(name, headers, {"http.request.method": method, "http.route": route})
+    return begun if isinstance(begun, bytes) else RequestTrace(tracing, begun)
+
+
 class RequestTrace:
-    """The spans of one request. The server span continues the client's traceparent; the
-    attempt span's context goes to the worker, whose spans then hang below it."""
+    """The spans of one sampled request. The server span continues the client's traceparent;
+    the attempt span's context goes to the worker, whose spans then hang below it. Children
+    get their attributes when they start, and the server span gets the answer's attributes
+    once, at its end (each SDK call validates what it is given: fewer calls, less CPU)."""
 
-    def __init__(
-        self, tracing: Tracing, method: str, route: str, headers: list[tuple[bytes, bytes]]
-    ) -> None:
-        from wire.otel import SpanKind
-
-        self.tracing = tracing
-        self.server = tracing.start(
-            f"{method} {route}",
-            tracing.extract(headers),
-            SpanKind.SERVER,
-            {"http.request.method": method, "http.route": route},
-        )
+    def __init__(self, tracing: Tracing, server: Span) -> None:
+        self.tracing, self.server = tracing, server
+        self.context = tracing.context(server)
         self.status: int | None = None
         self.error_code: str | None = None
         self.disconnected = False
         self.finish_reasons: list[str] = []
+        self.answer: dict[str, Any] = {}  # the request's and answer's attributes, set at the end
+        self.trace_id = format(server.get_span_context().trace_id, "032x")
 
     def headers_for(self, span: Span) -> bytes:
         """traceparent/tracestate header lines naming `span` as the worker's parent."""
@@ -72,9 +77,21 @@ class RequestTrace:
         return b"".join(f"{k}: {v}\r\n".encode("latin-1") for k, v in carrier.items())
 
     def child(
-        self, name: str, attributes: dict[str, Any] | None = None, parent: Span | None = None
+        self,
+        name: str,
+        attributes: dict[str, Any] | None = None,
+        start_time: int | None = None,
     ) -> Span:
-        return self.tracing.start(name, parent or self.server, attributes=attributes)
+        return self.tracing.tracer.start_span(
+            name, context=self.context, attributes=attributes, start_time=start_time
+        )
+
+    def authenticated(self, started: int, tenant: str | None, valid: bool) -> None:
+        """The key check that began at `started` (ns): its tenant (never the key), or a 401."""
+        span = self.child("auth", {"dflash.tenant": tenant} if tenant else None, started)
+        if not valid:
+            self.refused(span, 401, "invalid_api_key", "no valid API key")
+        span.end()
 
     def request(self, endpoint: str, model: str, payload: dict[str, Any], request_id: str) -> None:
         """The GenAI request attributes, from the client's body (validated before)."""
@@ -93,7 +110,7 @@ class RequestTrace:
             attributes["gen_ai.request.temperature"] = float(temperature)
         if isinstance(payload.get("stream"), bool):
             attributes["gen_ai.request.stream"] = payload["stream"]
-        self.server.set_attributes(attributes)
+        self.answer.update(attributes)
 
     def replied(self, body: dict[str, Any], usage: Usage | None, stats: list[SpecStats]) -> None:
         """A whole (non-streamed) answer: its choices' finish reasons, usage, acceptance."""
@@ -105,7 +122,7 @@ class RequestTrace:
 
     def exemplar(self) -> dict[str, str]:
         """The exemplar of the request's latency observations (OpenMetrics `trace_id`)."""
-        return {"trace_id": format(self.server.get_span_context().trace_id, "032x")}
+        return {"trace_id": self.trace_id}
 
     def outcome(
         self, usage: Usage | None, stats: list[SpecStats] | None, response_model: Any
@@ -119,7 +136,7 @@ class RequestTrace:
             attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
             attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens
         if self.finish_reasons:
-            attributes["gen_ai.response.finish_reasons"] = list(self.finish_reasons)
+            attributes["gen_ai.response.finish_reasons"] = tuple(self.finish_reasons)
         if spec is not None:
             attributes["dflash.spec.steps"] = spec.steps
             attributes["dflash.spec.accepted_tokens"] = spec.accepted_tokens
@@ -129,7 +146,7 @@ class RequestTrace:
                 attributes["dflash.spec.mean_acceptance_length"] = spec.acceptance_length
             if spec.acceptance_rate is not None:
                 attributes["dflash.spec.draft_acceptance_rate"] = spec.acceptance_rate
-        self.server.set_attributes(attributes)
+        self.answer.update(attributes)
 
     def refused(self, span: Span, status: int, code: str, message: str) -> None:
         """A refusal at this step (401, 429, 4xx): the step's span says so, and why."""
@@ -148,27 +165,28 @@ class RequestTrace:
         span.add_event("upstream_failure", {"error.type": kind, "message": message})
         span.set_status(Status(StatusCode.ERROR, message))
 
-    def routed(self, span: Span, worker: Any) -> None:
-        """The routing decision: the pool and worker picked (never a key), or none."""
+    def routed(self, started: int, model: str, worker: Any) -> None:
+        """The routing decision that began at `started` (ns): the model, and the pool and
+        worker picked (never a key), or none."""
+        attributes: dict[str, Any] = {"gen_ai.request.model": model}
+        if worker is not None:
+            attributes["dflash.pool"], attributes["dflash.worker"] = worker.pool, worker.label
+        span = self.child("route", attributes, started)
         if worker is None:
             span.add_event("no_worker")
-        else:
-            span.set_attributes({"dflash.pool": worker.pool, "dflash.worker": worker.label})
         span.end()
 
     def attempt(self, number: int, worker_label: str, url: str, pool: str) -> Attempt:
         from wire.otel import SpanKind
 
-        span = self.tracing.start(
-            f"attempt {number}",
-            self.server,
-            SpanKind.CLIENT,
-            {
-                "dflash.attempt": number,
-                "dflash.worker": worker_label,
-                "dflash.pool": pool,
-                "server.address": url,
-            },
+        attributes: dict[str, Any] = {
+            "dflash.attempt": number,
+            "dflash.worker": worker_label,
+            "dflash.pool": pool,
+            "server.address": url,
+        }
+        span = self.tracing.tracer.start_span(
+            f"attempt {number}", context=self.context, kind=SpanKind.CLIENT, attributes=attributes
         )
         return Attempt(self, span)
 
@@ -177,32 +195,39 @@ class RequestTrace:
         from wire.otel import Status, StatusCode
 
         status = CLIENT_CLOSED if self.disconnected or self.status is None else self.status
-        self.server.set_attribute("http.response.status_code", status)
+        answer = self.answer
+        answer["http.response.status_code"] = status
+        if status >= 400 and status != CLIENT_CLOSED:
+            answer["error.type"] = self.error_code or str(status)
+        self.server.set_attributes(answer)
         if status == CLIENT_CLOSED:
             self.server.add_event("client_disconnected")
             self.server.set_status(Status(StatusCode.ERROR, "the client closed the connection"))
         elif status >= 400:
-            self.server.set_attribute("error.type", self.error_code or str(status))
-            self.server.set_status(Status(StatusCode.ERROR, self.error_code or str(status)))
+            self.server.set_status(Status(StatusCode.ERROR, answer["error.type"]))
         self.server.end()
 
 
 class Attempt:
     """One upstream attempt: its span (the worker's parent) and the first-byte and stream
-    spans below it."""
+    spans below it. Only a streamed answer has a stream span: a whole answer's body ends
+    with its attempt span, which a second span would only repeat."""
 
     def __init__(self, trace: RequestTrace, span: Span) -> None:
         self.trace, self.span = trace, span
-        self.waiting = trace.child("first_byte", parent=span)
+        tracer = trace.tracing.tracer
+        self.context = trace.tracing.context(span)
+        self.waiting = tracer.start_span("first_byte", context=self.context)
         self.streaming: Span | None = None
 
     def headers(self) -> bytes:
         return self.trace.headers_for(self.span)
 
-    def first_byte(self, status: int) -> None:
+    def first_byte(self, status: int, streamed: bool) -> None:
         self.span.set_attribute("http.response.status_code", status)
         self.waiting.end()
-        self.streaming = self.trace.child("stream", parent=self.span)
+        if streamed:
+            self.streaming = self.trace.tracing.tracer.start_span("stream", context=self.context)
 
     def fail(self, kind: str, message: str) -> None:
         self.trace.failed(self.span, kind, message)

@@ -133,6 +133,7 @@ def test_one_trace_from_the_client_through_gateway_and_worker(
     assert attempt.attributes["http.response.status_code"] == 200
     [first_byte] = by_name(spans, GATEWAY, "first_byte")
     assert parent_of(first_byte, spans) is attempt
+    assert not by_name(spans, GATEWAY, "stream")  # a whole answer: its attempt ends with it
     every_value = [str(v) for s in spans for v in s.attributes.values()]
     assert not [v for v in every_value if KEY in v]  # never a key
 
