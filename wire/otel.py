@@ -7,7 +7,9 @@ queue fills and further spans are dropped and counted, never waited for."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -48,6 +50,13 @@ class TracingSettings(Protocol):
 
 
 EXPORT_TIMEOUT_S = 5.0  # one export's limit (the exporter's thread waits, no request does)
+# The OTLP exporters' own loggers: with the collector down each export logs its retries and
+# its failure, several lines a second under load. At most one per interval gets through.
+EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
+EXPORTER_LOG_INTERVAL_S = 60.0
 SCOPE = "dflash-serving"
 
 __all__ = ["Span", "SpanKind", "Status", "StatusCode", "Tracing"]
@@ -75,6 +84,27 @@ def exporter(settings: TracingSettings) -> SpanExporter:
     )
 
     return HttpExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
+
+
+class EveryInterval(logging.Filter):
+    """One record per `interval_s` through; the others are dropped, and the next one let
+    through says how many were."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval_s, self.clock = interval_s, clock
+        self.last: float | None = None
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.interval_s:
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            record.msg = f"{record.msg} ({self.suppressed} more like it were not logged)"
+        self.last, self.suppressed = now, 0
+        return True
 
 
 class Pending:
@@ -195,6 +225,9 @@ class Tracing:
         self.provider.add_span_processor(BoundedProcessor(batch, self.pending))
         self.tracer: Tracer = self.provider.get_tracer(SCOPE)
         self.propagator = TraceContextTextMapPropagator()
+        self.quiet = EveryInterval(EXPORTER_LOG_INTERVAL_S)
+        for name in EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(self.quiet)
 
     @property
     def dropped(self) -> int:
@@ -260,3 +293,5 @@ class Tracing:
     def shutdown(self) -> None:
         """Flush what is queued (bounded by the exporter's timeout) and stop the thread."""
         self.provider.shutdown()
+        for name in EXPORTER_LOGGERS:
+            logging.getLogger(name).removeFilter(self.quiet)

@@ -185,7 +185,12 @@ def test_a_stream_has_first_byte_and_stream_spans_and_exemplars(
         headers={"accept": "application/openmetrics-text; version=1.0.0"},
         timeout=10,
     ).text
-    for family in ("dflash_time_to_first_token_seconds", "dflash_request_duration_seconds"):
+    families = (
+        "dflash_time_to_first_token_seconds",
+        "dflash_time_per_output_token_seconds",
+        "dflash_request_duration_seconds",
+    )
+    for family in families:
         assert [
             line
             for line in exposition.splitlines()

@@ -3,11 +3,13 @@ provider (never the global one), and the bounded queue that drops and counts."""
 
 from __future__ import annotations
 
+import logging
+
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-from wire.otel import FixedResource, Tracing, sampler
+from wire.otel import EXPORTER_LOGGERS, EveryInterval, FixedResource, Tracing, sampler
 from wire.tracing import WORKER_SERVICE, TracingSettings
 
 DEAD = "http://127.0.0.1:9"  # discard port: nothing answers
@@ -88,3 +90,25 @@ def test_the_resource_hash_is_the_sdks() -> None:
     fixed = FixedResource(resource)
     assert hash(fixed) == hash(resource) and fixed == resource
     assert fixed.attributes == resource.attributes
+
+
+def test_the_exporters_warnings_are_rate_limited() -> None:
+    """A dead collector: one exporter warning per interval, the next says how many were not."""
+    now = [0.0]
+    quiet = EveryInterval(60.0, clock=lambda: now[0])
+
+    def record() -> logging.LogRecord:
+        return logging.LogRecord("x", logging.WARNING, __file__, 1, "export failed", None, None)
+
+    assert quiet.filter(record())
+    assert not any(quiet.filter(record()) for _ in range(5))
+    now[0] = 61.0
+    passed = record()
+    assert quiet.filter(passed) and passed.getMessage().endswith("(5 more like it were not logged)")
+    tracing = Tracing(TracingSettings(endpoint=DEAD), WORKER_SERVICE)
+    logger = logging.getLogger(EXPORTER_LOGGERS[0])
+    try:
+        assert tracing.quiet in logger.filters
+    finally:
+        tracing.shutdown()
+    assert tracing.quiet not in logger.filters
