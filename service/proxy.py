@@ -505,7 +505,8 @@ def observe_stream(metrics: GatewayMetrics, call: ProxyCall, worker: Worker, tap
     exemplar = None
     if call.trace is not None:
         call.trace.finish_reasons.extend(tap.finish_reasons or ())
-        call.trace.outcome(usage, stats, (final or {}).get("model"))
+        response = unwrap(final)  # a Responses stream's final object, else the chunk
+        call.trace.outcome(usage, stats, response if isinstance(response, dict) else None)
         exemplar = call.trace.exemplar()
     first = tap.first_token_at
     if first is None:

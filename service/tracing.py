@@ -22,10 +22,27 @@ OPERATIONS = {
     "/v1/responses": "chat",
 }
 CLIENT_CLOSED = 499
+# A Responses API answer's end, as a GenAI finish reason: `incomplete_details.reason` names
+# why an incomplete one stopped (`max_output_tokens` is chat's `length`).
+RESPONSE_FINISH = {"completed": "stop", "failed": "error"}
+INCOMPLETE_FINISH = {"max_output_tokens": "length"}
 
 
 def operation(endpoint: str) -> str:
     return OPERATIONS.get(endpoint, endpoint.rsplit("/", 1)[-1] or "request")
+
+
+def response_finish(response: dict[str, Any]) -> str | None:
+    """The finish reason of a Responses API object, read from its status (None while it is
+    not finished or for any other body)."""
+    if response.get("object") != "response":
+        return None
+    status = response.get("status")
+    if status == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return INCOMPLETE_FINISH.get(reason, reason) if isinstance(reason, str) else "incomplete"
+    return RESPONSE_FINISH.get(status) if isinstance(status, str) else None
 
 
 def summed(stats: list[SpecStats]) -> SpecStats:
@@ -118,20 +135,25 @@ class RequestTrace:
             reason = choice.get("finish_reason") if isinstance(choice, dict) else None
             if isinstance(reason, str):
                 self.finish_reasons.append(reason)
-        self.outcome(usage, stats, body.get("model"))
+        self.outcome(usage, stats, body)
 
     def exemplar(self) -> dict[str, str]:
         """The exemplar of the request's latency observations (OpenMetrics `trace_id`)."""
         return {"trace_id": self.trace_id}
 
     def outcome(
-        self, usage: Usage | None, stats: list[SpecStats] | None, response_model: Any
+        self, usage: Usage | None, stats: list[SpecStats] | None, body: dict[str, Any] | None
     ) -> None:
-        """What the worker reported: usage, finish reasons, the request's acceptance."""
+        """What the worker reported: usage, finish reasons, the request's acceptance. `body`:
+        the whole answer, a stream's final chunk, or a Responses stream's final object."""
         spec = summed(stats) if stats else None
         attributes: dict[str, Any] = {}
-        if isinstance(response_model, str):
-            attributes["gen_ai.response.model"] = response_model
+        body = body or {}
+        if isinstance(body.get("model"), str):
+            attributes["gen_ai.response.model"] = body["model"]
+        finished = response_finish(body)
+        if finished is not None:
+            self.finish_reasons.append(finished)
         if usage is not None:
             attributes["gen_ai.usage.input_tokens"] = usage.prompt_tokens
             attributes["gen_ai.usage.output_tokens"] = usage.completion_tokens

@@ -327,3 +327,25 @@ def test_with_tracing_off_neither_the_sdk_nor_an_exporter_is_loaded() -> None:
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_answer_s_finish_reason_is_read_from_its_status(
+    gateway: Gateway, received: Received, stream: bool
+) -> None:
+    """/v1/responses: an answer cut by max_output_tokens (status incomplete) gives `length`,
+    whole or streamed (from the final response.incomplete event's object)."""
+    trace_id = secrets.token_hex(16)
+    body = {"model": MODEL, "input": "def fib(n):", "max_output_tokens": 2, "store": False}
+    response = httpx.post(
+        gateway.v1 + "/responses",
+        headers={"authorization": f"Bearer {KEY}", "traceparent": f"00-{trace_id}-{'2' * 16}-01"},
+        json={**body, "stream": stream},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert ("response.incomplete" in response.text) == stream
+    received.wait(complete_trace(trace_id, worker_spans=0))  # the worker's /v1/responses: none
+    [server] = [s for s in received.trace(trace_id) if s.service == GATEWAY and s.kind == 2]
+    assert server.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert server.attributes["gen_ai.response.model"] == MODEL
