@@ -345,7 +345,47 @@ def test_a_responses_answer_s_finish_reason_is_read_from_its_status(
     )
     assert response.status_code == 200, response.text
     assert ("response.incomplete" in response.text) == stream
-    received.wait(complete_trace(trace_id, worker_spans=0))  # the worker's /v1/responses: none
-    [server] = [s for s in received.trace(trace_id) if s.service == GATEWAY and s.kind == 2]
+    received.wait(complete_trace(trace_id))
+    spans = received.trace(trace_id)
+    [server] = [s for s in spans if s.service == GATEWAY and s.kind == 2]
     assert server.attributes["gen_ai.response.finish_reasons"] == ["length"]
     assert server.attributes["gen_ai.response.model"] == MODEL
+    # The embedded worker continues the trace below the gateway's attempt, as for chat.
+    [attempt] = by_name(spans, GATEWAY, "attempt 1")
+    [worker] = [s for s in spans if s.service == WORKER and s.kind == 2]
+    assert worker.name == "POST /v1/responses" and not worker.error
+    assert parent_of(worker, spans) is attempt
+    assert worker.attributes["gen_ai.operation.name"] == "chat"
+    assert worker.attributes["gen_ai.request.model"] == MODEL
+    assert (
+        worker.attributes["gen_ai.usage.input_tokens"]
+        == server.attributes["gen_ai.usage.input_tokens"]
+    )
+    for name in ("queue", "prefill", "decode"):
+        [phase] = by_name(spans, WORKER, name)
+        assert parent_of(phase, spans) is worker, name
+    decode = by_name(spans, WORKER, "decode")[0].attributes
+    assert decode["gen_ai.response.finish_reasons"] == ["length"]
+    assert decode["gen_ai.usage.output_tokens"] == 2
+    for key in ("dflash.spec.steps", "dflash.spec.draft_tokens", "dflash.spec.accepted_tokens"):
+        assert decode[key] == server.attributes[key], key  # the worker's count, as reported
+    assert decode["dflash.spec.steps"] > 0
+
+
+def test_a_responses_request_the_worker_refuses_gives_its_error_span(
+    traced_worker: WorkerHandle, received: Received
+) -> None:
+    """Straight to the embedded worker (no gateway): `store: true` is the gateway's, a 400."""
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    response = httpx.post(
+        traced_worker.base_url + "/v1/responses",
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        json={"model": MODEL, "input": "x", "store": True},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    received.wait(lambda s: any(x.trace_id == trace_id for x in s))
+    [worker] = [s for s in received.trace(trace_id) if s.service == WORKER]
+    assert worker.parent_id == parent and worker.error
+    assert worker.attributes["http.response.status_code"] == 400
+    assert worker.attributes["error.type"] == response.json()["error"]["type"]
