@@ -139,7 +139,7 @@ class Outcome:
 
     def begin(self, call: ProxyCall, number: int, worker: Worker) -> None:
         if call.trace is not None:
-            self.attempt = call.trace.attempt(number, worker.label, worker.url, worker.pool)
+            self.attempt = call.trace.attempt(number, worker.url)
 
     def failed(self, failure: UpstreamFailure) -> None:
         if self.attempt is not None:
@@ -168,7 +168,7 @@ def pick(fleet: WorkerFleet, call: ProxyCall, tried: set[str]) -> Worker | None:
         return fleet.pick(call.model, call.affinity_key, tried)
     started = time.time_ns()
     worker = fleet.pick(call.model, call.affinity_key, tried)
-    call.trace.routed(started, call.model, worker)
+    call.trace.routed(started, worker)
     return worker
 
 

@@ -187,26 +187,23 @@ class RequestTrace:
         span.add_event("upstream_failure", {"error.type": kind, "message": message})
         span.set_status(Status(StatusCode.ERROR, message))
 
-    def routed(self, started: int, model: str, worker: Any) -> None:
-        """The routing decision that began at `started` (ns): the model, and the pool and
-        worker picked (never a key), or none."""
-        attributes: dict[str, Any] = {"gen_ai.request.model": model}
-        if worker is not None:
-            attributes["dflash.pool"], attributes["dflash.worker"] = worker.pool, worker.label
-        span = self.child("route", attributes, started)
+    def routed(self, started: int, worker: Any) -> None:
+        """The routing decision that began at `started` (ns): the pool and worker picked
+        (never a key), or none. Each fact sits on one span: the model asked for is the server
+        span's, and the attempt that follows names only its number and the address it calls."""
         if worker is None:
+            span = self.child("route", None, started)
             span.add_event("no_worker")
+        else:
+            attributes = {"dflash.pool": worker.pool, "dflash.worker": worker.label}
+            span = self.child("route", attributes, started)
         span.end()
 
-    def attempt(self, number: int, worker_label: str, url: str, pool: str) -> Attempt:
+    def attempt(self, number: int, url: str) -> Attempt:
+        """Attempt `number` to the worker at `url` (its pool and label: the route span's)."""
         from wire.otel import SpanKind
 
-        attributes: dict[str, Any] = {
-            "dflash.attempt": number,
-            "dflash.worker": worker_label,
-            "dflash.pool": pool,
-            "server.address": url,
-        }
+        attributes: dict[str, Any] = {"dflash.attempt": number, "server.address": url}
         span = self.tracing.tracer.start_span(
             f"attempt {number}", context=self.context, kind=SpanKind.CLIENT, attributes=attributes
         )

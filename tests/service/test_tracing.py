@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.routing.fleet import worker_id
 from tests.fixtures.otlp import OtlpGrpcReceiver, OtlpHttpReceiver, Received, by_name
 from tests.fixtures.worker import ROOT, WorkerHandle, free_port, running_worker
 from tests.service.conftest import MODEL, Gateway, running_gateway, worker_args
@@ -77,7 +78,7 @@ def complete_trace(trace_id: str, worker_spans: int = 4):  # type: ignore[no-unt
 
 
 def test_one_trace_from_the_client_through_gateway_and_worker(
-    gateway: Gateway, received: Received
+    gateway: Gateway, received: Received, traced_worker: WorkerHandle
 ) -> None:
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     response = httpx.post(
@@ -125,12 +126,21 @@ def test_one_trace_from_the_client_through_gateway_and_worker(
     assert auth.attributes == {"dflash.tenant": "team-a"} and parent_of(auth, spans) is server
     [limits] = by_name(spans, GATEWAY, "limits")
     assert parent_of(limits, spans) is server and not limits.error
+    # Each fact once: the model on the server span, the pool and worker (its metrics label)
+    # on the routing decision, the address called on the attempt.
     [route] = by_name(spans, GATEWAY, "route")
-    assert route.attributes["dflash.pool"] == "default"
-    assert route.attributes["dflash.worker"]
+    assert parent_of(route, spans) is server
+    assert route.attributes == {
+        "dflash.pool": "default",
+        "dflash.worker": worker_id(traced_worker.base_url),
+    }
     [attempt] = by_name(spans, GATEWAY, "attempt 1")
     assert attempt.kind == 3 and parent_of(attempt, spans) is server  # CLIENT
-    assert attempt.attributes["http.response.status_code"] == 200
+    assert attempt.attributes == {
+        "dflash.attempt": 1,
+        "server.address": traced_worker.base_url,
+        "http.response.status_code": 200,
+    }
     [first_byte] = by_name(spans, GATEWAY, "first_byte")
     assert parent_of(first_byte, spans) is attempt
     assert not by_name(spans, GATEWAY, "stream")  # a whole answer: its attempt ends with it
@@ -269,6 +279,12 @@ def test_a_worker_failure_gives_error_spans_and_a_retry_is_a_second_attempt(
         assert attempt.error and "upstream_failure" in attempt.events
         assert attempt.attributes["error.type"] == "status_5xx"
     assert sorted(sent) == sorted(f"00-{trace_id}-{a.span_id}-01" for a in attempts)
+    # The retry went to the other worker: each routing decision names the worker its
+    # attempt then called.
+    routes = sorted(by_name(spans, GATEWAY, "route"), key=lambda s: s.start_ns)
+    called = [a.attributes["server.address"] for a in attempts]
+    assert sorted(called) == sorted([one.url, two.url])
+    assert [r.attributes["dflash.worker"] for r in routes] == [worker_id(u) for u in called]
     [server] = [s for s in spans if s.kind == 2]
     assert server.error and server.attributes["http.response.status_code"] == 502
 
