@@ -1,6 +1,6 @@
 """One request's trace at the gateway (docs/tracing.md): the server span and its children
-(auth, tenant limits, routing, each upstream attempt with its first byte and its stream), the
-GenAI attributes and DFlash's acceptance.
+(admission: the key and the tenant's limits; routing; each upstream attempt with its first
+byte and its stream), the GenAI attributes and DFlash's acceptance.
 
 Built only when tracing is on (RequestContext creates a RequestTrace per request); with tracing
 off the request path holds None and calls nothing here."""
@@ -86,6 +86,8 @@ class RequestTrace:
         self.disconnected = False
         self.finish_reasons: list[str] = []
         self.answer: dict[str, Any] = {}  # the request's and answer's attributes, set at the end
+        # A tenant's key check (tenant, start and end ns) whose span waits for its limits.
+        self.pending: tuple[str, int, int] | None = None
         self.trace_id = format(server.get_span_context().trace_id, "032x")
 
     def headers_for(self, span: Span) -> bytes:
@@ -104,11 +106,23 @@ class RequestTrace:
         )
 
     def authenticated(self, started: int, tenant: str | None, valid: bool) -> None:
-        """The key check that began at `started` (ns): its tenant (never the key), or a 401."""
-        span = self.child("auth", {"dflash.tenant": tenant} if tenant else None, started)
+        """The key check that began at `started` (ns): a 401, a key, or a tenant's key. Key
+        and limits share one `admission` span (one span less to build and export): a
+        tenant's span is made by `admission` when its limits are checked (the key check, a
+        lookup, is long over), or by `end` from the check's own times if none followed."""
+        if valid and tenant:
+            self.pending = (tenant, started, time.time_ns())
+            return
+        span = self.child("admission", None, started)
         if not valid:
             self.refused(span, 401, "invalid_api_key", "no valid API key")
         span.end()
+
+    def admission(self, tenant: str) -> Span:
+        """The span of the tenant's limits check, starting now: its duration is the wait
+        for the tenant's limits; the caller ends it (a refusal sets its status first)."""
+        self.pending = None
+        return self.child("admission", {"dflash.tenant": tenant})
 
     def request(self, endpoint: str, model: str, payload: dict[str, Any], request_id: str) -> None:
         """The GenAI request attributes, from the client's body (validated before)."""
@@ -213,6 +227,9 @@ class RequestTrace:
         """The server span's status: a 4xx or 5xx the client got, or the client leaving."""
         from wire.otel import Status, StatusCode
 
+        if self.pending is not None:  # a tenant's key, and no limits checked after it
+            tenant, started, ended = self.pending
+            self.child("admission", {"dflash.tenant": tenant}, started).end(ended)
         status = CLIENT_CLOSED if self.disconnected or self.status is None else self.status
         answer = self.answer
         answer["http.response.status_code"] = status

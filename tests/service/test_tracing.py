@@ -122,10 +122,10 @@ def test_one_trace_from_the_client_through_gateway_and_worker(
         spec["mean_acceptance_length"]
     )
 
-    [auth] = by_name(spans, GATEWAY, "auth")
-    assert auth.attributes == {"dflash.tenant": "team-a"} and parent_of(auth, spans) is server
-    [limits] = by_name(spans, GATEWAY, "limits")
-    assert parent_of(limits, spans) is server and not limits.error
+    # The key and the tenant's limits: one span, naming the tenant (never the key).
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.attributes == {"dflash.tenant": "team-a"}
+    assert parent_of(admission, spans) is server and not admission.error
     # Each fact once: the model on the server span, the pool and worker (its metrics label)
     # on the routing decision, the address called on the attempt.
     [route] = by_name(spans, GATEWAY, "route")
@@ -226,9 +226,10 @@ def test_a_429_gives_an_error_span(gateway: Gateway, received: Received) -> None
     spans = received.trace(refused)
     [server] = [s for s in spans if s.kind == 2]
     assert server.error and server.attributes["http.response.status_code"] == 429
-    [limits] = by_name(spans, GATEWAY, "limits")
-    assert limits.error and "refused" in limits.events
-    assert limits.attributes["http.response.status_code"] == 429
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.error and "refused" in admission.events
+    assert admission.attributes["http.response.status_code"] == 429
+    assert admission.attributes["dflash.tenant"] == "team-b"
     assert not by_name(spans, GATEWAY, "attempt 1")  # never reached a worker
 
 
@@ -242,10 +243,31 @@ def test_a_bad_key_gives_an_error_span(gateway: Gateway, received: Received) -> 
     assert response.status_code == 401
     received.wait(lambda spans: any(s.trace_id == trace_id and s.kind == 2 for s in spans))
     spans = received.trace(trace_id)
-    [auth] = by_name(spans, GATEWAY, "auth")
-    assert auth.error and "refused" in auth.events
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.error and "refused" in admission.events
+    assert admission.attributes["http.response.status_code"] == 401
+    assert "dflash.tenant" not in admission.attributes
     [server] = [s for s in spans if s.kind == 2]
     assert server.error and server.attributes["error.type"] == "invalid_api_key"
+
+
+def test_a_tenant_s_request_refused_before_its_limits_still_names_the_tenant(
+    gateway: Gateway, received: Received
+) -> None:
+    """No limits checked (an unknown model: 404): the admission span is the key check's."""
+    trace_id = secrets.token_hex(16)
+    response = httpx.post(
+        gateway.v1 + "/completions",
+        headers={"authorization": f"Bearer {KEY}", "traceparent": f"00-{trace_id}-{'5' * 16}-01"},
+        json={"model": "no-such-model", "prompt": "x"},
+    )
+    assert response.status_code == 404
+    received.wait(lambda spans: any(s.trace_id == trace_id and s.kind == 2 for s in spans))
+    spans = received.trace(trace_id)
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.attributes == {"dflash.tenant": "team-a"} and not admission.error
+    [server] = [s for s in spans if s.kind == 2]
+    assert admission.start_ns >= server.start_ns and admission.end_ns <= server.end_ns
 
 
 async def failing(request: Request, writer: asyncio.StreamWriter) -> None:
