@@ -204,10 +204,10 @@ async def forward(
 async def admit(
     limiter: RateLimiter, tenant: Tenant, label: str, trace: RequestTrace | None
 ) -> Ticket | None:
-    """The tenant's limits; traced, a refusal (429) sets the limits span's status."""
+    """The tenant's limits; traced, a refusal (429) sets the admission span's status."""
     if trace is None:
         return await limiter.admit(tenant, label)
-    span = trace.child("limits", {"dflash.tenant": tenant.name})
+    span = trace.admission(tenant.name)
     try:
         return await limiter.admit(tenant, label)
     except ApiError as error:

@@ -47,7 +47,7 @@ from service.tenancy.response_store import (
     ResponseStore,
 )
 from service.tenancy.tenants import KeyRing, Tenant
-from service.tracing import RequestTrace
+from service.tracing import RequestTrace, server_span
 from wire.errors import (
     ApiError,
     AuthenticationFailed,
@@ -102,16 +102,14 @@ class RequestContext:
     def identified(self, scope: Scope) -> bool:
         """The key is known; with tenants configured, its tenant goes into the scope."""
         trace: RequestTrace | None = scope.get(TRACE_KEY)
-        span = trace.child("auth") if trace is not None else None
+        started = time.time_ns() if trace is not None else 0
         tenant = self.auth.identify(scope["headers"])
-        if tenant is not None and self.auth.ring.tenancy:
+        tenancy = self.auth.ring.tenancy
+        if tenant is not None and tenancy:
             scope[TENANT_KEY] = tenant
-        if span is not None and trace is not None:
-            if tenant is None:
-                trace.refused(span, 401, "invalid_api_key", "no valid API key")
-            elif self.auth.ring.tenancy:
-                span.set_attribute("dflash.tenant", tenant.name)
-            span.end()
+        if trace is not None:
+            name = tenant.name if tenant is not None and tenancy else None
+            trace.authenticated(started, name, tenant is not None)
         return tenant is not None
 
     def count(self, scope: Scope, status: int, error: ApiError | None = None) -> None:
@@ -139,20 +137,14 @@ class RequestContext:
         """The request under its server span (docs/tracing.md). A request the sampler left out
         only passes its context on, so the worker makes the same choice."""
         route = endpoint_label(scope["path"])
-        trace = RequestTrace(tracing, scope["method"], route, scope["headers"])
-        if not trace.server.is_recording():
-            scope[TRACEPARENT_KEY] = trace.headers_for(trace.server)
+        trace = server_span(tracing, scope["method"], route, scope["headers"])
+        if isinstance(trace, bytes):
+            scope[TRACEPARENT_KEY] = trace
             await self.handle(scope, receive, send)
             return
         scope[TRACE_KEY] = trace
-
-        async def watch(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                trace.status = message["status"]
-            await send(message)
-
         try:
-            await self.handle(scope, receive, watch)
+            await self.handle(scope, receive, send)
         finally:
             trace.end()
 
@@ -161,10 +153,15 @@ class RequestContext:
         request_id = client_request_id(scope["headers"]) or secrets.token_hex(16)
         scope[REQUEST_ID_KEY] = request_id
         rid = request_id.encode()
+        # A traced request's status: the gateway's own answers go through send_with_id, a
+        # proxied one is set by the proxy (which sends without a wrapper per message).
+        trace: RequestTrace | None = scope.get(TRACE_KEY)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), (b"x-request-id", rid)]
+                if trace is not None:
+                    trace.status = message["status"]
             await send(message)
 
         if self.auth.protects(scope["path"]) and not self.identified(scope):

@@ -139,7 +139,7 @@ class Outcome:
 
     def begin(self, call: ProxyCall, number: int, worker: Worker) -> None:
         if call.trace is not None:
-            self.attempt = call.trace.attempt(number, worker.label, worker.url, worker.pool)
+            self.attempt = call.trace.attempt(number, worker.url)
 
     def failed(self, failure: UpstreamFailure) -> None:
         if self.attempt is not None:
@@ -149,13 +149,13 @@ class Outcome:
         if self.attempt is not None:
             self.attempt.end()
 
-    def first_byte(self, watch: Watch, idle_s: float, status: int) -> None:
+    def first_byte(self, watch: Watch, idle_s: float, status: int, streamed: bool) -> None:
         """The worker answered: the watch switches to the idle limit (the attempt's
-        first-byte span ends)."""
+        first-byte span ends; an SSE stream's span begins)."""
         watch.idle_s = idle_s
         watch.marks += 2
         if self.attempt is not None:
-            self.attempt.first_byte(status)
+            self.attempt.first_byte(status, streamed)
 
     def trace_headers(self, call: ProxyCall) -> bytes:
         """The worker's parent: this attempt (sampled), else the unsampled context, or none."""
@@ -166,9 +166,9 @@ def pick(fleet: WorkerFleet, call: ProxyCall, tried: set[str]) -> Worker | None:
     """The fleet's choice; traced, under a routing span naming the pool and worker."""
     if call.trace is None:
         return fleet.pick(call.model, call.affinity_key, tried)
-    span = call.trace.child("route", {"gen_ai.request.model": call.model})
+    started = time.time_ns()
     worker = fleet.pick(call.model, call.affinity_key, tried)
-    call.trace.routed(span, worker)
+    call.trace.routed(started, worker)
     return worker
 
 
@@ -300,7 +300,7 @@ class Proxy:
         watch = self._watch(deadline)
         try:
             response = await self._post(worker, call, watch, outcome)
-            outcome.first_byte(watch, self.settings.idle_stream_timeout_s, response.status)
+            outcome.first_byte(watch, self.settings.idle_stream_timeout_s, response.status, False)
             body = await response.content.read()
             complete = True
         except UPSTREAM_ERRORS as exc:
@@ -358,9 +358,10 @@ class Proxy:
                     if failure is not None:
                         raise failure
                     first = await response.content.readany()
-                    outcome.first_byte(watch, self.settings.idle_stream_timeout_s, 200)
+                    outcome.first_byte(watch, self.settings.idle_stream_timeout_s, 200, True)
                 else:
-                    outcome.first_byte(watch, self.settings.idle_stream_timeout_s, response.status)
+                    idle_s = self.settings.idle_stream_timeout_s
+                    outcome.first_byte(watch, idle_s, response.status, False)
                     body = await response.content.read()
                     complete = True
             except UPSTREAM_ERRORS as exc:
@@ -504,7 +505,8 @@ def observe_stream(metrics: GatewayMetrics, call: ProxyCall, worker: Worker, tap
     exemplar = None
     if call.trace is not None:
         call.trace.finish_reasons.extend(tap.finish_reasons or ())
-        call.trace.outcome(usage, stats, (final or {}).get("model"))
+        response = unwrap(final)  # a Responses stream's final object, else the chunk
+        call.trace.outcome(usage, stats, response if isinstance(response, dict) else None)
         exemplar = call.trace.exemplar()
     first = tap.first_token_at
     if first is None:
@@ -567,7 +569,7 @@ class ProxyResponse(Response):
                 duration.observe(elapsed)
             else:
                 trace.disconnected = not complete
-                trace.error_code = code
+                trace.status, trace.error_code = status, code
                 duration.observe(elapsed, trace.exemplar())
 
 

@@ -64,8 +64,9 @@ class SseTap:
         self.first_token_at: float | None = None
         self.done = False
         self.errored = False
-        # The choices' finish reasons, collected for a traced request only (one search per
-        # event: untraced streams pay nothing).
+        # The choices' finish reasons, collected for a traced request only (untraced streams
+        # pay nothing). Two byte counts per event; the regex runs only on an event where some
+        # finish_reason is not a compact `null` (the last one of each choice).
         self.finish_reasons: list[str] | None = [] if finish_reasons else None
 
     @property
@@ -120,7 +121,7 @@ class SseTap:
             self._final_raw = event
         if self._marker is not None and self._marker in event:
             self._spec_raw = event
-        if self.finish_reasons is not None:
+        if self.finish_reasons is not None and event.count(FINISH_KEY) != event.count(NO_FINISH):
             self.finish_reasons.extend(r.decode() for r in FINISH_REASON.findall(event))
         if self.first_token_at is not None and not usage_only and b'"error"' not in event:
             return True
@@ -141,6 +142,7 @@ class SseTap:
 
 
 FINISH_REASON = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
+FINISH_KEY, NO_FINISH = b'"finish_reason"', b'"finish_reason":null'
 
 
 def _event_json(event: bytes) -> Any:

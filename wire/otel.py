@@ -7,7 +7,9 @@ queue fills and further spans are dropped and counted, never waited for."""
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
@@ -16,9 +18,11 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
+    Decision,
     ParentBased,
     Sampler,
     TraceIdRatioBased,
@@ -46,6 +50,13 @@ class TracingSettings(Protocol):
 
 
 EXPORT_TIMEOUT_S = 5.0  # one export's limit (the exporter's thread waits, no request does)
+# The OTLP exporters' own loggers: with the collector down each export logs its retries and
+# its failure, several lines a second under load. At most one per interval gets through.
+EXPORTER_LOGGERS = (
+    "opentelemetry.exporter.otlp.proto.grpc.exporter",
+    "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+)
+EXPORTER_LOG_INTERVAL_S = 60.0
 SCOPE = "dflash-serving"
 
 __all__ = ["Span", "SpanKind", "Status", "StatusCode", "Tracing"]
@@ -73,6 +84,27 @@ def exporter(settings: TracingSettings) -> SpanExporter:
     )
 
     return HttpExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
+
+
+class EveryInterval(logging.Filter):
+    """One record per `interval_s` through; the others are dropped, and the next one let
+    through says how many were."""
+
+    def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval_s, self.clock = interval_s, clock
+        self.last: float | None = None
+        self.suppressed = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self.clock()
+        if self.last is not None and now - self.last < self.interval_s:
+            self.suppressed += 1
+            return False
+        if self.suppressed:
+            record.msg = f"{record.msg} ({self.suppressed} more like it were not logged)"
+        self.last, self.suppressed = now, 0
+        return True
 
 
 class Pending:
@@ -133,6 +165,42 @@ class BoundedProcessor(SpanProcessor):
         return self.inner.force_flush(timeout_millis)
 
 
+class FixedResource(Resource):
+    """The process's resource, whose hash is computed once: OTLP's encoder groups every span
+    by its resource, and Resource hashes by dumping its attributes to JSON on each call
+    (about 7 % of a span's encoding). The attributes never change after startup."""
+
+    def __init__(self, resource: Resource) -> None:
+        super().__init__(resource.attributes, resource.schema_url)
+        self._hash = super().__hash__()
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or super().__eq__(other)
+
+
+class DecidedIds(RandomIdGenerator):
+    """Random ids, except a trace id the sampler has already seen: `Tracing.begin` draws the
+    id and asks the sampler before any span exists, and the span it then starts must carry
+    that id (a ratio sampler decides by the id: a fresh one would sample p² of requests).
+    Per thread, as the id is set and taken within one call."""
+
+    def __init__(self) -> None:
+        self.local = threading.local()
+
+    def draw(self) -> int:
+        return super().generate_trace_id()
+
+    def generate_trace_id(self) -> int:
+        decided: int | None = getattr(self.local, "decided", None)
+        if decided is None:
+            return super().generate_trace_id()
+        self.local.decided = None
+        return decided
+
+
 class Tracing:
     """One process's tracer: its provider, exporter, sampler and resource, and the W3C
     propagator that reads a caller's context and writes this process's for the next hop."""
@@ -148,12 +216,18 @@ class Tracing:
             max_export_batch_size=min(512, settings.max_queue_size),
             schedule_delay_millis=500,
         )
+        self.sampler, self.ids = sampler(settings), DecidedIds()
         self.provider = TracerProvider(
-            sampler=sampler(settings), resource=Resource.create(attributes)
+            sampler=self.sampler,
+            resource=FixedResource(Resource.create(attributes)),
+            id_generator=self.ids,
         )
         self.provider.add_span_processor(BoundedProcessor(batch, self.pending))
         self.tracer: Tracer = self.provider.get_tracer(SCOPE)
         self.propagator = TraceContextTextMapPropagator()
+        self.quiet = EveryInterval(EXPORTER_LOG_INTERVAL_S)
+        for name in EXPORTER_LOGGERS:
+            logging.getLogger(name).addFilter(self.quiet)
 
     @property
     def dropped(self) -> int:
@@ -169,6 +243,33 @@ class Tracing:
             if name in (b"traceparent", b"tracestate"):
                 carrier[name.decode()] = value.decode("latin-1")
         return self.propagator.extract(carrier) if carrier else None
+
+    def begin(
+        self, name: str, headers: Iterable[tuple[bytes, bytes]], attributes: dict[str, Any]
+    ) -> Span | bytes:
+        """A request's server span if the sampler keeps it, else only the header lines that
+        pass its decision on (`traceparent` with the sampled flag off): an unsampled request
+        creates no span and no context, the cheap path at low sampling rates."""
+        parent = self.extract(headers)
+        remote = trace.get_current_span(parent).get_span_context() if parent else None
+        valid = remote is not None and remote.is_valid
+        trace_id = remote.trace_id if remote is not None and valid else self.ids.draw()
+        result = self.sampler.should_sample(parent, trace_id, name, SpanKind.SERVER, attributes)
+        if result.decision is Decision.DROP:
+            span_id = self.ids.generate_span_id()
+            lines = f"traceparent: 00-{trace_id:032x}-{span_id:016x}-00\r\n"
+            if result.trace_state:
+                lines += f"tracestate: {result.trace_state.to_header()}\r\n"
+            return lines.encode("latin-1")
+        if not valid:
+            self.ids.local.decided = trace_id  # the span gets the id the sampler saw
+        return self.tracer.start_span(
+            name, context=parent, kind=SpanKind.SERVER, attributes=attributes
+        )
+
+    def context(self, span: Span) -> Context:
+        """A context whose current span is `span`: the parent of the spans started in it."""
+        return trace.set_span_in_context(span)
 
     def inject(self, span: Span) -> dict[str, str]:
         """`traceparent` (and `tracestate`) naming `span` as the next hop's parent."""
@@ -192,3 +293,5 @@ class Tracing:
     def shutdown(self) -> None:
         """Flush what is queued (bounded by the exporter's timeout) and stop the thread."""
         self.provider.shutdown()
+        for name in EXPORTER_LOGGERS:
+            logging.getLogger(name).removeFilter(self.quiet)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from fastapi import APIRouter, Request
@@ -53,6 +54,7 @@ from wire.http import client_request_id, package_version, read_json
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
     from engine.worker.state import WorkerState
+    from wire.otel import Tracing
 
 router = APIRouter()
 
@@ -155,7 +157,15 @@ async def responses(request: Request) -> Response:
     state = worker(request)
     given = client_request_id(request.scope["headers"])
     request.state.request_id = given or uuid.uuid4().hex
-    return await create_response(state, request, _admit(state, request), _start)
+    if state.tracing is None:
+        return await create_response(state, request, _admit(state, request), _start)
+    trace = _trace(state.tracing, state, request, "responses")
+    try:
+        engine = _admit(state, request)
+        return await create_response(state, request, engine, partial(_start, trace=trace))
+    except ApiError as error:
+        trace.failed(error.status_code, error.code or error.error_type, error.message)
+        raise
 
 
 @router.post("/v1/completions")
@@ -324,18 +334,19 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     """The request under its server span when tracing is on (docs/tracing.md)."""
     if state.tracing is None:
         return await _generate(state, request, kind, None)
-    trace = WorkerTrace(
-        state.tracing,
-        "chat" if kind is ChatCompletionRequest else "completion",
-        request.url.path,
-        state.settings.model_name,
-        request.scope["headers"],
-    )
+    kind_name = "chat" if kind is ChatCompletionRequest else "completion"
+    trace = _trace(state.tracing, state, request, kind_name)
     try:
         return await _generate(state, request, kind, trace)
     except ApiError as error:
         trace.failed(error.status_code, error.code or error.error_type, error.message)
         raise
+
+
+def _trace(tracing: Tracing, state: WorkerState, request: Request, kind: str) -> WorkerTrace:
+    """The request's server span, continuing the gateway's traceparent."""
+    path, model = request.url.path, state.settings.model_name
+    return WorkerTrace(tracing, kind, path, model, request.scope["headers"])
 
 
 async def _generate(

@@ -14,7 +14,9 @@ from engine.sequence import RequestMetrics, RequestOutput, SpecDecodeStats
 if TYPE_CHECKING:
     from wire.otel import Tracing
 
-OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+# gen_ai.operation.name of each kind of request (a Responses request runs as a chat, and the
+# gateway names it so too).
+OPERATIONS = {"chat": "chat", "completion": "text_completion", "responses": "chat"}
 
 
 def epoch_ns(monotonic_s: float, offset_ns: int) -> int:

@@ -62,3 +62,18 @@ def test_reasoning_counts_as_the_first_token(field: str) -> None:
     chunk = {"choices": [{"index": 0, "delta": {field: "Let me think"}}]}
     tap.feed(b"data: " + json.dumps(chunk).encode() + b"\n\n")
     assert tap.first_token_at is not None
+
+
+def test_finish_reasons_of_a_traced_stream() -> None:
+    """Each choice's last finish_reason, compact or spaced, beside others still null."""
+    events = (
+        b'data: {"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
+        b'data: {"choices":[{"index":0,"finish_reason":null},'
+        b'{"index":1,"finish_reason":"length"}]}\n\n'
+        b'data: {"choices": [{"index": 0, "finish_reason": "stop"}]}\n\n'
+        b'data: {"choices": [{"index": 0, "finish_reason": null}]}\n\n' + DONE
+    )
+    tap = SseTap(strip_usage_chunk=False, finish_reasons=True)
+    assert feed_in_pieces(tap, events, 13) == events
+    assert tap.finish_reasons == ["length", "stop"]
+    assert SseTap(strip_usage_chunk=False).finish_reasons is None  # untraced: not collected

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.routing.fleet import worker_id
 from tests.fixtures.otlp import OtlpGrpcReceiver, OtlpHttpReceiver, Received, by_name
 from tests.fixtures.worker import ROOT, WorkerHandle, free_port, running_worker
 from tests.service.conftest import MODEL, Gateway, running_gateway, worker_args
@@ -77,7 +78,7 @@ def complete_trace(trace_id: str, worker_spans: int = 4):  # type: ignore[no-unt
 
 
 def test_one_trace_from_the_client_through_gateway_and_worker(
-    gateway: Gateway, received: Received
+    gateway: Gateway, received: Received, traced_worker: WorkerHandle
 ) -> None:
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     response = httpx.post(
@@ -121,18 +122,28 @@ def test_one_trace_from_the_client_through_gateway_and_worker(
         spec["mean_acceptance_length"]
     )
 
-    [auth] = by_name(spans, GATEWAY, "auth")
-    assert auth.attributes == {"dflash.tenant": "team-a"} and parent_of(auth, spans) is server
-    [limits] = by_name(spans, GATEWAY, "limits")
-    assert parent_of(limits, spans) is server and not limits.error
+    # The key and the tenant's limits: one span, naming the tenant (never the key).
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.attributes == {"dflash.tenant": "team-a"}
+    assert parent_of(admission, spans) is server and not admission.error
+    # Each fact once: the model on the server span, the pool and worker (its metrics label)
+    # on the routing decision, the address called on the attempt.
     [route] = by_name(spans, GATEWAY, "route")
-    assert route.attributes["dflash.pool"] == "default"
-    assert route.attributes["dflash.worker"]
+    assert parent_of(route, spans) is server
+    assert route.attributes == {
+        "dflash.pool": "default",
+        "dflash.worker": worker_id(traced_worker.base_url),
+    }
     [attempt] = by_name(spans, GATEWAY, "attempt 1")
     assert attempt.kind == 3 and parent_of(attempt, spans) is server  # CLIENT
-    assert attempt.attributes["http.response.status_code"] == 200
+    assert attempt.attributes == {
+        "dflash.attempt": 1,
+        "server.address": traced_worker.base_url,
+        "http.response.status_code": 200,
+    }
     [first_byte] = by_name(spans, GATEWAY, "first_byte")
     assert parent_of(first_byte, spans) is attempt
+    assert not by_name(spans, GATEWAY, "stream")  # a whole answer: its attempt ends with it
     every_value = [str(v) for s in spans for v in s.attributes.values()]
     assert not [v for v in every_value if KEY in v]  # never a key
 
@@ -184,7 +195,12 @@ def test_a_stream_has_first_byte_and_stream_spans_and_exemplars(
         headers={"accept": "application/openmetrics-text; version=1.0.0"},
         timeout=10,
     ).text
-    for family in ("dflash_time_to_first_token_seconds", "dflash_request_duration_seconds"):
+    families = (
+        "dflash_time_to_first_token_seconds",
+        "dflash_time_per_output_token_seconds",
+        "dflash_request_duration_seconds",
+    )
+    for family in families:
         assert [
             line
             for line in exposition.splitlines()
@@ -210,9 +226,10 @@ def test_a_429_gives_an_error_span(gateway: Gateway, received: Received) -> None
     spans = received.trace(refused)
     [server] = [s for s in spans if s.kind == 2]
     assert server.error and server.attributes["http.response.status_code"] == 429
-    [limits] = by_name(spans, GATEWAY, "limits")
-    assert limits.error and "refused" in limits.events
-    assert limits.attributes["http.response.status_code"] == 429
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.error and "refused" in admission.events
+    assert admission.attributes["http.response.status_code"] == 429
+    assert admission.attributes["dflash.tenant"] == "team-b"
     assert not by_name(spans, GATEWAY, "attempt 1")  # never reached a worker
 
 
@@ -226,10 +243,31 @@ def test_a_bad_key_gives_an_error_span(gateway: Gateway, received: Received) -> 
     assert response.status_code == 401
     received.wait(lambda spans: any(s.trace_id == trace_id and s.kind == 2 for s in spans))
     spans = received.trace(trace_id)
-    [auth] = by_name(spans, GATEWAY, "auth")
-    assert auth.error and "refused" in auth.events
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.error and "refused" in admission.events
+    assert admission.attributes["http.response.status_code"] == 401
+    assert "dflash.tenant" not in admission.attributes
     [server] = [s for s in spans if s.kind == 2]
     assert server.error and server.attributes["error.type"] == "invalid_api_key"
+
+
+def test_a_tenant_s_request_refused_before_its_limits_still_names_the_tenant(
+    gateway: Gateway, received: Received
+) -> None:
+    """No limits checked (an unknown model: 404): the admission span is the key check's."""
+    trace_id = secrets.token_hex(16)
+    response = httpx.post(
+        gateway.v1 + "/completions",
+        headers={"authorization": f"Bearer {KEY}", "traceparent": f"00-{trace_id}-{'5' * 16}-01"},
+        json={"model": "no-such-model", "prompt": "x"},
+    )
+    assert response.status_code == 404
+    received.wait(lambda spans: any(s.trace_id == trace_id and s.kind == 2 for s in spans))
+    spans = received.trace(trace_id)
+    [admission] = by_name(spans, GATEWAY, "admission")
+    assert admission.attributes == {"dflash.tenant": "team-a"} and not admission.error
+    [server] = [s for s in spans if s.kind == 2]
+    assert admission.start_ns >= server.start_ns and admission.end_ns <= server.end_ns
 
 
 async def failing(request: Request, writer: asyncio.StreamWriter) -> None:
@@ -263,6 +301,12 @@ def test_a_worker_failure_gives_error_spans_and_a_retry_is_a_second_attempt(
         assert attempt.error and "upstream_failure" in attempt.events
         assert attempt.attributes["error.type"] == "status_5xx"
     assert sorted(sent) == sorted(f"00-{trace_id}-{a.span_id}-01" for a in attempts)
+    # The retry went to the other worker: each routing decision names the worker its
+    # attempt then called.
+    routes = sorted(by_name(spans, GATEWAY, "route"), key=lambda s: s.start_ns)
+    called = [a.attributes["server.address"] for a in attempts]
+    assert sorted(called) == sorted([one.url, two.url])
+    assert [r.attributes["dflash.worker"] for r in routes] == [worker_id(u) for u in called]
     [server] = [s for s in spans if s.kind == 2]
     assert server.error and server.attributes["http.response.status_code"] == 502
 
@@ -321,3 +365,65 @@ def test_with_tracing_off_neither_the_sdk_nor_an_exporter_is_loaded() -> None:
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_responses_answer_s_finish_reason_is_read_from_its_status(
+    gateway: Gateway, received: Received, stream: bool
+) -> None:
+    """/v1/responses: an answer cut by max_output_tokens (status incomplete) gives `length`,
+    whole or streamed (from the final response.incomplete event's object)."""
+    trace_id = secrets.token_hex(16)
+    body = {"model": MODEL, "input": "def fib(n):", "max_output_tokens": 2, "store": False}
+    response = httpx.post(
+        gateway.v1 + "/responses",
+        headers={"authorization": f"Bearer {KEY}", "traceparent": f"00-{trace_id}-{'2' * 16}-01"},
+        json={**body, "stream": stream},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    assert ("response.incomplete" in response.text) == stream
+    received.wait(complete_trace(trace_id))
+    spans = received.trace(trace_id)
+    [server] = [s for s in spans if s.service == GATEWAY and s.kind == 2]
+    assert server.attributes["gen_ai.response.finish_reasons"] == ["length"]
+    assert server.attributes["gen_ai.response.model"] == MODEL
+    # The embedded worker continues the trace below the gateway's attempt, as for chat.
+    [attempt] = by_name(spans, GATEWAY, "attempt 1")
+    [worker] = [s for s in spans if s.service == WORKER and s.kind == 2]
+    assert worker.name == "POST /v1/responses" and not worker.error
+    assert parent_of(worker, spans) is attempt
+    assert worker.attributes["gen_ai.operation.name"] == "chat"
+    assert worker.attributes["gen_ai.request.model"] == MODEL
+    assert (
+        worker.attributes["gen_ai.usage.input_tokens"]
+        == server.attributes["gen_ai.usage.input_tokens"]
+    )
+    for name in ("queue", "prefill", "decode"):
+        [phase] = by_name(spans, WORKER, name)
+        assert parent_of(phase, spans) is worker, name
+    decode = by_name(spans, WORKER, "decode")[0].attributes
+    assert decode["gen_ai.response.finish_reasons"] == ["length"]
+    assert decode["gen_ai.usage.output_tokens"] == 2
+    for key in ("dflash.spec.steps", "dflash.spec.draft_tokens", "dflash.spec.accepted_tokens"):
+        assert decode[key] == server.attributes[key], key  # the worker's count, as reported
+    assert decode["dflash.spec.steps"] > 0
+
+
+def test_a_responses_request_the_worker_refuses_gives_its_error_span(
+    traced_worker: WorkerHandle, received: Received
+) -> None:
+    """Straight to the embedded worker (no gateway): `store: true` is the gateway's, a 400."""
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    response = httpx.post(
+        traced_worker.base_url + "/v1/responses",
+        headers={"traceparent": f"00-{trace_id}-{parent}-01"},
+        json={"model": MODEL, "input": "x", "store": True},
+        timeout=60,
+    )
+    assert response.status_code == 400, response.text
+    received.wait(lambda s: any(x.trace_id == trace_id for x in s))
+    [worker] = [s for s in received.trace(trace_id) if s.service == WORKER]
+    assert worker.parent_id == parent and worker.error
+    assert worker.attributes["http.response.status_code"] == 400
+    assert worker.attributes["error.type"] == response.json()["error"]["type"]
