@@ -45,30 +45,37 @@ Measure = Callable[[int, int], float]  # (batch size, num drafts k) -> seconds p
 @dataclass(frozen=True)
 class ContextTerm:
     """How a step's cost moves with its rows' context away from the grid's: every row
-    reads the keys up to the batch's longest context (whatever k), and every verified
-    query attends to them. Zero slopes: the grid's context is assumed throughout."""
+    reads the keys up to the batch's longest context (whatever k), every verified query
+    attends to them, and a drafting step's drafter attends to its own context with its
+    whole block, however many drafts are verified. Zero slopes: the grid's context is
+    assumed throughout."""
 
     tokens: int = 0  # the context the grid was measured at
     per_row_key: float = 0.0  # seconds per row per key position
     per_query_key: float = 0.0  # seconds per verified query (k + 1 per row) per key
+    per_drafting_key: float = 0.0  # seconds per drafting row per key (the drafter's block)
 
     def extra(self, batch_size: int, k: int, context: int) -> float:
         per_key = self.per_row_key + (k + 1) * self.per_query_key
+        if k:
+            per_key += self.per_drafting_key
         return batch_size * per_key * (context - self.tokens)
 
     @classmethod
     def fit(
         cls, short: int, long: int, batch_size: int, k: int, plain: tuple[float, float],
-        drafting: tuple[float, float],
+        one: tuple[float, float], drafting: tuple[float, float],
     ) -> ContextTerm:  # fmt: skip
-        """From one batch size's plain and k-draft step seconds at a short and a long
-        context: (short, long) pairs. Noise never makes a slope negative."""
+        """From one batch size's step seconds at a short and a long context ((short, long)
+        pairs): plain, verifying one draft, and verifying k > 1 drafts. The slopes come
+        from the growths: k drafts over one draft gives the per-query slope, plain the
+        per-row one, one draft over plain the drafter's. Noise never makes one negative."""
         span = batch_size * (long - short)
-        grow_plain = max(0.0, plain[1] - plain[0])
-        grow_draft = max(0.0, drafting[1] - drafting[0])
-        per_query = max(0.0, (grow_draft - grow_plain) / (span * k)) if k else 0.0
-        per_row = max(0.0, grow_plain / span - per_query)
-        return cls(short, per_row, per_query)
+        grow = [max(0.0, pair[1] - pair[0]) / span for pair in (plain, one, drafting)]
+        per_query = max(0.0, (grow[2] - grow[1]) / (k - 1)) if k > 1 else 0.0
+        per_row = max(0.0, grow[0] - per_query)
+        per_drafting = max(0.0, grow[1] - grow[0] - per_query)
+        return cls(short, per_row, per_query, per_drafting)
 
 
 @dataclass(frozen=True)

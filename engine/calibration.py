@@ -81,21 +81,21 @@ def measure_grid(
 
 
 def measure_context(
-    state: SpecState, batch_size: int, num_draft: int, context_tokens: int, passes: int = 6
-) -> tuple[float, float]:
-    """Fastest seconds of a plain step and of a `num_draft` step for `batch_size` rows at
+    state: SpecState, batch_size: int, num_drafts: list[int], context_tokens: int, passes: int = 6
+) -> list[float]:
+    """Fastest seconds of a step verifying each of `num_drafts` for `batch_size` rows at
     `context_tokens` of context, interleaved over `passes` (after one warm-up pass)."""
-    plain = drafting = float("inf")
+    fastest = [float("inf")] * len(num_drafts)
     try:
         rows = _scratch_rows(state, batch_size, context_tokens, 256)
         for n in range(passes + 1):
-            seconds = (_timed_step(state, rows, 0), _timed_step(state, rows, num_draft))
+            seconds = [_timed_step(state, rows, k) for k in num_drafts]
             if n:
-                plain, drafting = min(plain, seconds[0]), min(drafting, seconds[1])
+                fastest = [min(a, b) for a, b in zip(fastest, seconds, strict=True)]
     finally:
         for i in range(batch_size):
             release(state, i)
-    return plain, drafting
+    return fastest
 
 
 def _room(state: SpecState, max_k: int) -> int:
@@ -159,8 +159,12 @@ def calibrate_state(
     if long < 2 * short:
         return costs
     b, k = min(CONTEXT_ROWS, max(batch_sizes)), max(num_drafts)
-    plain, drafting = measure_context(state, b, k, long, passes)
-    term = ContextTerm.fit(short, long, b, k, (best[(b, 0)], plain), (best[(b, k)], drafting))
+    if k < 2:
+        return costs
+    plain, one, drafting = measure_context(state, b, [0, 1, k], long, passes)
+    term = ContextTerm.fit(
+        short, long, b, k, (best[(b, 0)], plain), (best[(b, 1)], one), (best[(b, k)], drafting)
+    )
     return replace(costs, context=term)
 
 

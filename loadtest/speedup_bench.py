@@ -336,7 +336,9 @@ async def measure(
 ) -> dict[Key, Cell]:
     keys = [(w.spec.mode, s, c) for w in workers for s in args.streams for c in args.concurrency]
     cells = {key: Cell() for key in keys}
-    limits = httpx.Limits(max_connections=max(args.concurrency) * 2)
+    # Idle connections are dropped before the worker's 5 s keep-alive ends: a request sent
+    # on one the worker is closing fails with a ReadError, which is the client's race.
+    limits = httpx.Limits(max_connections=max(args.concurrency) * 2, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         for w in workers:  # first-call allocations and batch shapes out of the timing
             for c in args.concurrency:

@@ -219,7 +219,9 @@ async def measure_matrix(
     shapes = shapes_for(args)
     cells = {(w.spec.mode, s.name, c): MatrixCell() for w in workers for s in shapes
              for c in args.concurrency if c == 1 or w.spec.mode in BASE_MODES}  # fmt: skip
-    limits = httpx.Limits(max_connections=max(args.concurrency) * 2)
+    # Idle connections are dropped before the worker's 5 s keep-alive ends: a request sent
+    # on one the worker is closing fails with a ReadError, which is the client's race.
+    limits = httpx.Limits(max_connections=max(args.concurrency) * 2, keepalive_expiry=2.0)
     async with httpx.AsyncClient(timeout=args.request_timeout, limits=limits) as client:
         for w in workers:  # first-call allocations out of the timing
             warm = shapes[0]

@@ -229,12 +229,16 @@ def test_cost_model_json_round_trip_and_counter_rates() -> None:
 
 
 def test_the_context_term_moves_the_grid_with_the_rows_context() -> None:
-    # Plain steps grow by 0.2 s and 3-draft steps by 0.5 s from context 100 to 500 at b=2.
-    term = ContextTerm.fit(100, 500, 2, 3, plain=(1.0, 1.2), drafting=(2.0, 2.5))
-    assert term.per_query_key == pytest.approx(0.3 / (2 * 400 * 3))
-    assert term.per_row_key == pytest.approx(0.2 / 800 - term.per_query_key)
+    # From context 100 to 500 at b=2: plain steps grow by 0.2 s, 1-draft steps by 0.35 s
+    # (the drafter's block attends to the longer context too), 3-draft steps by 0.45 s.
+    term = ContextTerm.fit(100, 500, 2, 3, plain=(1.0, 1.2), one=(1.5, 1.85), drafting=(2.0, 2.45))
+    span = 2 * 400
+    assert term.per_query_key == pytest.approx(0.1 / span / 2)
+    assert term.per_row_key == pytest.approx(0.2 / span - term.per_query_key)
+    assert term.per_drafting_key == pytest.approx(0.15 / span - term.per_query_key)
     assert term.extra(2, 0, 500) == pytest.approx(0.2)
-    assert term.extra(2, 3, 500) == pytest.approx(0.5)
+    assert term.extra(2, 1, 500) == pytest.approx(0.35)
+    assert term.extra(2, 3, 500) == pytest.approx(0.45)
     costs = replace(_linear_costs(), context=term)
     at_grid = costs.curve(2, 3)
     assert costs.curve(2, 3, context=100) == pytest.approx(at_grid)
@@ -243,4 +247,5 @@ def test_the_context_term_moves_the_grid_with_the_rows_context() -> None:
     assert min(costs.curve(2, 3, context=-(10**9))) > 0  # never below a quarter of the grid
     assert CostModel.from_json(costs.to_json()) == costs
     # Noise that shrinks a cost with context never makes a slope negative.
-    assert ContextTerm.fit(100, 500, 2, 3, (1.0, 0.9), (2.0, 1.0)) == ContextTerm(100)
+    shrunk = ContextTerm.fit(100, 500, 2, 3, (1.0, 0.9), (1.5, 1.4), (2.0, 1.0))
+    assert shrunk == ContextTerm(100)
