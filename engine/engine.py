@@ -193,7 +193,10 @@ class Engine:
             self._commit_prefill(batch.prefill, self.runner.prefill(batch.prefill))
         # A sequence prefilled in this step decodes from the next one, so its first token goes
         # out alone, right after the prefill (as vLLM's): the client's first token is early.
-        decode = [s for s in batch.decode if not s.finished]
+        # In slot order: rows in consecutive slots are read from the caches as views, while
+        # any other order gathers (copies) every row's keys and values, which at 32 rows
+        # and 600 tokens of context made a step 1.85x dearer.
+        decode = sorted((s for s in batch.decode if not s.finished), key=_slot_of)
         if decode:
             self._commit_decode(decode)
         with self._lock:
@@ -265,6 +268,10 @@ class Engine:
             step_seconds=dict(self.runner.profile.seconds),
             step_counts=dict(self.runner.profile.counts),
         )
+
+
+def _slot_of(seq: Sequence) -> int:
+    return -1 if seq.slot is None else seq.slot
 
 
 def _unique(seqs: Iterable[Sequence]) -> list[Sequence]:
