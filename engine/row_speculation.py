@@ -6,11 +6,12 @@ the worker: a worker-wide estimate lets four sampled requests switch drafting of
 greedy request after them. So every running request carries its own `AcceptanceStats`:
 
 - It starts from the recent acceptance of requests in its temperature band (`BandPriors`;
-  greedy, low and high temperature), weighed as a few pseudo-trials that its own drafting
+  greedy, low and high temperature), weighed as eight pseudo-trials that its own drafting
   steps soon outweigh. A band starts from the optimistic prior, and sampled traffic moves
   only its own band: a greedy request after sampled ones is not locked out. A request
   unlike its band that the band's estimate keeps plain is looked at by the exploration
-  steps (`explored`), which try every row of a batch whose catch-up is cheap.
+  steps (`explored`), which try every row when that is cheap (a lone request, not a busy
+  batch).
 - Only its own drafting steps move it.
 
 A step then runs at most two forwards (`plan_step`): a drafting group verifying K drafts per
