@@ -22,6 +22,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # the benchmark's helpers; the benchmark never imports them).
 VARIANTS: dict[str, dict[str, str]] = {
     "gateway": {"--peers": "loadtest.gateway_peers", "--scaling": "loadtest.gateway_scaling"},
+    "speedup": {"--matrix": "loadtest.speedup_matrix"},
 }
 
 

@@ -49,6 +49,9 @@ from loadtest.chat_stream import iter_sse_data
 from loadtest.harness import closed_loop, git_commit, int_list
 
 REPO = Path(__file__).resolve().parents[1]
+# --matrix (loadtest/speedup_matrix.py): its longest prompt and answer, and the context for it.
+MATRIX_LONGEST = 1536 + 256
+MATRIX_MAX_MODEL_LEN = 2048
 MODES = ("dflash", "plain")
 
 
@@ -462,9 +465,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             setattr(args, name, quick if args.quick else full)
     args.max_num_seqs = args.max_num_seqs or max(args.concurrency)
     args.requests_per_slot = args.requests_per_slot or (3 if args.matrix else 2)
-    from loadtest import speedup_matrix as sm  # it builds on this module
-
-    args.max_model_len = args.max_model_len or (sm.MAX_MODEL_LEN if args.matrix else 1024)
+    args.max_model_len = args.max_model_len or (MATRIX_MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
     if (args.fixed or args.tree) and not args.matrix:
@@ -474,11 +475,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     for name in ("rounds", "num_requests", "requests_per_slot", "starts"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    longest = (
-        (sm.LONG_PROMPT[1] + sm.LONG_OUTPUT[1])
-        if args.matrix
-        else sum((args.prompt_tokens[1], args.new_tokens[1]))
-    )
+    longest = MATRIX_LONGEST if args.matrix else sum((args.prompt_tokens[1], args.new_tokens[1]))
     if longest + 64 > args.max_model_len:
         parser.error("--max-model-len must hold the longest prompt, its answer and a template")
     return args
@@ -510,8 +507,10 @@ def build_report(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.matrix:
-        return run_matrix(args)
+    if args.matrix:  # a variant of its own, which imports this module
+        raise SystemExit(
+            "--matrix: run `dflash-bench speedup --matrix` (loadtest/speedup_matrix.py)"
+        )
     n = max(args.num_requests, max(args.concurrency) * args.requests_per_slot)
     requests = build_workload(n, args.prompt_tokens, args.new_tokens)
     specs = [WorkerSpec("embedded", mode) for mode in MODES]
@@ -533,37 +532,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(report))
     if args.starts > 1:
         print(format_spread(report["starts"]))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {args.json}")
-    return 1 if any(row["errors"] for row in report["results"]) else 0
-
-
-def run_matrix(args: argparse.Namespace) -> int:
-    """`--matrix`: every shape of loadtest/speedup_matrix.py, A/B, one table."""
-    from loadtest import speedup_matrix as sm
-
-    requests = sm.workloads(args)
-    specs = [WorkerSpec("embedded", mode) for mode in sm.modes(args)]
-    tree = (args.tree or REPO).resolve()
-
-    def cwd(spec: WorkerSpec) -> Path:
-        return tree if spec.mode == "tree" else REPO
-
-    def env(spec: WorkerSpec, threads: int) -> dict[str, str]:
-        out = worker_env(spec, threads)
-        out["PYTHONPATH"] = str(cwd(spec))
-        return out
-
-    with contextlib.ExitStack() as stack:
-        log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=env, cwd=cwd)
-        with launch as workers:
-            cells = asyncio.run(sm.measure_matrix(workers, requests, args))
-    argvs = {s.mode: worker_argv(s, 0, args)[1:] for s in specs}
-    report = sm.matrix_report(args, requests, cells, list(os.getloadavg()), argvs)
-    print(sm.format_matrix(report))
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"wrote {args.json}")

@@ -22,21 +22,45 @@ every one at temperature 0) on DFlash. Prints a table and its worst cell; writes
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import datetime
+import json
 import os
 import platform
+import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
-from loadtest.backends_bench import MODEL_NAME, RunningWorker, settle
+from loadtest.backends_bench import (
+    MODEL_NAME,
+    RunningWorker,
+    WorkerSpec,
+    running_workers,
+    settle,
+    worker_env,
+)
 from loadtest.harness import closed_loop, git_commit
-from loadtest.speedup_bench import Outcome, Request, build_workload, one_request
+from loadtest.speedup_bench import (
+    MATRIX_LONGEST,
+    MATRIX_MAX_MODEL_LEN,
+    REPO,
+    Outcome,
+    Request,
+    build_workload,
+    one_request,
+    parse_args,
+    worker_argv,
+)
 
 SHORT_PROMPT, MEDIUM_PROMPT, LONG_PROMPT = (8, 48), (32, 512), (1024, 1536)
 SHORT_OUTPUT, LONG_OUTPUT = (32, 96), (256, 256)
+assert LONG_PROMPT[1] + LONG_OUTPUT[1] == MATRIX_LONGEST  # what --matrix's options check
 SAMPLED = 1.0  # the mixed stream's other half: drafts are then rarely accepted
 STEP_SECONDS = "dflash:engine_step_seconds"  # the worker's profile, per kind of forward
 KINDS = ("prefill", "drafting", "plain", "catch_up")
@@ -103,7 +127,7 @@ QUICK_SHAPES = (
     Shape("quick-t0", (8, 24), (4, 8), False, "burst", "0"),
     Shape("quick-mixed", (8, 24), (4, 8), True, "closed", "mixed", stream=True, twin="quick-t0"),
 )
-MAX_MODEL_LEN = 2048  # the long prompts and their answers fit the bundled model's context
+MAX_MODEL_LEN = MATRIX_MAX_MODEL_LEN  # the long prompts and answers fit the bundled context
 
 
 def shapes_for(args: argparse.Namespace) -> tuple[Shape, ...]:
@@ -426,3 +450,33 @@ def matrix_report(
         "results": rows,
         "summary": summary(rows),
     }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`dflash-bench speedup --matrix`: every shape, A/B, one table."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    requests = workloads(args)
+    specs = [WorkerSpec("embedded", mode) for mode in modes(args)]
+    tree = (args.tree or REPO).resolve()
+
+    def cwd(spec: WorkerSpec) -> Path:
+        return tree if spec.mode == "tree" else REPO
+
+    def env(spec: WorkerSpec, threads: int) -> dict[str, str]:
+        out = worker_env(spec, threads)
+        out["PYTHONPATH"] = str(cwd(spec))
+        return out
+
+    with contextlib.ExitStack() as stack:
+        log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=env, cwd=cwd)
+        with launch as workers:
+            cells = asyncio.run(measure_matrix(workers, requests, args))
+    argvs = {s.mode: worker_argv(s, 0, args)[1:] for s in specs}
+    report = matrix_report(args, requests, cells, list(os.getloadavg()), argvs)
+    print(format_matrix(report))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {args.json}")
+    return 1 if any(row["errors"] for row in report["results"]) else 0
