@@ -532,7 +532,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(report))
     if args.starts > 1:
         print(format_spread(report["starts"]))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {args.json}")
+    return write_report(report, args.json)
+
+
+def write_report(report: dict[str, Any], path: Path) -> int:
+    """The JSON report to `path`; the exit status: 1 if any request failed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
     return 1 if any(row["errors"] for row in report["results"]) else 0

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import json
 import os
 import platform
 import sys
@@ -56,6 +55,7 @@ from loadtest.speedup_bench import (
     one_request,
     parse_args,
     worker_argv,
+    write_report,
 )
 
 SHORT_PROMPT, MEDIUM_PROMPT, LONG_PROMPT = (8, 48), (32, 512), (1024, 1536)
@@ -476,7 +476,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     argvs = {s.mode: worker_argv(s, 0, args)[1:] for s in specs}
     report = matrix_report(args, requests, cells, list(os.getloadavg()), argvs)
     print(format_matrix(report))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"wrote {args.json}")
-    return 1 if any(row["errors"] for row in report["results"]) else 0
+    return write_report(report, args.json)
