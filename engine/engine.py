@@ -215,6 +215,8 @@ class Engine:
     def _release(self, batch: ScheduledBatch) -> None:
         for slot in batch.freed_slots:
             self.runner.free_slot(slot)
+        for src, dst in batch.moved:
+            self.runner.move_slot(src, dst)
         for seq in batch.retired:
             self.runner.remove(seq)
             self._counters.num_requests_finished += 1

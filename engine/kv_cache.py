@@ -146,6 +146,14 @@ class KVCache:
         """K/V of rows `slots` [b] for positions [0, length): each [b, kv_heads, length, d]."""
         return self.k[layer][slots, :, :length], self.v[layer][slots, :, :length]
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot `src`'s committed positions into slot `dst` (whose own are dead); `src`
+        is left empty."""
+        n = self.lengths[src]
+        for store in (*self.k, *self.v):
+            store[dst, :, :n] = store[src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
     def set_length(self, slot: int, length: int) -> None:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"slot length {length} outside [0, {self.capacity}]")
@@ -195,6 +203,10 @@ class PendingFeatures:
             flat = flat.index_select(0, index.select)
         self.features[index.rows, index.pos] = flat.to(self.features.dtype)
 
+    def move(self, src: int, dst: int, start: int, end: int) -> None:
+        """Slot `src`'s features at positions [start, end) into slot `dst`."""
+        self.features[dst, start:end] = self.features[src, start:end]
+
     def gather(self, rows: Tensor, pos: Tensor) -> Tensor:
         """Features at (rows[i], pos[i]) -> [n, width]."""
         return self.features[rows, pos]
@@ -230,6 +242,16 @@ class SlotCaches:
 
     def release(self, slot: int) -> None:
         self.set_length(slot, 0)
+
+    def move(self, src: int, dst: int) -> None:
+        """A running request's caches from slot `src` into the free slot `dst` (the
+        scheduler keeps running slots consecutive: see Scheduler); `src` is left empty."""
+        end = self.target.length(src)
+        self.target.move(src, dst)
+        if self.drafter is not None and self.pending is not None:
+            start = self.drafter.length(src)
+            self.drafter.move(src, dst)
+            self.pending.move(src, dst, start, end)
 
     def usage(self) -> float:
         return self.target.usage()

@@ -29,6 +29,7 @@ from engine.speculative import (
     SpecState,
     catch_up,
     max_draft_tokens,
+    move_slot,
     pending_context,
     prefill,
     release,
@@ -110,6 +111,9 @@ class ModelRunner:
 
     def free_slot(self, slot: int) -> None:
         release(self._state, slot)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        move_slot(self._state, src, dst)
 
     def prefill(self, seqs: list[Sequence]) -> list[RowResult]:
         """Prompts into the caches; the first token of each sequence."""

@@ -4,6 +4,13 @@ Every engine step starts with `schedule()`: it retires finished and aborted sequ
 (their slots come back), admits waiting requests into free slots in arrival order, and says
 which sequences need a prefill and which decode. A full house queues requests; only a full
 waiting queue as well refuses one (`QueueFull`).
+
+Running sequences are kept in consecutive slots 0..n-1: when retiring leaves a hole, the
+highest running sequences move down into it (`ScheduledBatch.moved`; the runner copies
+their caches). A forward over consecutive slots reads their keys and values as views of
+the cache, while any gap makes it gather (copy) every row's context at every layer: one
+finished request among 32 made each following step up to 1.5x dearer until its slot was
+filled again. A move copies one row's context once.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)
     retired: list[Sequence] = field(default_factory=list)
     freed_slots: list[int] = field(default_factory=list)
+    # (from, to): running sequences moved down into freed slots, after `freed_slots` empty
+    moved: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -92,7 +101,19 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.finish("abort", now)
                 batch.retired.append(seq)
-        self._free_slots.sort(reverse=True)
+        self._compact(batch)
+
+    def _compact(self, batch: ScheduledBatch) -> None:
+        """Move the highest running sequences into the holes below them."""
+        n = len(self.running)
+        holes = sorted(s for s in self._free_slots if s < n)
+        movers = sorted(s for s in self.running if s >= n)
+        for src, dst in zip(movers, holes, strict=True):
+            seq = self.running.pop(src)
+            seq.slot = dst
+            self.running[dst] = seq
+            batch.moved.append((src, dst))
+        self._free_slots = list(range(self.max_num_seqs - 1, n - 1, -1))  # lowest last
 
     def _admit(self, batch: ScheduledBatch, now: float) -> None:
         while self.waiting and self._free_slots:

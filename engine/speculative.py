@@ -56,6 +56,7 @@ __all__ = [
     "accept_sampled",
     "catch_up",
     "max_draft_tokens",
+    "move_slot",
     "pending_context",
     "prefill",
     "release",
@@ -142,6 +143,12 @@ class SpecState:
 def release(state: SpecState, slot: int) -> None:
     """Empty a slot's caches (length 0); its storage is reused by the next request."""
     state.caches.release(slot)
+
+
+@torch.inference_mode()
+def move_slot(state: SpecState, src: int, dst: int) -> None:
+    """Move a running row's caches from slot `src` into the free slot `dst`."""
+    state.caches.move(src, dst)
 
 
 def _first_token(logits: Tensor, prompt: list[int], sampling: RowSampling) -> RowResult:

@@ -46,6 +46,25 @@ def test_rollback_is_setting_the_length_back_without_copying() -> None:
         caches.set_length(0, 9)
 
 
+def test_a_move_carries_a_slots_context_and_pending_features() -> None:
+    caches = _caches()
+    assert caches.drafter is not None and caches.pending is not None
+    for store in (*caches.target.k, *caches.target.v, *caches.drafter.k, *caches.drafter.v):
+        store[2] = torch.randn(2, 8, 4)
+    caches.pending.features[2] = torch.randn(8, 5)
+    before = [store[2, :, :6].clone() for store in caches.target.k]
+    drafted = [store[2, :, :4].clone() for store in caches.drafter.v]
+    pending = caches.pending.features[2, 4:6].clone()
+    caches.set_length(2, 4, drafted=True)
+    caches.set_length(2, 6)  # two plain steps: positions 4 and 5 are pending
+    caches.move(2, 0)
+    assert (caches.target.lengths, caches.drafter.lengths) == ([6, 0, 0], [4, 0, 0])
+    assert all(torch.equal(s[0, :, :6], b) for s, b in zip(caches.target.k, before, strict=True))
+    assert all(torch.equal(s[0, :, :4], b) for s, b in zip(caches.drafter.v, drafted, strict=True))
+    assert torch.equal(caches.pending.features[0, 4:6], pending)
+    assert caches.lag(0, 6) == 4
+
+
 def test_drafter_context_may_lag_never_lead() -> None:
     caches = _caches()
     assert caches.drafter is not None

@@ -105,6 +105,24 @@ def test_abort_all_marks_everyone() -> None:
     assert len(batch.retired) == 2 and not sched.has_work
 
 
+def test_a_hole_left_by_a_finished_sequence_is_filled_from_the_top() -> None:
+    sched = Scheduler(max_num_seqs=4, max_waiting=4)
+    seqs = [seq(f"r{i}", max_tokens=1 if i in (0, 2) else 9) for i in range(4)]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule(now=0.0)
+    assert [s.slot for s in seqs] == [0, 1, 2, 3]
+    for s in seqs:
+        s.append([5], now=1.0)  # r0 and r2 reach max_tokens
+    batch = sched.retire(now=1.0)
+    assert batch.freed_slots == [0, 2] and batch.moved == [(3, 0)]
+    assert (seqs[1].slot, seqs[3].slot) == (1, 0)
+    assert set(sched.running) == {0, 1} and sched.running[0] is seqs[3]
+    late = seq("late")
+    sched.add(late)
+    assert sched.schedule(now=2.0).prefill == [late] and late.slot == 2
+
+
 def test_random_churn_keeps_slots_exclusive_and_finishes_everyone() -> None:
     rng = random.Random(3)
     sched = Scheduler(max_num_seqs=3, max_waiting=50)
@@ -115,8 +133,8 @@ def test_random_churn_keeps_slots_exclusive_and_finishes_everyone() -> None:
             sched.add(pending.pop())
         batch = sched.schedule(now=float(step))
         done += batch.retired
-        slots = [s.slot for s in sched.running.values()]
-        assert len(slots) == len(set(slots)) <= 3
+        slots = sorted(s.slot for s in sched.running.values() if s.slot is not None)
+        assert slots == list(range(len(slots))) and len(slots) <= 3  # consecutive from 0
         for s in batch.prefill + batch.decode:
             if rng.random() < 0.05:
                 s.abort_requested = True
