@@ -154,6 +154,15 @@ class KVCache:
             store[dst, :, :n] = store[src, :, :n]
         self.lengths[dst], self.lengths[src] = n, 0
 
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two slots' committed positions (and lengths)."""
+        n = max(self.lengths[a], self.lengths[b])
+        for store in (*self.k, *self.v):
+            kept = store[a, :, :n].clone()
+            store[a, :, :n] = store[b, :, :n]
+            store[b, :, :n] = kept
+        self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
+
     def set_length(self, slot: int, length: int) -> None:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"slot length {length} outside [0, {self.capacity}]")
@@ -207,6 +216,12 @@ class PendingFeatures:
         """Slot `src`'s features at positions [start, end) into slot `dst`."""
         self.features[dst, start:end] = self.features[src, start:end]
 
+    def swap(self, a: int, b: int, start: int, end: int) -> None:
+        """Exchange two slots' features at positions [start, end)."""
+        kept = self.features[a, start:end].clone()
+        self.features[a, start:end] = self.features[b, start:end]
+        self.features[b, start:end] = kept
+
     def gather(self, rows: Tensor, pos: Tensor) -> Tensor:
         """Features at (rows[i], pos[i]) -> [n, width]."""
         return self.features[rows, pos]
@@ -252,6 +267,16 @@ class SlotCaches:
             start = self.drafter.length(src)
             self.drafter.move(src, dst)
             self.pending.move(src, dst, start, end)
+
+    def swap(self, a: int, b: int) -> None:
+        """Exchange two running requests' caches (a step's drafting group is then one run
+        of consecutive slots: see ModelRunner.decode)."""
+        if self.drafter is not None and self.pending is not None:
+            start = min(self.drafter.length(a), self.drafter.length(b))
+            end = max(self.target.length(a), self.target.length(b))
+            self.pending.swap(a, b, start, end)
+            self.drafter.swap(a, b)
+        self.target.swap(a, b)
 
     def usage(self) -> float:
         return self.target.usage()

@@ -8,7 +8,7 @@ back; nothing here decides who runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -34,6 +34,7 @@ from engine.speculative import (
     prefill,
     release,
     spec_step,
+    swap_slots,
     synchronize,
 )
 
@@ -144,9 +145,12 @@ class ModelRunner:
             self.profile.record(kind, time.perf_counter() - start)
             return every
         plan = self._plan(seqs, rows)
+        if plan.any_drafting and not all(plan.drafting):
+            rows = self._group_slots(seqs, rows, plan.drafting)
         results: list[RowResult | None] = [None] * len(rows)
         for k, members in ((plan.num_drafts, True), (0, False)):
             group = [i for i, drafting in enumerate(plan.drafting) if drafting == members]
+            group.sort(key=lambda i: rows[i].slot)  # consecutive slots in order: views
             if group:
                 done = self._run_group([rows[i] for i in group], [sampling[i] for i in group], k)
                 for i, result in zip(group, done, strict=True):
@@ -154,6 +158,26 @@ class ModelRunner:
         final = [r for r in results if r is not None]
         self._observe(seqs, final)
         return final
+
+    def _group_slots(
+        self, seqs: list[Sequence], rows: list[DecodeRow], drafting: tuple[bool, ...]
+    ) -> list[DecodeRow]:
+        """Put the drafting group in the lowest of the rows' slots and the plain group in
+        the others, exchanging caches where a row is on the wrong side. Each group is then
+        consecutive slots (the scheduler keeps running slots consecutive), which a forward
+        reads as views; scattered, it gathers (copies) every row's context at every layer.
+        Groups change seldom (a row's estimates move slowly), so few steps exchange any."""
+        slots = sorted(r.slot for r in rows)
+        cut = slots[sum(drafting)]  # drafting rows belong below it, plain rows from it on
+        high = [i for i, r in enumerate(rows) if drafting[i] and r.slot >= cut]
+        low = [i for i, r in enumerate(rows) if not drafting[i] and r.slot < cut]
+        rows = list(rows)
+        for i, j in zip(high, low, strict=True):
+            a, b = rows[i].slot, rows[j].slot
+            swap_slots(self._state, a, b)
+            seqs[i].slot, seqs[j].slot = b, a
+            rows[i], rows[j] = replace(rows[i], slot=b), replace(rows[j], slot=a)
+        return rows
 
     def _plan(self, seqs: list[Sequence], rows: list[DecodeRow]) -> StepPlan:
         assert self.planner is not None

@@ -10,7 +10,9 @@ highest running sequences move down into it (`ScheduledBatch.moved`; the runner 
 their caches). A forward over consecutive slots reads their keys and values as views of
 the cache, while any gap makes it gather (copy) every row's context at every layer: one
 finished request among 32 made each following step up to 1.5x dearer until its slot was
-filled again. A move copies one row's context once.
+filled again. A move copies one row's context once. The runner may also exchange two
+running sequences' slots (to keep a step's drafting group consecutive): `seq.slot` is the
+truth, and `running` is keyed by it again before each retirement.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ class Scheduler:
         return batch
 
     def _retire(self, batch: ScheduledBatch, now: float) -> None:
+        self.running = {_slot(s): s for s in self.running.values()}
         for slot, seq in list(self.running.items()):
             if seq.abort_requested and not seq.finished:
                 seq.finish("abort", now)
@@ -128,3 +131,8 @@ class Scheduler:
     def abort_all(self) -> None:
         for seq in [*self.waiting, *self.running.values()]:
             seq.abort_requested = True
+
+
+def _slot(seq: Sequence) -> int:
+    assert seq.slot is not None, "a running sequence has a slot"
+    return seq.slot

@@ -62,6 +62,7 @@ __all__ = [
     "release",
     "row_probabilities",
     "spec_step",
+    "swap_slots",
     "synchronize",
 ]
 
@@ -149,6 +150,12 @@ def release(state: SpecState, slot: int) -> None:
 def move_slot(state: SpecState, src: int, dst: int) -> None:
     """Move a running row's caches from slot `src` into the free slot `dst`."""
     state.caches.move(src, dst)
+
+
+@torch.inference_mode()
+def swap_slots(state: SpecState, a: int, b: int) -> None:
+    """Exchange two running rows' caches."""
+    state.caches.swap(a, b)
 
 
 def _first_token(logits: Tensor, prompt: list[int], sampling: RowSampling) -> RowResult:

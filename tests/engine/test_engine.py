@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import engine.row_speculation as planning
+import engine.runner as engine_runner
 from engine.engine import Engine, EngineConfig
 from engine.errors import RequestRejected
 from engine.layers import INT8_LINEAR
@@ -492,6 +493,36 @@ def test_logits_processors_are_exact_under_speculation(
             assert got[rid].finish_reason == out.finish_reason
             _same_logprobs(got[rid].logprobs_delta, out.logprobs_delta)
         assert engine.stats().num_accepted_tokens > 0, "no draft accepted: the test is vacuous"
+
+
+def test_split_steps_exchange_slots_and_stay_lossless(
+    code_prompts: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Odd requests draft, even ones run plain: the drafting group is moved into the lowest
+    slots (caches exchanged) so each group is consecutive, and the text is plain decoding's."""
+    expected = _outputs(bundled_engine(None), code_prompts, BASE)
+    engine = bundled_engine(15, adaptive=True)
+    assert engine.runner.planner is not None
+
+    def odd_requests_draft(keys: Any, forced: Any, contexts: Any, pending: Any) -> StepPlan:
+        names = {id(s): int(s.request_id) for s in engine._scheduler.running.values()}
+        return StepPlan(3, tuple(names[k] % 2 == 1 for k in keys))
+
+    swaps: list[tuple[int, int]] = []
+    exchange = engine_runner.swap_slots
+
+    def counted(state: Any, a: int, b: int) -> None:
+        swaps.append((a, b))
+        exchange(state, a, b)
+
+    monkeypatch.setattr(engine.runner.planner, "plan", odd_requests_draft)
+    monkeypatch.setattr(engine_runner, "swap_slots", counted)
+    got = _outputs(engine, code_prompts, BASE)
+    assert {rid: o.token_ids_delta for rid, o in got.items()} == {
+        rid: o.token_ids_delta for rid, o in expected.items()
+    }
+    assert swaps, "no step exchanged slots"
+    assert engine.stats().num_accepted_tokens > 0
 
 
 def test_an_int8_drafter_changes_drafts_not_outputs(code_prompts: list[list[int]]) -> None:

@@ -65,6 +65,26 @@ def test_a_move_carries_a_slots_context_and_pending_features() -> None:
     assert caches.lag(0, 6) == 4
 
 
+def test_a_swap_exchanges_two_slots_contexts() -> None:
+    caches = _caches()
+    assert caches.drafter is not None and caches.pending is not None
+    stores = (*caches.target.k, *caches.drafter.v, caches.pending.features)
+    for store in stores:
+        store.copy_(torch.randn(store.shape))
+    was = [store.clone() for store in stores]
+    caches.set_length(0, 5, drafted=True)
+    caches.set_length(0, 7)  # pending 5..6
+    caches.set_length(1, 3, drafted=True)
+    caches.swap(0, 1)
+    assert (caches.target.lengths, caches.drafter.lengths) == ([3, 7, 0], [3, 5, 0])
+    target, drafter, pending = caches.target.k[0], caches.drafter.v[0], caches.pending.features
+    assert torch.equal(target[1, :, :7], was[0][0, :, :7])
+    assert torch.equal(target[0, :, :3], was[0][1, :, :3])
+    assert torch.equal(drafter[1, :, :5], was[2][0, :, :5])
+    assert torch.equal(pending[1, 5:7], was[-1][0, 5:7])
+    assert torch.equal(caches.target.k[0][2], was[0][2])  # a third slot is untouched
+
+
 def test_drafter_context_may_lag_never_lead() -> None:
     caches = _caches()
     assert caches.drafter is not None
