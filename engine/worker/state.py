@@ -64,6 +64,7 @@ class WorkerState:
         self.draining = False
         self.load_error: str | None = None
         self.on_fatal: Callable[[], None] | None = None
+        self.on_ready: Callable[[], None] | None = None  # the engine loaded and started
         self.metrics = WorkerMetrics(settings.model_name, self._stats)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Task[None] | None = None
@@ -77,6 +78,8 @@ class WorkerState:
             if self.engine is None:
                 self.engine = await asyncio.to_thread(build_engine, self.settings)
             await self.engine.start()
+            if self.on_ready is not None:
+                self.on_ready()
             self.ready = True
             log.info("worker ready: serving %s", self.settings.model_name)
         except Exception as exc:

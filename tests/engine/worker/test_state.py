@@ -23,6 +23,7 @@ async def test_a_load_failure_is_recorded_and_reported(
     state = WorkerState(load_settings(model=str(broken)), None)
     fatal: list[bool] = []
     state.on_fatal = lambda: fatal.append(True)
+    state.on_ready = lambda: fatal.append(False)
     await state.load()
     assert fatal == [True] and not state.ready
     assert state.load_error is not None and state.load_error.startswith("CheckpointError:")
@@ -33,7 +34,10 @@ async def test_load_then_drain_shuts_the_engine_down(tiny_checkpoint: TinyCheckp
     settings = load_settings(model=str(tiny_checkpoint.target_dir), max_model_len=128)
     state = WorkerState(settings, None)
     assert state.metrics is not None and not state.ready
+    started: list[bool] = []  # the hook runs once the engine is up, before ready
+    state.on_ready = lambda: started.append(state.engine is not None and not state.ready)
     await state.load()
+    assert started == [True]
     assert state.ready and state.engine is not None and state.load_error is None
     state.begin_drain()
     assert state.draining
