@@ -393,6 +393,7 @@ DEFAULTS = {  # full run / --quick (the test's): used for every option left unse
     "prompt_tokens": ((32, 512), (32, 64)),
     "new_tokens": ((64, 256), (8, 16)),
     "num_requests": (8, 2),
+    "min_requests": (8, 1),
 }
 
 
@@ -412,6 +413,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="round = max(n, c x this) (default 2; --matrix: a closed loop's per client, 3)",
+    )
+    p.add_argument(
+        "--min-requests",
+        type=int,
+        default=None,
+        help="--matrix: the least requests a cell sends per worker and round (small bursts "
+        "are repeated; default 8)",
     )
     p.add_argument(
         "--temperature",

@@ -11,7 +11,10 @@ One workload tunes a policy; users send many. The matrix crosses, over the same 
 - streaming for some shapes.
 
 Every shape runs at every concurrency, A/B interleaved (the order rotating by round, each
-run waiting until both workers are quiet), so load on the machine weighs on both alike.
+run waiting until both workers are quiet), so load on the machine weighs on both alike. A
+cell sends at least `--min-requests` requests per worker and round: a small burst (one
+request at c=1) is repeated, with the next requests of the workload, once the previous one
+has ended, so that a cell is not one request's half second on a shared machine.
 A cell's ratio is DFlash's generated tokens/s over plain's (completion tokens over the
 rounds' wall time). A mixed shape also reports each class's per-request speed (its tokens
 over its latency): sampled requests on DFlash against the same on plain, and greedy
@@ -87,6 +90,10 @@ class Shape:
     def num_requests(self, c: int, per_slot: int) -> int:
         """A burst: client j sends 1 + j % 2 requests; a closed loop: per_slot each."""
         return c + c // 2 if self.arrivals == "burst" else c * per_slot
+
+    def repeats(self, c: int, per_slot: int, least: int) -> int:
+        """Bursts (or closed loops) back to back so that a cell sends at least `least`."""
+        return max(1, -(-least // self.num_requests(c, per_slot)))
 
 
 def _shape(
@@ -226,13 +233,13 @@ def class_of(temperature: float) -> str:
 
 def workloads(args: argparse.Namespace) -> dict[str, list[Request]]:
     """Each shape's requests, enough for its largest round (shared by both workers)."""
-    top = max(args.concurrency)
-    return {
-        s.name: build_workload(
-            max(2, s.num_requests(top, args.requests_per_slot)), s.prompt, s.output
-        )
-        for s in shapes_for(args)
-    }
+    per_slot, least = args.requests_per_slot, args.min_requests
+
+    def size(s: Shape) -> int:
+        return max(s.num_requests(c, per_slot) * s.repeats(c, per_slot, least)
+                   for c in args.concurrency)  # fmt: skip
+
+    return {s.name: build_workload(max(2, size(s)), s.prompt, s.output) for s in shapes_for(args)}
 
 
 async def measure_matrix(
@@ -253,15 +260,21 @@ async def measure_matrix(
         for r in range(args.rounds):
             for shape in shapes:
                 for c in args.concurrency:
-                    batch = requests[shape.name][: shape.num_requests(c, args.requests_per_slot)]
+                    n = shape.num_requests(c, args.requests_per_slot)
+                    repeats = shape.repeats(c, args.requests_per_slot, args.min_requests)
                     present = [w for w in workers if (w.spec.mode, shape.name, c) in cells]
                     turn = r % len(present)
                     for w in [*present[turn:], *present[:turn]]:
                         await settle(workers)
                         before = await step_seconds(client, w.url)
-                        results, seconds = await _run(client, w.url, shape, batch, c)
-                        labels = [class_of(shape.temperature_of(i)) for i in range(len(batch))]
                         cell = cells[(w.spec.mode, shape.name, c)]
+                        results, labels, seconds = [], [], 0.0
+                        for j in range(repeats):
+                            batch = requests[shape.name][j * n : (j + 1) * n]
+                            done, took = await _run(client, w.url, shape, batch, c)
+                            results += done
+                            labels += [class_of(shape.temperature_of(i)) for i in range(n)]
+                            seconds += took
                         cell.add(results, labels, seconds)
                         cell.add_profile(before, await step_seconds(client, w.url))
                         print(

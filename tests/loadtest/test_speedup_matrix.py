@@ -43,6 +43,15 @@ def test_mixed_streams_alternate_and_bursts_are_one_or_two_per_client() -> None:
     assert burst.num_requests(4, 3) == 6 and burst.num_requests(1, 3) == 1
     closed = next(s for s in sm.SHAPES if s.arrivals == "closed")
     assert closed.num_requests(4, 3) == 12
+    # a cell sends at least --min-requests: small bursts are repeated
+    assert [burst.repeats(c, 3, 8) for c in (1, 2, 4, 8)] == [8, 3, 2, 1]
+    assert closed.repeats(1, 3, 8) == 3 and closed.repeats(4, 3, 8) == 1
+    args = sb.parse_args(["--matrix", "--concurrency", "1,4"])
+    assert args.min_requests == 8
+    sizes = {
+        s.name: len(reqs) for s, reqs in zip(sm.SHAPES, sm.workloads(args).values(), strict=True)
+    }
+    assert sizes[burst.name] == 12 and sizes[closed.name] == 12  # c=4: two bursts of six
 
 
 def _out(tokens: int, latency: float, accept: float | None = None) -> sb.Outcome:
