@@ -267,6 +267,18 @@ class AcceptanceStats:
             prior = rate  # a position seldom reached is not judged better than the one before
         return rates
 
+    def optimistic_rates(self, z: float) -> list[float]:
+        """`rates()` raised by z standard errors of each estimate (its own trials and the
+        prior's pseudo-trials): what the evidence does not yet rule out. A request planned
+        from point estimates that two early rejections put just under break-even drafts no
+        more and so never learns otherwise; with the bonus it drafts until its own trials
+        have shrunk the doubt, and only then stays plain."""
+        w = self.prior_weight
+        return [
+            min(1.0, r + z * math.sqrt(r * (1.0 - r) / (t + w)))
+            for r, t in zip(self.rates(), self.tried, strict=True)
+        ]
+
     def expected_tokens(self, k: int) -> float:
         """E[tokens committed per row] when verifying k drafts (bonus token included)."""
         return expected_tokens(self.rates(), k)

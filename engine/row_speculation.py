@@ -13,6 +13,13 @@ greedy request after them. So every running request carries its own `AcceptanceS
   steps (`explored`), which try every row when that is cheap (a lone request, not a busy
   batch).
 - Only its own drafting steps move it.
+- A band's recent acceptance can mislead about a request unlike the band's others (long
+  code prompts after short ones accept far more), and a request kept plain by its prior
+  never drafts to prove otherwise. So each new request is on probation until it has
+  drafted `PROBATION_STEPS` times: a step takes its probation rows into the drafting group
+  (`probed`) whenever what that adds to the step, paid by every row of the batch, is at
+  most `PROBE_SHARE` of the probed rows' remaining decoding (their catch-up included). A
+  lone request is always probed early; a busy batch, whose every row would wait, is not.
 
 A step then runs at most two forwards (`plan_step`): a drafting group verifying K drafts per
 row (one padded block: every row of the group drafts K, which costs the group nothing more
@@ -54,7 +61,7 @@ class BandPriors:
     # Weight of the band's estimate in a new request's own: a request's first drafting
     # steps are too few to estimate 15 positions alone (its plan would swing from step to
     # step), so they refine the band's estimate rather than replace it.
-    prior_trials: float = 8.0
+    prior_trials: float = 4.0
     bands: dict[str, AcceptanceStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -90,6 +97,8 @@ class RowView:
     pending: int = 0  # positions of drafter context it lacks (put off by plain steps)
     forced: bool = False  # a seeded sampled row: always drafts max_k
     context: int | None = None  # tokens in its cache (None: the cost grid's context)
+    probation: bool = False  # has not drafted PROBATION_STEPS times yet
+    tokens_left: int = 0  # the most tokens it may still generate
 
 
 @dataclass(frozen=True)
@@ -229,6 +238,47 @@ def with_forced(plan: StepPlan, forced: Sequence[bool], max_k: int) -> StepPlan:
     return StepPlan(max_k, group)
 
 
+# Standard errors added to each row's acceptance estimates when planning
+# (AcceptanceStats.optimistic_rates).
+OPTIMISM = 1.0
+# A new request drafts this many times, when the step can afford it, before its own
+# estimates alone decide (behind its band's prior); and what the step may pay for that, as
+# a share of the probed rows' remaining decoding time.
+PROBATION_STEPS = 2
+PROBE_SHARE = 0.05
+# The drafts a probe verifies when the step has no drafting group to join.
+PROBE_K = 7
+
+
+def probed(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> StepPlan:
+    """The plan with its probation rows in the drafting group, if the step can afford them:
+    the added seconds (the wider or extra forward and their catch-up), times the rows that
+    wait for them, within `PROBE_SHARE` of the plain decoding the probed rows have left."""
+    n = len(rows)
+    new = [i for i, r in enumerate(rows) if r.probation and not plan.drafting[i]]
+    if not new or policy.mode == "fixed" or policy.max_k == 0:
+        return plan
+    k = plan.num_drafts if plan.any_drafting else min(PROBE_K, policy.max_k)
+    group = tuple(d or i in new for i, d in enumerate(plan.drafting))
+    wider = StepPlan(k, group)
+    per_position = policy.costs.catch_up_per_position
+    extra = _step_seconds(policy, wider, rows) - _step_seconds(policy, plan, rows)
+    extra += sum(rows[i].pending for i in new) * per_position
+    plain = _step_seconds(policy, StepPlan.plain(n), rows)
+    budget = PROBE_SHARE * plain * min(rows[i].tokens_left for i in new)
+    return wider if extra * n <= budget else plan
+
+
+def _step_seconds(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> float:
+    """The planned step's forwards, each group's at its longest row's context."""
+    total = 0.0
+    for members, k in ((True, plan.num_drafts), (False, 0)):
+        group = [r.context or 0 for r, d in zip(rows, plan.drafting, strict=True) if d == members]
+        if group:
+            total += policy.curve(len(group), max(group) or None)[k]
+    return total
+
+
 # A plain plan is kept this many steps while its batch stays the same: plain steps change
 # no row's estimates and the costs move slowly with the contexts, so re-planning every step
 # would only spend host time (a tenth of a plain step at 16 rows) for the same answer.
@@ -258,21 +308,32 @@ class RowPlanner:
         forced: Sequence[bool],
         contexts: Sequence[int],
         pending: Callable[[int], int],
+        tokens_left: Sequence[int] | None = None,
     ) -> StepPlan:
         """The step's plan for these rows; `pending(i)`: row i's drafter context to catch
-        up (asked only when the rows are weighed again)."""
+        up (asked only when the rows are weighed again); `tokens_left`: the most each may
+        still generate (None: no probation probes)."""
         batch = tuple(keys)
         kept = self._kept
         if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY:
             self._kept = (batch, kept[1], kept[2] + 1)
             return with_forced(kept[1], forced, self.policy.max_k)
+        left = [0] * len(batch) if tokens_left is None else tokens_left
         views = [
-            RowView(self._own[key].rates(), pending(i), forced[i], contexts[i])
+            RowView(
+                self._own[key].optimistic_rates(OPTIMISM),
+                pending(i),
+                forced[i],
+                contexts[i],
+                probation=self._own[key].tried[0] < PROBATION_STEPS - 0.5,
+                tokens_left=left[i],
+            )
             for i, key in enumerate(batch)
         ]
         planned = plan_step(self.policy, views)
         self._kept = None if planned.any_drafting else (batch, planned, 0)
-        return with_forced(explored(self.policy, planned, views), forced, self.policy.max_k)
+        looked = probed(self.policy, explored(self.policy, planned, views), views)
+        return with_forced(looked, forced, self.policy.max_k)
 
     def observe(
         self,

@@ -186,6 +186,7 @@ class ModelRunner:
             [_seeded_sampling(s) for s in seqs],
             [row.position for row in rows],
             lambda i: pending_context(self._state, [rows[i]]),
+            [s.tokens_left for s in seqs],
         )
 
     def _run_group(

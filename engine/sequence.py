@@ -205,6 +205,11 @@ class Sequence:
         """Tokens in the slot's target cache: all but the last committed token."""
         return len(self.prompt_token_ids) + len(self.output_token_ids) - 1
 
+    @property
+    def tokens_left(self) -> int:
+        """The most tokens it may still generate (max_tokens, or the context limit)."""
+        return max(0, self._max_len - len(self.output_token_ids))
+
     def finish(self, reason: FinishReason, now: float) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

@@ -339,7 +339,8 @@ def test_sampled_traffic_leaves_the_next_greedy_request_its_own_estimates(
 
     monkeypatch.setattr(planning, "plan_step", spy)
     engine = make_engine(ckpt, k=3, adaptive=True)
-    fresh = engine.runner.planner.priors.stats_for(0.0).rates()  # type: ignore[union-attr]
+    prior = engine.runner.planner.priors.stats_for(0.0)  # type: ignore[union-attr]
+    fresh = prior.optimistic_rates(planning.OPTIMISM)  # what the plan weighs
     sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=None, ignore_eos=True)
     run(engine, [([5, 6, 7], sampled)] * 4)
     assert seen and any(rates[0] < fresh[0] for step in seen for rates in step)
@@ -504,7 +505,7 @@ def test_split_steps_exchange_slots_and_stay_lossless(
     engine = bundled_engine(15, adaptive=True)
     assert engine.runner.planner is not None
 
-    def odd_requests_draft(keys: Any, forced: Any, contexts: Any, pending: Any) -> StepPlan:
+    def odd_requests_draft(keys: Any, *rest: Any) -> StepPlan:
         names = {id(s): int(s.request_id) for s in engine._scheduler.running.values()}
         return StepPlan(3, tuple(names[k] % 2 == 1 for k in keys))
 

@@ -7,6 +7,8 @@ import pytest
 
 from engine.adaptive import AcceptanceStats, CostModel, SpecPolicy
 from engine.row_speculation import (
+    OPTIMISM,
+    PROBE_K,
     REPLAN_EVERY,
     BandPriors,
     RowPlanner,
@@ -15,6 +17,7 @@ from engine.row_speculation import (
     band_of,
     explored,
     plan_step,
+    probed,
     with_forced,
 )
 
@@ -120,6 +123,41 @@ def test_pending_context_is_counted_against_a_row() -> None:
     fresh, behind = RowView(HIGH), RowView(HIGH, pending=10_000)
     assert plan_step(policy, [fresh]).any_drafting
     assert not plan_step(policy, [behind]).any_drafting
+
+
+def test_two_early_rejections_do_not_lock_a_request_out() -> None:
+    """A greedy request whose band accepts about half its first drafts: two rejections in
+    a row put its point estimate under break-even, where it would stay (plain steps teach
+    nothing). The plan weighs what the evidence does not rule out, so it drafts on until
+    its own trials say otherwise; a row that has truly failed many times stays plain."""
+    policy = _policy(forward=1.0, per_token=0.02, drafter=0.8)
+    unlucky = AcceptanceStats(MAX_K, prior_weight=4.0, prior_rates=(0.5, *[0.7] * (MAX_K - 1)))
+    assert plan_step(policy, [RowView(unlucky.rates())]).any_drafting
+    unlucky.observe([(MAX_K, 0)])
+    unlucky.observe([(MAX_K, 0)])
+    assert not plan_step(policy, [RowView(unlucky.rates())]).any_drafting  # locked out
+    assert plan_step(policy, [RowView(unlucky.optimistic_rates(OPTIMISM))]).any_drafting
+    for _ in range(40):
+        unlucky.observe([(MAX_K, 0)])
+    assert not plan_step(policy, [RowView(unlucky.optimistic_rates(OPTIMISM))]).any_drafting
+
+
+def test_a_new_request_is_probed_when_the_step_can_afford_it() -> None:
+    """A lone new request whose band's prior keeps it plain drafts anyway (PROBE_K) while it
+    has many tokens left; with few left, or in a busy batch where every row would wait for
+    its drafting forward, it is not probed."""
+    policy = _policy(forward=1.0, per_token=0.02, drafter=0.8)
+    lone = [RowView(LOW, probation=True, tokens_left=200)]
+    plain = StepPlan.plain(1)
+    assert probed(policy, plain, lone) == StepPlan(PROBE_K, (True,))
+    assert probed(policy, plain, [RowView(LOW, probation=True, tokens_left=5)]) == plain
+    assert probed(policy, plain, [RowView(LOW, tokens_left=200)]) == plain  # not new
+    busy = [*lone, *[RowView(LOW, tokens_left=200)] * 15]
+    assert probed(policy, StepPlan.plain(16), busy) == StepPlan.plain(16)
+    # joining a drafting group that runs anyway costs the step little: probed at its K
+    group = StepPlan(3, (True, False))
+    rows = [RowView(HIGH, tokens_left=200), RowView(LOW, probation=True, tokens_left=200)]
+    assert probed(policy, group, rows) == StepPlan(3, (True, True))
 
 
 def test_seeded_rows_always_draft_max_k() -> None:
