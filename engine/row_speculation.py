@@ -6,13 +6,18 @@ the worker: a worker-wide estimate lets four sampled requests switch drafting of
 greedy request after them. So every running request carries its own `AcceptanceStats`:
 
 - It starts from the recent acceptance of requests in its temperature band (`BandPriors`;
-  greedy, low and high temperature), weighed as eight pseudo-trials that its own drafting
+  greedy, low and high temperature), weighed as four pseudo-trials that its own drafting
   steps soon outweigh. A band starts from the optimistic prior, and sampled traffic moves
   only its own band: a greedy request after sampled ones is not locked out. A request
   unlike its band that the band's estimate keeps plain is looked at by the exploration
   steps (`explored`), which try every row when that is cheap (a lone request, not a busy
   batch).
-- Only its own drafting steps move it.
+- Only its own drafting steps move it. Plain steps teach nothing, so a request kept plain
+  by a pessimistic estimate would stay plain for good: the plan weighs each estimate
+  `OPTIMISM` standard errors up (`AcceptanceStats.optimistic_rates`; divided by the batch
+  size, whose every row waits for the drafting forward), so a request drafts
+  on until its own trials rule out that drafting pays, not merely until two early
+  rejections make it look unlikely.
 - A band's recent acceptance can mislead about a request unlike the band's others (long
   code prompts after short ones accept far more), and a request kept plain by its prior
   never drafts to prove otherwise. So each new request is on probation until it has
@@ -238,8 +243,10 @@ def with_forced(plan: StepPlan, forced: Sequence[bool], max_k: int) -> StepPlan:
     return StepPlan(max_k, group)
 
 
-# Standard errors added to each row's acceptance estimates when planning
-# (AcceptanceStats.optimistic_rates).
+# Standard errors added to each row's acceptance estimates when planning a lone request
+# (AcceptanceStats.optimistic_rates); over a batch of n rows, OPTIMISM / n: the drafting
+# forward that tests a row's doubtful estimate delays every row of the batch, so a busy
+# batch plans nearer its point estimates (at c=16-32 the full bonus drafted at a loss).
 OPTIMISM = 1.0
 # A new request drafts this many times, when the step can afford it, before its own
 # estimates alone decide (behind its band's prior); and what the step may pay for that, as
@@ -319,9 +326,11 @@ class RowPlanner:
             self._kept = (batch, kept[1], kept[2] + 1)
             return with_forced(kept[1], forced, self.policy.max_k)
         left = [0] * len(batch) if tokens_left is None else tokens_left
+        # What a row's drafting teaches is paid by every row waiting for its forward.
+        doubt = OPTIMISM / len(batch)
         views = [
             RowView(
-                self._own[key].optimistic_rates(OPTIMISM),
+                self._own[key].optimistic_rates(doubt),
                 pending(i),
                 forced[i],
                 contexts[i],

@@ -142,6 +142,22 @@ def test_two_early_rejections_do_not_lock_a_request_out() -> None:
     assert not plan_step(policy, [RowView(unlucky.optimistic_rates(OPTIMISM))]).any_drafting
 
 
+def test_a_busy_batch_plans_nearer_its_point_estimates() -> None:
+    """The doubt is divided by the batch size: a lone unlucky request drafts on, eight of
+    them (each drafting forward delays all eight) stay plain."""
+    planner = RowPlanner(_policy(forward=1.0, per_token=0.002, drafter=0.8), BandPriors(MAX_K))
+    keys = [f"r{i}" for i in range(8)]
+    for key in keys:
+        planner.add(key, 0.0)
+        planner._own[key] = AcceptanceStats(
+            MAX_K, prior_weight=4.0, prior_rates=(0.5, *[0.7] * (MAX_K - 1))
+        )
+        for _ in range(2):
+            planner._own[key].observe([(MAX_K, 0)])
+    assert planner.plan(keys[:1], [False], [64], lambda i: 0).any_drafting
+    assert planner.plan(keys, [False] * 8, [64] * 8, lambda i: 0) == StepPlan.plain(8)
+
+
 def test_a_new_request_is_probed_when_the_step_can_afford_it() -> None:
     """A lone new request whose band's prior keeps it plain drafts anyway (PROBE_K) while it
     has many tokens left; with few left, or in a busy batch where every row would wait for
