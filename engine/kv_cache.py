@@ -158,9 +158,7 @@ class KVCache:
         """Exchange two slots' committed positions (and lengths)."""
         n = max(self.lengths[a], self.lengths[b])
         for store in (*self.k, *self.v):
-            kept = store[a, :, :n].clone()
-            store[a, :, :n] = store[b, :, :n]
-            store[b, :, :n] = kept
+            _exchange(store[a, :, :n], store[b, :, :n])
         self.lengths[a], self.lengths[b] = self.lengths[b], self.lengths[a]
 
     def set_length(self, slot: int, length: int) -> None:
@@ -218,9 +216,7 @@ class PendingFeatures:
 
     def swap(self, a: int, b: int, start: int, end: int) -> None:
         """Exchange two slots' features at positions [start, end)."""
-        kept = self.features[a, start:end].clone()
-        self.features[a, start:end] = self.features[b, start:end]
-        self.features[b, start:end] = kept
+        _exchange(self.features[a, start:end], self.features[b, start:end])
 
     def gather(self, rows: Tensor, pos: Tensor) -> Tensor:
         """Features at (rows[i], pos[i]) -> [n, width]."""
@@ -280,3 +276,10 @@ class SlotCaches:
 
     def usage(self) -> float:
         return self.target.usage()
+
+
+def _exchange(x: Tensor, y: Tensor) -> None:
+    """Swap the contents of two same-shaped views in place."""
+    kept = x.clone()
+    x.copy_(y)
+    y.copy_(kept)

@@ -20,7 +20,7 @@ from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target
 from engine.logits_processors import LogitsProcessing
 from engine.row_speculation import BandPriors, RowPlanner, StepPlan
-from engine.sequence import SamplingParams, Sequence
+from engine.sequence import SamplingParams, Sequence, slot_of
 from engine.speculative import (
     DecodeRow,
     PrefillRow,
@@ -118,7 +118,7 @@ class ModelRunner:
 
     def prefill(self, seqs: list[Sequence]) -> list[RowResult]:
         """Prompts into the caches; the first token of each sequence."""
-        rows = [PrefillRow(slot=_slot(s), token_ids=s.prompt_token_ids) for s in seqs]
+        rows = [PrefillRow(slot=slot_of(s), token_ids=s.prompt_token_ids) for s in seqs]
         start = time.perf_counter()
         results = prefill(self._state, rows, [self._sampling[id(s)] for s in seqs])
         synchronize(self._state)
@@ -133,7 +133,7 @@ class ModelRunner:
         its own estimates (the catch-up of context put off by plain steps is not charged
         to the group's k: the plan counts it from its own measure)."""
         rows = [
-            DecodeRow(_slot(s), s.last_token, s.position, s.prompt_token_ids, s.output_token_ids)
+            DecodeRow(slot_of(s), s.last_token, s.position, s.prompt_token_ids, s.output_token_ids)
             for s in seqs
         ]
         sampling = [self._sampling[id(s)] for s in seqs]
@@ -260,11 +260,6 @@ def _processors(seq: Sequence) -> LogitsProcessing | None:
         allowed_token_ids=params.allowed_token_ids,
     )
     return proc if proc.active else None
-
-
-def _slot(seq: Sequence) -> int:
-    assert seq.slot is not None, "a scheduled sequence has a slot"
-    return seq.slot
 
 
 def _seeded_sampling(seq: Sequence) -> bool:

@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.errors import QueueFull
-from engine.sequence import Sequence, SequenceStatus
+from engine.sequence import Sequence, SequenceStatus, slot_of
 
 
 @dataclass
@@ -90,7 +90,7 @@ class Scheduler:
         return batch
 
     def _retire(self, batch: ScheduledBatch, now: float) -> None:
-        self.running = {_slot(s): s for s in self.running.values()}
+        self.running = {slot_of(s): s for s in self.running.values()}
         for slot, seq in list(self.running.items()):
             if seq.abort_requested and not seq.finished:
                 seq.finish("abort", now)
@@ -131,8 +131,3 @@ class Scheduler:
     def abort_all(self) -> None:
         for seq in [*self.waiting, *self.running.values()]:
             seq.abort_requested = True
-
-
-def _slot(seq: Sequence) -> int:
-    assert seq.slot is not None, "a running sequence has a slot"
-    return seq.slot

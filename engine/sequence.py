@@ -328,3 +328,9 @@ class Sequence:
             logprobs_delta=logprobs,
             prompt_logprobs=self.prompt_logprobs if first else None,
         )
+
+
+def slot_of(seq: Sequence) -> int:
+    """A scheduled sequence's cache slot."""
+    assert seq.slot is not None, "a scheduled sequence has a slot"
+    return seq.slot
