@@ -260,29 +260,51 @@ async def measure_matrix(
         for r in range(args.rounds):
             for shape in shapes:
                 for c in args.concurrency:
-                    n = shape.num_requests(c, args.requests_per_slot)
-                    repeats = shape.repeats(c, args.requests_per_slot, args.min_requests)
-                    present = [w for w in workers if (w.spec.mode, shape.name, c) in cells]
-                    turn = r % len(present)
-                    for w in [*present[turn:], *present[:turn]]:
-                        await settle(workers)
-                        before = await step_seconds(client, w.url)
-                        cell = cells[(w.spec.mode, shape.name, c)]
-                        results, labels, seconds = [], [], 0.0
-                        for j in range(repeats):
-                            batch = requests[shape.name][j * n : (j + 1) * n]
-                            done, took = await _run(client, w.url, shape, batch, c)
-                            results += done
-                            labels += [class_of(shape.temperature_of(i)) for i in range(n)]
-                            seconds += took
-                        cell.add(results, labels, seconds)
-                        cell.add_profile(before, await step_seconds(client, w.url))
-                        print(
-                            f"  round {r + 1}/{args.rounds} {shape.name} c={c} "
-                            f"{w.spec.mode}: {cell.rounds[-1]:.1f} tok/s",
-                            flush=True,
-                        )
+                    batches = requests[shape.name]
+                    await _measure_cell(client, workers, cells, batches, shape, c, r, args)
     return cells
+
+
+async def _measure_cell(
+    client: httpx.AsyncClient,
+    workers: Sequence[RunningWorker],
+    cells: dict[Key, MatrixCell],
+    requests: Sequence[Request],
+    shape: Shape,
+    c: int,
+    r: int,
+    args: argparse.Namespace,
+) -> None:
+    """One round of one cell: each worker serves the same batches, interleaved batch by
+    batch (worker order rotating with the round and the batch), so that a cell of small
+    bursts compares the workers request by request and a slow spell of the shared machine
+    falls on all of them, not on whichever ran in its window."""
+    present = [w for w in workers if (w.spec.mode, shape.name, c) in cells]
+    n = shape.num_requests(c, args.requests_per_slot)
+    repeats = shape.repeats(c, args.requests_per_slot, args.min_requests)
+    done: dict[str, list[Outcome | None]] = {w.spec.mode: [] for w in present}
+    seconds = dict.fromkeys(done, 0.0)
+    for j in range(repeats):
+        batch = requests[j * n : (j + 1) * n]
+        turn = (r + j) % len(present)
+        for w in [*present[turn:], *present[:turn]]:
+            await settle(workers)
+            before = await step_seconds(client, w.url)
+            results, took = await _run(client, w.url, shape, batch, c)
+            done[w.spec.mode] += results
+            seconds[w.spec.mode] += took
+            cells[(w.spec.mode, shape.name, c)].add_profile(
+                before, await step_seconds(client, w.url)
+            )
+    labels = [class_of(shape.temperature_of(i)) for _ in range(repeats) for i in range(n)]
+    for w in present:
+        cell = cells[(w.spec.mode, shape.name, c)]
+        cell.add(done[w.spec.mode], labels, seconds[w.spec.mode])
+        print(
+            f"  round {r + 1}/{args.rounds} {shape.name} c={c} {w.spec.mode}: "
+            f"{cell.rounds[-1]:.1f} tok/s",
+            flush=True,
+        )
 
 
 async def _run(

@@ -4,8 +4,10 @@ never asserted)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,6 +97,45 @@ def test_c1_rows_compare_adaptive_with_each_fixed_k_and_another_tree() -> None:
     summary = sm.summary([row])
     assert summary["worst_vs_best_fixed_c1"] == pytest.approx(30 / 32)
     assert "vs best fixed k >= 0.94" in sm.format_matrix({"results": [row], "summary": summary})
+
+
+def test_a_cell_interleaves_the_workers_batch_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker serves the same batches; the order rotates from batch to batch (and from
+    round to round), so a slow spell of the machine is shared rather than one worker's."""
+    calls: list[tuple[str, str]] = []
+
+    async def run(
+        client: object, url: str, shape: sm.Shape, batch: list[sb.Request], c: int
+    ) -> tuple[list[sb.Outcome | None], float]:
+        calls.append((url, batch[0].prompt))
+        return [_out(10, 0.5)] * len(batch), 0.5
+
+    async def quiet(workers: object) -> float:
+        return 0.0
+
+    async def seconds(client: object, url: str) -> dict[str, float]:
+        return dict.fromkeys(sm.KINDS, float(len(calls)))
+
+    monkeypatch.setattr(sm, "_run", run)
+    monkeypatch.setattr(sm, "settle", quiet)
+    monkeypatch.setattr(sm, "step_seconds", seconds)
+    process: Any = None  # never started: `_run` is replaced
+    workers = [bb.RunningWorker(bb.WorkerSpec("embedded", m), m, process, Path()) for m in "ab"]
+    burst = next(s for s in sm.SHAPES if s.arrivals == "burst")
+    args = sb.parse_args(["--matrix", "--concurrency", "1", "--min-requests", "3"])
+    requests = [sb.Request("chat", f"p{i}", 8, 32) for i in range(3)]
+    cells = {(m, burst.name, 1): sm.MatrixCell() for m in ("a", "b")}
+    client: Any = None  # never used: every call that takes it is replaced
+    for r in range(2):
+        asyncio.run(sm._measure_cell(client, workers, cells, requests, burst, 1, r, args))
+    assert calls == [
+        ("a", "p0"), ("b", "p0"), ("b", "p1"), ("a", "p1"), ("a", "p2"), ("b", "p2"),  # round 1
+        ("b", "p0"), ("a", "p0"), ("a", "p1"), ("b", "p1"), ("b", "p2"), ("a", "p2"),  # round 2
+    ]  # fmt: skip
+    for m in ("a", "b"):
+        cell = cells[(m, burst.name, 1)]
+        assert cell.rounds == [20.0, 20.0] and cell.tokens == 60  # one entry per round
+        assert cell.profile["prefill"] == 6  # each batch's own before/after, summed
 
 
 def test_matrix_options() -> None:
