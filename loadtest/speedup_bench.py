@@ -323,7 +323,7 @@ def worker_argv(spec: WorkerSpec, port: int, args: argparse.Namespace) -> list[s
     argv = [sys.executable, "-m", "engine.worker.cli", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--served-model-name", MODEL_NAME, "--max-num-seqs", str(args.max_num_seqs)]
     argv += ["--max-model-len", str(args.max_model_len), "--seed", "0"]
-    if spec.mode == "plain":
+    if spec.mode in ("plain", "control"):  # the control: a second plain worker
         return [*argv, "--no-speculation"]
     if spec.mode.startswith("fixed-"):  # the same drafter, every step verifying K drafts
         from engine.worker.settings import BUNDLED_DRAFTER
@@ -443,6 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
         "older commit), at c=1",
     )
     p.add_argument(
+        "--control",
+        action="store_true",
+        help="--matrix: also a second plain worker in every cell; each row then reports its "
+        "tokens/s over the first's (an A/A ratio: what the bench reads between two identical "
+        "workers, the resolution of every other ratio)",
+    )
+    p.add_argument(
         "--starts",
         type=int,
         default=1,
@@ -476,8 +483,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (MATRIX_MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
-    if (args.fixed or args.tree) and not args.matrix:
-        parser.error("--fixed and --tree compare at c=1 in --matrix only")
+    if (args.fixed or args.tree or args.control) and not args.matrix:
+        parser.error("--fixed, --tree and --control are --matrix options")
     if args.tree is not None and not (args.tree / "engine" / "worker" / "cli.py").is_file():
         parser.error(f"--tree {args.tree}: not a dflash-serving checkout")
     for name in ("rounds", "num_requests", "requests_per_slot", "starts"):

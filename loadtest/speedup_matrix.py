@@ -142,13 +142,14 @@ def shapes_for(args: argparse.Namespace) -> tuple[Shape, ...]:
 
 
 def modes(args: argparse.Namespace) -> list[str]:
-    """The workers: DFlash (adaptive) and plain at every concurrency; at c=1 also DFlash
-    verifying K drafts every step for each --fixed K, and a --tree checkout's DFlash."""
+    """The workers: DFlash (adaptive) and plain at every concurrency, and with --control a
+    second plain worker; at c=1 also DFlash verifying K drafts every step for each --fixed
+    K, and a --tree checkout's DFlash."""
     extra = [f"fixed-{k}" for k in args.fixed] + (["tree"] if args.tree is not None else [])
-    return ["dflash", "plain", *extra]
+    return ["dflash", "plain", *(["control"] if args.control else []), *extra]
 
 
-BASE_MODES = ("dflash", "plain")
+BASE_MODES = ("dflash", "plain", "control")  # in every cell (the control if started)
 
 
 # ---- cells ----------------------------------------------------------------------------------
@@ -345,6 +346,9 @@ def matrix_rows(
                 "profile": {"dflash": _shares(fast), "plain": _shares(plain)},
                 "errors": fast.errors + plain.errors,
             }
+            control = cells.get(("control", shape.name, c))
+            if control is not None:  # two identical plain workers: the bench's own scatter
+                row["control_ratio"] = _ratio(control.tokens_per_second, plain.tokens_per_second)
             if shape.twin is not None:
                 row.update(_mixed(cells, shape, c))
             row.update(_against_others(cells, shape, c))
@@ -403,6 +407,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     rated = [r for r in rows if r["ratio"] is not None]
     worst = min(rated, key=lambda r: r["ratio"]) if rated else None
     mixed = [r for r in rows if "sampled_vs_plain" in r]
+    controls = [r["control_ratio"] for r in rows if r.get("control_ratio") is not None]
     return {
         "worst_ratio": None if worst is None else worst["ratio"],
         "worst_cell": None if worst is None else f"{worst['shape']} c={worst['concurrency']}",
@@ -413,6 +418,8 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "worst_greedy_vs_greedy_only": _least(r.get("greedy_vs_greedy_only") for r in mixed),
         "worst_vs_best_fixed_c1": _least(r.get("vs_best_fixed") for r in rows),
         "worst_vs_tree_c1": _least(r.get("vs_tree") for r in rows),
+        "control_range": [min(controls), max(controls)] if controls else None,
+        "control_cells_below_0.98": sum(v < 0.98 for v in controls) if controls else None,
     }
 
 
@@ -424,7 +431,8 @@ def _least(values: Any) -> float | None:
 def format_matrix(report: dict[str, Any]) -> str:
     head = (
         f"{'shape':<28} {'c':>3} {'plain tok/s':>11} {'DFlash tok/s':>12} {'ratio':>6} "
-        f"{'rounds':>11} {'accept':>6} {'plain':>6} {'sampled':>8} {'greedy':>7} {'err':>4} "
+        f"{'rounds':>11} {'A/A':>5} {'accept':>6} {'plain':>6} {'sampled':>8} {'greedy':>7} "
+        f"{'err':>4} "
         f"{'DFlash time: prefill/draft/plain/catch-up %':>43}"
     )
     lines = [head, "-" * len(head)]
@@ -434,6 +442,7 @@ def format_matrix(report: dict[str, Any]) -> str:
         lines.append(
             f"{r['shape']:<28} {r['concurrency']:>3} {r['plain_tokens_per_second']:>11.1f} "
             f"{r['dflash_tokens_per_second']:>12.1f} {_fmt(r['ratio'], '.2f'):>6} {span:>11} "
+            f"{_fmt(r.get('control_ratio'), '.2f'):>5} "
             f"{_fmt(r['mean_acceptance_length'], '.2f'):>6} "
             f"{_fmt(r['plain_step_share'], '.0%'):>6} "
             f"{_fmt(r.get('sampled_vs_plain'), '.2f'):>8} "
@@ -449,6 +458,12 @@ def format_matrix(report: dict[str, Any]) -> str:
         f"c=1: vs best fixed k >= {_fmt(s['worst_vs_best_fixed_c1'], '.2f')}, "
         f"vs --tree >= {_fmt(s['worst_vs_tree_c1'], '.2f')}"
     )
+    if s.get("control_range"):
+        low, high = s["control_range"]
+        lines.append(
+            f"A/A (a second plain worker over plain, every cell): {low:.2f}-{high:.2f}, "
+            f"{s['control_cells_below_0.98']} of {s['cells']} cells below 0.98"
+        )
     return "\n".join(lines)
 
 

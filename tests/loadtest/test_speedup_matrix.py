@@ -99,6 +99,23 @@ def test_c1_rows_compare_adaptive_with_each_fixed_k_and_another_tree() -> None:
     assert "vs best fixed k >= 0.94" in sm.format_matrix({"results": [row], "summary": summary})
 
 
+def test_a_control_worker_reports_the_bench_own_scatter() -> None:
+    shape = sm.Shape("s", (8, 48), (32, 96), False, "closed", "0.7")
+    cells = {(m, "s", c): sm.MatrixCell() for m in ("dflash", "plain", "control") for c in (1, 2)}
+    for c, control in ((1, 19), (2, 21)):
+        for mode, tokens in (("dflash", 20), ("plain", 20), ("control", control)):
+            cells[(mode, "s", c)].add([_out(tokens, 1.0)], ["sampled"], 1.0)
+    rows = sm.matrix_rows(cells, [shape], [1, 2])
+    assert [r["control_ratio"] for r in rows] == pytest.approx([0.95, 1.05])
+    assert all("vs_fixed" not in r for r in rows)  # the control is no fixed-k rival
+    summary = sm.summary(rows)
+    assert summary["control_range"] == pytest.approx([0.95, 1.05])
+    assert summary["control_cells_below_0.98"] == 1
+    table = sm.format_matrix({"results": rows, "summary": summary})
+    assert "A/A (a second plain worker over plain, every cell): 0.95-1.05, 1 of 2" in table
+    assert sm.summary(rows[:0])["control_range"] is None
+
+
 def test_a_cell_interleaves_the_workers_batch_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each worker serves the same batches; the order rotates from batch to batch (and from
     round to round), so a slow spell of the machine is shared rather than one worker's."""
@@ -147,7 +164,11 @@ def test_matrix_options() -> None:
     assert sm.modes(sb.parse_args(["--matrix", "--fixed", "7,15", "--tree", str(bb.REPO)])) == [
         "dflash", "plain", "fixed-7", "fixed-15", "tree"
     ]  # fmt: skip
-    for bad in (["--fixed", "7"], ["--matrix", "--tree", "/nonexistent"]):
+    with_control = sb.parse_args(["--matrix", "--control", "--fixed", "7"])
+    assert sm.modes(with_control) == ["dflash", "plain", "control", "fixed-7"]
+    control = sb.worker_argv(bb.WorkerSpec("embedded", "control"), 0, with_control)
+    assert control[-1] == "--no-speculation"  # a second plain worker, as the first
+    for bad in (["--fixed", "7"], ["--control"], ["--matrix", "--tree", "/nonexistent"]):
         with pytest.raises(SystemExit):
             sb.parse_args(bad)
 
@@ -157,7 +178,7 @@ def test_quick_matrix_against_embedded_workers(
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(bb.REPO))
     out = tmp_path / "matrix.json"
-    argv = ["speedup", "--matrix", "--quick", "--fixed", "3", "--tree", str(bb.REPO)]
+    argv = ["speedup", "--matrix", "--quick", "--fixed", "3", "--tree", str(bb.REPO), "--control"]
     assert bench.main([*argv, "--json", str(out)]) == 0
     assert "worst cell:" in capsys.readouterr().out
     report = json.loads(out.read_text())
@@ -173,5 +194,8 @@ def test_quick_matrix_against_embedded_workers(
     c1 = [r for r in rows if r["concurrency"] == 1]  # the extra workers ran at c=1 only
     assert all(r["vs_best_fixed"] and r["vs_tree"] for r in c1)
     assert all("vs_fixed" not in r for r in rows if r["concurrency"] == 2)
+    controls = [r["control_ratio"] for r in rows]  # the second plain worker: every cell
+    assert all(v > 0 for v in controls)
+    assert report["summary"]["control_range"] == [min(controls), max(controls)]
     shares = [r["profile"]["dflash"] for r in rows]  # where DFlash's time went
     assert all(s["prefill"] > 0 and s["drafting"] + s["plain"] > 0 for s in shares)
