@@ -261,8 +261,8 @@ async def measure_matrix(
         for r in range(args.rounds):
             for shape in shapes:
                 for c in args.concurrency:
-                    batches = requests[shape.name]
-                    await _measure_cell(client, workers, cells, batches, shape, c, r, args)
+                    workload = requests[shape.name]  # the cell's batches are its slices
+                    await _measure_cell(client, workers, cells, workload, shape, c, r, args)
     return cells
 
 
