@@ -58,6 +58,11 @@ class Podman:
     def env(self) -> dict[str, str]:
         return {**os.environ, "CONTAINERS_CONF": str(self.home / "containers.conf")}
 
+    @property
+    def build_env(self) -> dict[str, str]:
+        """`env` with buildah's scratch folder (see `build_scratch`) as TMPDIR."""
+        return {**self.env, "TMPDIR": str(build_scratch(self.home))}
+
     def __call__(
         self, *args: str, timeout: float = 120, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
@@ -75,6 +80,33 @@ def private_podman(home: Path = CACHE) -> Podman:
     conf = CONTAINERS_CONF.format(networks=home / "networks")
     (home / "containers.conf").write_text(conf)
     return Podman(home)
+
+
+# At each commit buildah writes the layer's diff to TMPDIR (default /var/tmp), at times twice
+# over (podman#22342): 2.4 GB at the peak here for the embedded image's venv, on top of the
+# store's 3.1 GB. A CI run failed there with podman#22342's error for a full TMPDIR ("storing
+# layer ... to file: io: read/write on closed pipe"), so the scratch goes to RAM where /dev/shm
+# has room to spare, else beside the store; a failed build's report gives the free space.
+SCRATCH_IN_RAM_BYTES = 8 << 30
+
+
+def build_scratch(home: Path) -> Path:
+    shm = Path("/dev/shm")
+    if shm.is_dir() and shutil.disk_usage(shm).free >= SCRATCH_IN_RAM_BYTES:
+        scratch = shm / f"dflash-build-{hashlib.sha256(bytes(home)).hexdigest()[:8]}"
+    else:
+        scratch = home / "tmp"
+    scratch.mkdir(exist_ok=True)
+    return scratch
+
+
+def free_space(podman: Podman) -> str:
+    """The free space where a build writes: the store and the scratch."""
+    places = {"store": podman.home, "scratch": build_scratch(podman.home)}
+    return ", ".join(
+        f"{name} {path}: {shutil.disk_usage(path).free / 2**30:.1f} GiB free"
+        for name, path in places.items()
+    )
 
 
 def why_no_engine(podman: Podman) -> str | None:

@@ -31,7 +31,9 @@ from tests.deploy.podman import (
     STAND_IN,
     Podman,
     build_home,
+    build_scratch,
     ensure_stand_in,
+    free_space,
     private_podman,
     why_no_engine,
 )
@@ -101,12 +103,14 @@ def build(podman: Podman, commands: list[list[str]], home: Path) -> None:
             continue
         with (logs / f"{ref.replace('/', '_')}.log").open("w") as log:
             argv = podman.argv("build", "--pull=never", "-v", f"{home}:/root:ro", *command[2:])
-            process = subprocess.Popen(argv, cwd=ROOT, env=podman.env, stdout=log, stderr=log)
+            process = subprocess.Popen(argv, cwd=ROOT, env=podman.build_env, stdout=log, stderr=log)
         running.append((process, mark, key, ref))
-    for process, mark, key, ref in running:
-        code = process.wait(timeout=900)
+    codes = [process.wait(timeout=900) for process, *_ in running]
+    # buildah empties its scratch; what a killed one left there would hold RAM.
+    shutil.rmtree(build_scratch(podman.home), ignore_errors=True)
+    for code, (_, mark, key, ref) in zip(codes, running, strict=True):
         tail = mark.with_suffix(".log").read_text()[-3000:]
-        assert code == 0, f"{ref} did not build:\n{tail}"
+        assert code == 0, f"{ref} did not build ({free_space(podman)}):\n{tail}"
         image = podman("image", "inspect", ref, "--format", "{{.Id}}").stdout.strip()
         mark.write_text(f"{key} {image}")
 
