@@ -58,11 +58,6 @@ class Podman:
     def env(self) -> dict[str, str]:
         return {**os.environ, "CONTAINERS_CONF": str(self.home / "containers.conf")}
 
-    @property
-    def build_env(self) -> dict[str, str]:
-        """`env` with buildah's scratch folder (see `build_scratch`) as TMPDIR."""
-        return {**self.env, "TMPDIR": str(build_scratch(self.home))}
-
     def __call__(
         self, *args: str, timeout: float = 120, check: bool = True
     ) -> subprocess.CompletedProcess[str]:
@@ -100,9 +95,9 @@ def build_scratch(home: Path) -> Path:
     return scratch
 
 
-def free_space(podman: Podman) -> str:
+def free_space(home: Path, scratch: Path) -> str:
     """The free space where a build writes: the store and the scratch."""
-    places = {"store": podman.home, "scratch": build_scratch(podman.home)}
+    places = {"store": home, "scratch": scratch}
     return ", ".join(
         f"{name} {path}: {shutil.disk_usage(path).free / 2**30:.1f} GiB free"
         for name, path in places.items()

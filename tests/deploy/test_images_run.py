@@ -95,6 +95,8 @@ def build(podman: Podman, commands: list[list[str]], home: Path) -> None:
     """Run the builds side by side, skipping those whose inputs built the stored image."""
     logs, running = podman.home / "builds", []
     logs.mkdir(exist_ok=True)
+    scratch = build_scratch(podman.home)  # buildah's TMPDIR
+    env = {**podman.env, "TMPDIR": str(scratch)}
     for command in commands:
         ref = command[command.index("-t") + 1]
         mark, key = logs / f"{ref.replace('/', '_')}.key", inputs_key(podman, command, home)
@@ -103,14 +105,15 @@ def build(podman: Podman, commands: list[list[str]], home: Path) -> None:
             continue
         with (logs / f"{ref.replace('/', '_')}.log").open("w") as log:
             argv = podman.argv("build", "--pull=never", "-v", f"{home}:/root:ro", *command[2:])
-            process = subprocess.Popen(argv, cwd=ROOT, env=podman.build_env, stdout=log, stderr=log)
+            process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
         running.append((process, mark, key, ref))
     codes = [process.wait(timeout=900) for process, *_ in running]
+    space = free_space(podman.home, scratch)
     # buildah empties its scratch; what a killed one left there would hold RAM.
-    shutil.rmtree(build_scratch(podman.home), ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     for code, (_, mark, key, ref) in zip(codes, running, strict=True):
         tail = mark.with_suffix(".log").read_text()[-3000:]
-        assert code == 0, f"{ref} did not build ({free_space(podman)}):\n{tail}"
+        assert code == 0, f"{ref} did not build ({space}):\n{tail}"
         image = podman("image", "inspect", ref, "--format", "{{.Id}}").stdout.strip()
         mark.write_text(f"{key} {image}")
 
