@@ -136,6 +136,9 @@ class Outcome:
     code: str | None = None  # the error code, when the gateway answered an error itself
     pool: str = NO_POOL  # the pool of the last worker tried
     attempt: Attempt | None = None  # the current attempt's spans, when traced
+    # The client has the whole answer (a stream's [DONE] or terminal event was sent): a
+    # client that leaves after that was answered, not cut off.
+    delivered: bool = False
 
     def begin(self, call: ProxyCall, number: int, worker: Worker) -> None:
         if call.trace is not None:
@@ -416,6 +419,7 @@ class Proxy:
                     watch.marks += 1  # odd: writing to the client, not waiting on the worker
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                     watch.marks += 1
+                    outcome.delivered = tap.done
                 data = await reader.readany()
                 if not data:
                     break
@@ -423,6 +427,13 @@ class Proxy:
             failure = classify(exc)
         except Draining:
             drained = True
+        except asyncio.CancelledError:
+            # The client read [DONE] and left while the worker's stream was still ending:
+            # the request succeeded, and its tokens count like any other.
+            if outcome.delivered:
+                self.fleet.report_success(worker)
+                observe_stream(self.metrics, call, worker, tap)
+            raise
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
         if failure is not None and not drained:
@@ -437,9 +448,10 @@ class Proxy:
             outcome.failed(failure)
         elif not drained:
             self.fleet.report_success(worker)
+        observe_stream(self.metrics, call, worker, tap)  # before the last send, which a
+        # client that already left may interrupt
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
-        observe_stream(self.metrics, call, worker, tap)
         return failure is None and not drained
 
 
@@ -553,6 +565,7 @@ class ProxyResponse(Response):
         except asyncio.CancelledError:
             if not gone.left or task.uncancel():  # cancelled by someone else as well
                 raise
+            complete = outcome.delivered  # left after the whole answer: a 200, not a 499
         finally:
             watcher.cancel()
             status = outcome.status if complete else CLIENT_CLOSED

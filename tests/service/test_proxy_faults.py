@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from service.routing.fleet import worker_id
-from tests.service.conftest import Gateway, running_gateway
+from tests.service.conftest import Gateway, running_gateway, wait_until
 from tests.service.fake_upstream import (
     CHUNK,
     COMPLETION,
@@ -272,3 +272,32 @@ def test_a_broken_responses_stream_ends_with_response_failed(gw_over: Any) -> No
     assert failed.sequence_number == 2
     missing = httpx.get(gw.v1 + "/responses/resp_1", timeout=5)
     assert missing.status_code == 404
+
+
+USAGE_CHUNK = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n'
+)
+
+
+async def slow_to_close(request: Request, writer: asyncio.StreamWriter) -> None:
+    """The whole answer, [DONE] included, then the stream's end a while later."""
+    writer.write(SSE_HEAD + chunked(CHUNK) + chunked(USAGE_CHUNK) + chunked(b"data: [DONE]\n\n"))
+    await writer.drain()
+    await asyncio.sleep(1.5)
+    writer.write(b"0\r\n\r\n")
+
+
+def test_a_client_leaving_after_done_is_counted_as_answered(gw_over: Any) -> None:
+    """A client that read [DONE] and left before the worker ended the stream got its whole
+    answer: a 200 with its usage counted, not a 499 with the tokens lost (seen in CI)."""
+    gw, _ = gw_over(slow_to_close)
+    body = {**STREAM, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=20) as answer:
+        for line in answer.iter_lines():
+            if line == "data: [DONE]":
+                break  # leaves with the worker's stream still open
+    wait_until(lambda: gw.metric("dflash_requests_total", model=MODEL) >= 1, timeout=10)
+    assert gw.metric("dflash_requests_total", model=MODEL, status="200") == 1
+    assert gw.metric("dflash_completion_tokens_total", model=MODEL) == 5
+    assert gw.metric("dflash_prompt_tokens_total", model=MODEL) == 3
