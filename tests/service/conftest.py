@@ -64,7 +64,11 @@ class Gateway:
 
 
 def scrape(base_url: str, name: str, **labels: str) -> float:
-    text = httpx.get(base_url + "/metrics", timeout=5).text
+    return sample(httpx.get(base_url + "/metrics", timeout=5).text, name, **labels)
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The sum of a Prometheus exposition's samples of `name` with these labels (0: none)."""
     total = 0.0
     for line in text.splitlines():
         if not line.startswith(name + "{") and not line.startswith(name + " "):

@@ -31,7 +31,7 @@ from tests.service.conftest import (
     MODEL,
     Gateway,
     running_gateway,
-    scrape,
+    sample,
     wait_until,
     worker_args,
 )
@@ -51,32 +51,34 @@ schema.config.output.sanitization.update(enabled=False)  # `max_tokens` is no se
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_checkpoint: Any) -> Iterator[tuple[Gateway, str]]:
-    """The gateway and its one embedded worker's URL."""
+def stack(tiny_checkpoint: Any) -> Iterator[tuple[Gateway, httpx.Client]]:
+    """The gateway and a client of its one embedded worker."""
     # The worker serves "tiny-coder" as the schema's examples do: examples reach the worker,
     # generated bodies mostly exercise the gateway's 400 and 404 paths.
     args = worker_args(tiny_checkpoint, "--max-model-len", str(MAX_LEN))
     args += ["--max-num-seqs", str(RUNNING), "--max-waiting", str(WAITING)]
     with running_worker(*args) as worker:
         pool = PoolSpec(name="default", engine="embedded", workers=[worker.base_url])
-        with running_gateway(pools=[pool]) as gw:
-            yield gw, worker.base_url
+        with running_gateway(pools=[pool]) as gw, httpx.Client(base_url=worker.base_url) as c:
+            yield gw, c
 
 
 @pytest.fixture(scope="module")
-def live(stack: tuple[Gateway, str]) -> Gateway:
+def live(stack: tuple[Gateway, httpx.Client]) -> Gateway:
     return stack[0]
 
 
-def settle(worker_url: str) -> None:
+def settle(worker: httpx.Client) -> None:
     """Wait until the worker holds no request. schemathesis reads 20 events of a stream and
     hangs up; the worker frees a stream cut short at its next step, and a request that needs
     the whole worker before then gets a 503 (busy: retry later). That answer is declared,
-    but each example here is checked against an idle worker."""
+    but each example here is checked against an idle worker. One kept-alive connection: a
+    fresh client per look cost more than most examples (1,700 of them)."""
 
     def idle() -> bool:
+        text = worker.get("/metrics").text
         held = ("vllm:num_requests_running", "vllm:num_requests_waiting")
-        return sum(scrape(worker_url, name) for name in held) == 0
+        return sum(sample(text, name) for name in held) == 0
 
     wait_until(idle, timeout=30, interval=0.02)
 
@@ -184,9 +186,11 @@ def test_what_no_schema_says_is_explained_only_when_it_holds(live: Gateway) -> N
 
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-def test_the_gateway_does_what_its_schema_says(case: Any, stack: tuple[Gateway, str]) -> None:
-    live, worker_url = stack
-    settle(worker_url)
+def test_the_gateway_does_what_its_schema_says(
+    case: Any, stack: tuple[Gateway, httpx.Client]
+) -> None:
+    live, worker = stack
+    settle(worker)
     response = case.call(base_url=live.base_url, timeout=30)
     case.validate_response(response, excluded_checks=[positive_data_acceptance])
     if not refused_for_what_no_schema_says(live, case, response):
