@@ -278,24 +278,47 @@ USAGE_CHUNK = (
     b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
     b'"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8}}\n\n'
 )
+COMPLETED = (
+    b'event: response.completed\ndata: {"type":"response.completed","sequence_number":2,'
+    b'"response":{"id":"resp_1","object":"response","created_at":1,"status":"completed",'
+    b'"model":"' + MODEL.encode() + b'","output":[],"parallel_tool_calls":false,'
+    b'"tool_choice":"none","tools":[],"store":false,"error":null,'
+    b'"usage":{"input_tokens":3,"output_tokens":5,"total_tokens":8}}}\n\n'
+)
+# A whole answer, then the end of the stream a while later: a chat stream ends with [DONE],
+# a Responses stream with its terminal event.
+WHOLE = {
+    "chat": (CHUNK + USAGE_CHUNK + b"data: [DONE]\n\n", "data: [DONE]"),
+    "responses": (CREATED + DELTA + COMPLETED, 'data: {"type":"response.completed"'),
+}
 
 
-async def slow_to_close(request: Request, writer: asyncio.StreamWriter) -> None:
-    """The whole answer, [DONE] included, then the stream's end a while later."""
-    writer.write(SSE_HEAD + chunked(CHUNK) + chunked(USAGE_CHUNK) + chunked(b"data: [DONE]\n\n"))
-    await writer.drain()
-    await asyncio.sleep(1.5)
-    writer.write(b"0\r\n\r\n")
+@pytest.mark.parametrize("api", sorted(WHOLE))
+def test_a_client_leaving_after_the_whole_answer_is_counted_as_answered(
+    gw_over: Any, api: str
+) -> None:
+    """A client that read the end of its stream and left before the worker closed it got its
+    whole answer: a 200 with its tokens counted, not a 499 with the tokens lost (seen in CI)."""
+    answer_bytes, last = WHOLE[api]
 
+    async def slow_to_close(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD + chunked(answer_bytes))
+        await writer.drain()
+        await asyncio.sleep(1.5)
+        writer.write(b"0\r\n\r\n")
 
-def test_a_client_leaving_after_done_is_counted_as_answered(gw_over: Any) -> None:
-    """A client that read [DONE] and left before the worker ended the stream got its whole
-    answer: a 200 with its usage counted, not a 499 with the tokens lost (seen in CI)."""
     gw, _ = gw_over(slow_to_close)
-    body = {**STREAM, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", gw.v1 + "/chat/completions", json=body, timeout=20) as answer:
+    if api == "chat":
+        url, body = (
+            gw.v1 + "/chat/completions",
+            {**STREAM, "stream_options": {"include_usage": True}},
+        )
+    else:
+        url, body = gw.v1 + "/responses", {"model": MODEL, "input": "hi", "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=20) as answer:
+        assert answer.status_code == 200
         for line in answer.iter_lines():
-            if line == "data: [DONE]":
+            if line.startswith(last):
                 break  # leaves with the worker's stream still open
     wait_until(lambda: gw.metric("dflash_requests_total", model=MODEL) >= 1, timeout=10)
     assert gw.metric("dflash_requests_total", model=MODEL, status="200") == 1
