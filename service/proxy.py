@@ -196,7 +196,8 @@ def ids(call: ProxyCall, worker: Worker) -> tuple[tuple[bytes, bytes], ...]:
 
 
 def watchdog_tick(settings: GatewaySettings) -> float:
-    """A quarter of the shortest deadline (each fires at most a quarter late), at most 1 s."""
+    """How often the watchdog looks: a deadline is noticed at most a quarter of the shortest
+    one late, and at most 1 s late."""
     shortest = min(
         settings.first_byte_timeout_s, settings.idle_stream_timeout_s, settings.request_timeout_s
     )
@@ -448,8 +449,8 @@ class Proxy:
             outcome.failed(failure)
         elif not drained:
             self.fleet.report_success(worker)
-        observe_stream(self.metrics, call, worker, tap)  # before the last send, which a
-        # client that already left may interrupt
+        # Counted before the last send, which a client that already left may interrupt.
+        observe_stream(self.metrics, call, worker, tap)
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return failure is None and not drained
