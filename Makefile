@@ -32,10 +32,10 @@ setup: $(DEPS_STAMP)
 $(DEPS_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first and pinned: its CPU build; an unpinned torch would pull CUDA packages.
-	# --no-compile here and in scripts/install-*.sh: a module is compiled when first imported;
+	# here and in scripts/install-*.sh: a module is compiled when first imported;
 	# compiling every file at install time was a third of an install's CPU.
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[engine,dev,loadtest,tracing]'
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[engine,dev,loadtest,tracing]'
 	rm -f $(VENV)/.deps-*
 	touch $@
 

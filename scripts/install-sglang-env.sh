@@ -18,14 +18,14 @@ CONS="$(mktemp)"; trap 'rm -f "$CONS"' EXIT
 echo "torch==2.13.0" > "$CONS"
 
 # 1. CPU torch (2.13.0+cpu, served from the local wheel dir; pin it: an unpinned torch resolves to CUDA 2.14.1).
-"$PY" -m pip install -q --no-compile -c "$CONS" "torch==2.13.0"
+"$PY" -m pip install -q -c "$CONS" "torch==2.13.0"
 
 # 2. SGLang itself, without its (CUDA) dependency list.
-"$PY" -m pip install -q --no-compile --no-deps "sglang==0.5.23"
+"$PY" -m pip install -q --no-deps "sglang==0.5.23"
 
 # 3. Only what `import sglang.srt.server_args` + resolve_once() + check_server_args() import.
 #    Installed --no-deps from a full pin list so the result is exact.
-"$PY" -m pip install -q --no-compile --no-deps -c "$CONS" \
+"$PY" -m pip install -q --no-deps -c "$CONS" \
   aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 annotated-doc==0.0.7 \
   annotated-types==0.8.0 anyio==4.16.0 apache-tvm-ffi==0.1.11 asttokens==3.0.2 \
   attrs==26.1.0 certifi==2026.10.19.post1 charset-normalizer==3.5.2 click==8.5.1 \
@@ -47,7 +47,7 @@ echo "torch==2.13.0" > "$CONS"
   yarl==1.25.1
 
 # 4. What the HTTP server and its scheduler import besides (uvicorn, FastAPI, xgrammar, ...).
-"$PY" -m pip install -q --no-compile --no-deps -c "$CONS" \
+"$PY" -m pip install -q --no-deps -c "$CONS" \
   cffi==2.1.1 fastapi==0.165.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 \
   opentelemetry-api==1.45.2 prometheus_client==0.26.0 pycparser==3.12 python-multipart==0.0.34 \
   referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 soundfile==0.13.1 \

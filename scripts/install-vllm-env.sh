@@ -7,7 +7,7 @@
 set -euo pipefail
 ENV_DIR=${1:-.venv-vllm}
 test -x "$ENV_DIR/bin/python" || python3 -m venv "$ENV_DIR"
-PIP="$ENV_DIR/bin/python -m pip install -q --no-compile"
+PIP="$ENV_DIR/bin/python -m pip install -q"
 $PIP torch==2.13.0
 $PIP --no-deps vllm==0.33.0
 $PIP numpy regex cachetools psutil sentencepiece requests tqdm blake3 py-cpuinfo \
