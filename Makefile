@@ -32,8 +32,6 @@ setup: $(DEPS_STAMP)
 $(DEPS_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	# torch first and pinned: its CPU build; an unpinned torch would pull CUDA packages.
-	# here and in scripts/install-*.sh: a module is compiled when first imported;
-	# compiling every file at install time was a third of an install's CPU.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[engine,dev,loadtest,tracing]'
 	rm -f $(VENV)/.deps-*
