@@ -287,9 +287,19 @@ COMPLETED = (
 )
 # A whole answer, then the end of the stream a while later: a chat stream ends with [DONE],
 # a Responses stream with its terminal event.
-WHOLE = {
-    "chat": (CHUNK + USAGE_CHUNK + b"data: [DONE]\n\n", "data: [DONE]"),
-    "responses": (CREATED + DELTA + COMPLETED, 'data: {"type":"response.completed"'),
+WHOLE: dict[str, tuple[str, dict[str, Any], bytes, str]] = {
+    "chat": (
+        "/chat/completions",
+        {**STREAM, "stream_options": {"include_usage": True}},
+        CHUNK + USAGE_CHUNK + b"data: [DONE]\n\n",
+        "data: [DONE]",
+    ),
+    "responses": (
+        "/responses",
+        {"model": MODEL, "input": "hi", "stream": True},
+        CREATED + DELTA + COMPLETED,
+        'data: {"type":"response.completed"',
+    ),
 }
 
 
@@ -299,7 +309,7 @@ def test_a_client_leaving_after_the_whole_answer_is_counted_as_answered(
 ) -> None:
     """A client that read the end of its stream and left before the worker closed it got its
     whole answer: a 200 with its tokens counted, not a 499 with the tokens lost (seen in CI)."""
-    answer_bytes, last = WHOLE[api]
+    path, body, answer_bytes, last = WHOLE[api]
 
     async def slow_to_close(request: Request, writer: asyncio.StreamWriter) -> None:
         writer.write(SSE_HEAD + chunked(answer_bytes))
@@ -308,14 +318,7 @@ def test_a_client_leaving_after_the_whole_answer_is_counted_as_answered(
         writer.write(b"0\r\n\r\n")
 
     gw, _ = gw_over(slow_to_close)
-    if api == "chat":
-        url, body = (
-            gw.v1 + "/chat/completions",
-            {**STREAM, "stream_options": {"include_usage": True}},
-        )
-    else:
-        url, body = gw.v1 + "/responses", {"model": MODEL, "input": "hi", "stream": True}
-    with httpx.stream("POST", url, json=body, timeout=20) as answer:
+    with httpx.stream("POST", gw.v1 + path, json=body, timeout=20) as answer:
         assert answer.status_code == 200
         for line in answer.iter_lines():
             if line.startswith(last):
