@@ -39,7 +39,8 @@ class SseTap:
     """Splits upstream bytes at event boundaries, notes first-token time, usage and metrics,
     and drops the usage-only final chunk when the client did not ask for it.
 
-    Complete events go out the moment they are complete; bytes are forwarded unchanged.
+    Complete events go out the moment they are complete; bytes are forwarded unchanged,
+    whichever line ends (CRLF, CR or LF) the worker uses, wherever its reads split them.
     """
 
     def __init__(
@@ -58,6 +59,8 @@ class SseTap:
         self.events = 0
         self._wire, self._keep_extra, self._marker = wire, keep_extra, wire.spec_marker
         self._pending = b""
+        self._lf_owed = False  # the last event ended on a CR at the end of a read
+        self._last_kept = True  # whether that event went to the client
         self._final_raw: bytes | None = None  # last event carrying usage / metrics
         self._final_parsed: tuple[bytes | None, dict[str, Any] | None] = (None, None)
         self._spec_raw: bytes | None = None  # last event with the engine's speculation
@@ -87,13 +90,19 @@ class SseTap:
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to send to the client now (maybe empty while an event is incomplete)."""
-        if b"\r" in data:
-            data = data.replace(b"\r\n", b"\n")
+        head = b""
+        if self._lf_owed:  # the last read ended an event on a CR: a LF now completes its CRLF
+            self._lf_owed = False
+            if data.startswith(b"\n"):
+                head, data = (b"\n" if self._last_kept else b""), data[1:]
         buf = self._pending + data if self._pending else data
+        if b"\r" in buf:
+            return head + self._feed_any_line_ends(buf)
+        # The common case, LF line ends only: one search for the last blank line.
         end = buf.rfind(b"\n\n")
         if end < 0:
             self._pending = buf
-            return b""
+            return head
         complete, self._pending = buf[: end + 2], buf[end + 2 :]
         events = complete[:-2].split(b"\n\n")
         keep = [event for event in events if self._inspect(event)]
@@ -102,8 +111,32 @@ class SseTap:
             rewrite = self._rewrite
             keep = [rewrite(e) if b'"response":{' in e else e for e in keep]
         elif len(keep) == len(events):
-            return complete
-        return b"".join(event + b"\n\n" for event in keep)
+            return head + complete
+        return head + b"".join(event + b"\n\n" for event in keep)
+
+    def _feed_any_line_ends(self, buf: bytes) -> bytes:
+        """`feed` for a buffer with CRs in it: SSE ends a line with CRLF, CR or LF, and an
+        event with an empty line. Each event's own bytes go out unchanged."""
+        out: list[bytes] = []
+        start = 0
+        for boundary in EVENT_END.finditer(buf):
+            event, raw = buf[start : boundary.start()], buf[start : boundary.end()]
+            start = boundary.end()
+            if not event:  # an empty line alone dispatches nothing
+                out.append(raw)
+                self._last_kept = True
+                continue
+            self.events += 1
+            self._last_kept = self._inspect(event)
+            if not self._last_kept:
+                continue
+            if self._rewrite is not None and b'"response":{' in event:
+                raw = self._rewrite(event) + buf[boundary.start() : boundary.end()]
+            out.append(raw)
+        self._pending = buf[start:]
+        # A CR that ends the buffer and an event may be the first half of a CRLF.
+        self._lf_owed = start == len(buf) and start > 0 and buf.endswith(b"\r")
+        return b"".join(out)
 
     def _inspect(self, event: bytes) -> bool:
         """Record what the event says; False when it must not reach the client.
@@ -141,12 +174,17 @@ class SseTap:
         return not (usage_only and choices == [] and self._strip and "usage" in obj)
 
 
+# An event ends at an empty line: two line ends in a row, each CRLF, CR or LF. A CR at the
+# end of the buffer counts as a line end (feed settles a LF that follows it in the next read).
+EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")
+LINE_END = re.compile(rb"\r\n|\r|\n")
 FINISH_REASON = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
 FINISH_KEY, NO_FINISH = b'"finish_reason"', b'"finish_reason":null'
 
 
 def _event_json(event: bytes) -> Any:
-    lines = [line[5:].lstrip() for line in event.split(b"\n") if line.startswith(b"data:")]
+    split = LINE_END.split(event) if b"\r" in event else event.split(b"\n")
+    lines = [line[5:].lstrip() for line in split if line.startswith(b"data:")]
     try:
         return json.loads(b"\n".join(lines)) if lines else None
     except ValueError:

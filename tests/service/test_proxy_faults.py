@@ -327,3 +327,39 @@ def test_a_client_leaving_after_the_whole_answer_is_counted_as_answered(
     assert gw.metric("dflash_requests_total", model=MODEL, status="200") == 1
     assert gw.metric("dflash_completion_tokens_total", model=MODEL) == 5
     assert gw.metric("dflash_prompt_tokens_total", model=MODEL) == 3
+
+
+SPEC_USAGE_CHUNK = (
+    b'data: {"id":"c","object":"chat.completion.chunk","choices":[],'
+    b'"usage":{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8},'
+    b'"metrics":{"speculative_decoding":{"num_spec_steps":2,"num_accepted_draft_tokens":3,'
+    b'"num_draft_tokens":6,"num_spec_tokens":3}}}\n\n'
+)
+
+
+def test_a_crlf_stream_split_across_reads_is_counted_and_passed_unchanged(gw_over: Any) -> None:
+    """A worker (or a proxy before it) that ends SSE lines with CRLF, its writes splitting a
+    CRLF and a blank line: the client gets the bytes as sent (less the usage chunk it did not
+    ask for), and the usage and speculation reach /metrics."""
+    stream = (CHUNK + SPEC_USAGE_CHUNK + b"data: [DONE]\n\n").replace(b"\n", b"\r\n")
+    usage_end = stream.index(b"data: [DONE]")
+    # cuts inside the usage chunk's CRLF CRLF, and inside the first chunk's
+    cuts = [len(CHUNK) + 1, usage_end - 3, usage_end - 1]
+
+    async def crlf_in_pieces(request: Request, writer: asyncio.StreamWriter) -> None:
+        writer.write(SSE_HEAD)
+        for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+            writer.write(chunked(stream[a:b]))
+            await writer.drain()
+            await asyncio.sleep(0.05)  # each piece its own read at the gateway
+        writer.write(b"0\r\n\r\n")
+
+    gw, _ = gw_over(crlf_in_pieces)
+    answer = httpx.post(gw.v1 + "/chat/completions", json=STREAM, timeout=20)
+    assert answer.status_code == 200
+    usage_start = stream.index(b"data: {", len(CHUNK))
+    assert answer.content == stream[:usage_start] + stream[usage_end:]
+    wait_until(lambda: gw.metric("dflash_requests_total", model=MODEL) >= 1, timeout=10)
+    assert gw.metric("dflash_completion_tokens_total", model=MODEL) == 5
+    assert gw.metric("dflash_spec_steps_total", model=MODEL) == 2
+    assert gw.metric("dflash_spec_accepted_tokens_total", model=MODEL) == 3

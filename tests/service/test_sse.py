@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -36,6 +37,52 @@ def test_strips_only_the_usage_chunk_and_still_reads_it() -> None:
     tap = SseTap(strip_usage_chunk=True)
     assert feed_in_pieces(tap, STREAM, 5) == ROLE + TOKEN + TOKEN + DONE
     assert tap.final is not None and tap.final["metrics"]["speculative_decoding"]
+
+
+LINE_ENDS = {"crlf": b"\r\n", "cr": b"\r", "lf": b"\n"}
+
+
+def with_line_ends(stream: bytes, end: bytes) -> bytes:
+    return stream.replace(b"\n", end)
+
+
+def split_at(data: bytes, *cuts: int) -> list[bytes]:
+    edges = [0, *cuts, len(data)]
+    return [data[a:b] for a, b in itertools.pairwise(edges)]
+
+
+@pytest.mark.parametrize("end", LINE_ENDS.values(), ids=list(LINE_ENDS))
+@pytest.mark.parametrize("strip", [False, True], ids=["usage-asked", "usage-stripped"])
+def test_every_event_is_read_once_wherever_the_reads_split_it(end: bytes, strip: bool) -> None:
+    """SSE allows CRLF, CR and LF line ends. Cut the stream in two at every byte offset (a
+    CRLF, or a whole blank line, split across reads): the client gets the worker's bytes
+    unchanged (less the usage chunk it did not ask for), each event is counted once and the
+    usage, speculation and end of stream are read."""
+    stream = with_line_ends(STREAM, end)
+    expected = with_line_ends(ROLE + TOKEN + TOKEN + DONE, end) if strip else stream
+    for cut in range(len(stream) + 1):
+        tap = SseTap(strip_usage_chunk=strip)
+        out = b"".join(tap.feed(piece) for piece in split_at(stream, cut))
+        assert out == expected, f"cut at {cut}"
+        assert tap.events == 5 and tap.done, f"cut at {cut}"
+        assert tap.final is not None and tap.final["usage"]["completion_tokens"] == 2
+        assert tap.final["metrics"]["speculative_decoding"]["num_spec_steps"] == 1
+
+
+@pytest.mark.parametrize("end", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+def test_a_usage_chunk_ending_a_read_on_a_cr_is_stripped_whole(end: bytes) -> None:
+    """Three reads: the usage chunk's last CR ends one read, its LF (if any) starts the next:
+    that byte belongs to the stripped chunk and must not reach the client."""
+    stream = with_line_ends(STREAM, end)
+    usage_end = stream.index(with_line_ends(DONE, end))
+    for cut in range(1, len(stream)):
+        for second in (usage_end - 1, usage_end, usage_end + 1):
+            if not cut < second < len(stream):
+                continue
+            tap = SseTap(strip_usage_chunk=True)
+            out = b"".join(tap.feed(p) for p in split_at(stream, cut, second))
+            assert out == with_line_ends(ROLE + TOKEN + TOKEN + DONE, end), (cut, second)
+            assert tap.events == 5
 
 
 def test_first_token_skips_the_role_chunk_and_crlf_is_read() -> None:
