@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -321,6 +322,28 @@ def describe_tenants(metrics: GatewayMetrics, ring: KeyRing) -> None:
         )
 
 
+TeardownStep = tuple[str, Callable[[], object]]
+
+
+async def tear_down(*steps: TeardownStep | None) -> list[str]:
+    """Run every step of a shutdown in order, each whatever the others did: one that raises
+    is logged and the rest still run (a failing fleet stop must not leave the ledger's
+    backlog unflushed or Redis open). Returns the names of the steps that failed."""
+    failed: list[str] = []
+    for step in steps:
+        if step is None:
+            continue
+        name, run = step
+        try:
+            result = run()
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            log.exception("shutdown: could not %s; going on with the rest", name)
+            failed.append(name)
+    return failed
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics()
     auth = ApiKeyAuth(settings.load_key_ring(), protect_metrics=settings.metrics_auth)
@@ -373,14 +396,18 @@ def create_app(settings: GatewaySettings) -> FastAPI:
             if reloader is not None:
                 reloader.cancel()
             state.runtime = None
-            await fleet.stop()
-            await client.aclose()
-            await proxy.watchdog.close()
-            upstream.close()
-            await limiter.close()
-            await state.responses.close()
-            if tracing is not None:
-                await asyncio.to_thread(tracing.shutdown)  # flush: bounded by its timeout
+            await tear_down(
+                ("stop the fleet's health checks", fleet.stop),
+                ("close the health-check client", client.aclose),
+                ("close the watchdog", proxy.watchdog.close),
+                ("close the upstream connections", upstream.close),
+                ("flush and close the rate limiter's ledger", limiter.close),
+                ("close the response store", state.responses.close),
+                # flush the spans: bounded by the exporter's timeout
+                ("shut the tracer down", lambda: asyncio.to_thread(tracing.shutdown))
+                if tracing is not None
+                else None,
+            )
 
     app = FastAPI(title="dflash-serving gateway", version="0.1.0", lifespan=lifespan)
     app.state.gateway = state

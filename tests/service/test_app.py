@@ -8,8 +8,11 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient
 
-from service.app import create_app
+from service.app import create_app, tear_down
+from service.routing.fleet import WorkerFleet
 from service.settings import GatewaySettings
+from service.tenancy.limits import RateLimiter
+from service.tenancy.response_store import MemoryResponseStore
 
 
 @pytest.fixture
@@ -45,3 +48,56 @@ def test_before_start_the_proxy_answers_503_not_500(client: TestClient) -> None:
 def test_openapi_lists_the_request_models(client: TestClient) -> None:
     schemas = client.get("/openapi.json").json()["components"]["schemas"]
     assert {"ChatCompletionRequest", "CompletionRequest"} <= set(schemas)
+
+
+@pytest.mark.anyio
+async def test_a_teardown_step_that_raises_does_not_skip_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ran: list[str] = []
+
+    async def fails() -> None:
+        ran.append("fails")
+        raise RuntimeError("boom")
+
+    async def flushes() -> None:
+        ran.append("flushes")
+
+    failed = await tear_down(
+        ("stop first", fails),
+        None,  # a step that does not apply
+        ("flush next", flushes),
+        ("close sync", lambda: ran.append("sync")),
+    )
+    assert ran == ["fails", "flushes", "sync"]
+    assert failed == ["stop first"]
+    assert "could not stop first" in caplog.text and "boom" in caplog.text
+
+
+def test_the_gateway_closes_its_ledger_and_store_when_the_fleet_stop_fails(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway's own shutdown: the fleet's stop raises, and the ledger (its backlog), the
+    response store and the clients are still closed, and the failure is logged."""
+    closed: list[str] = []
+
+    async def broken_stop(self: WorkerFleet) -> None:
+        raise RuntimeError("fleet stop failed")
+
+    def spy(cls: type, name: str) -> None:
+        original = getattr(cls, name)
+
+        async def wrapper(self: object) -> None:
+            closed.append(f"{cls.__name__}.{name}")
+            await original(self)
+
+        monkeypatch.setattr(cls, name, wrapper)
+
+    monkeypatch.setattr(WorkerFleet, "stop", broken_stop)
+    spy(RateLimiter, "close")
+    spy(MemoryResponseStore, "close")
+    settings = GatewaySettings(workers=["http://127.0.0.1:9"], api_keys=["sk-1"])
+    with TestClient(create_app(settings), raise_server_exceptions=False):
+        pass
+    assert closed == ["RateLimiter.close", "MemoryResponseStore.close"]
+    assert "could not stop the fleet's health checks" in caplog.text
