@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from wire.speculation import draft_acceptance_rate, mean_acceptance_length
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -96,10 +98,10 @@ def _one_spec(spec: object) -> SpecStats | None:
         drafted = steps * per_step if per_step is not None else 0
     length = _ratio(spec.get("mean_acceptance_length"))
     if length is None and steps:
-        length = 1.0 + accepted / steps
+        length = mean_acceptance_length(accepted, steps)
     rate = _ratio(spec.get("draft_acceptance_rate"))
     if rate is None and drafted:
-        rate = accepted / drafted
+        rate = draft_acceptance_rate(accepted, drafted)
     if not steps and length is None:
         return None
     return SpecStats(steps, drafted, accepted, length, rate)

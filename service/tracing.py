@@ -11,25 +11,17 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from service.reports import SpecStats, Usage
+from wire.speculation import draft_acceptance_rate, mean_acceptance_length, spec_span_attributes
+from wire.tracing import operation
 
 if TYPE_CHECKING:
     from wire.otel import Span, Tracing
 
-# gen_ai.operation.name of each endpoint (the GenAI conventions' well-known values).
-OPERATIONS = {
-    "/v1/chat/completions": "chat",
-    "/v1/completions": "text_completion",
-    "/v1/responses": "chat",
-}
 CLIENT_CLOSED = 499
 # A Responses API answer's end, as a GenAI finish reason: `incomplete_details.reason` names
 # why an incomplete one stopped (`max_output_tokens` is chat's `length`).
 RESPONSE_FINISH = {"completed": "stop", "failed": "error"}
 INCOMPLETE_FINISH = {"max_output_tokens": "length"}
-
-
-def operation(endpoint: str) -> str:
-    return OPERATIONS.get(endpoint, endpoint.rsplit("/", 1)[-1] or "request")
 
 
 def response_finish(response: dict[str, Any]) -> str | None:
@@ -57,8 +49,8 @@ def summed(stats: list[SpecStats]) -> SpecStats:
         steps=steps,
         draft_tokens=draft_total,
         accepted_tokens=accepted,
-        acceptance_length=1 + accepted / steps if steps else None,
-        acceptance_rate=accepted / draft_total if draft_total else None,
+        acceptance_length=mean_acceptance_length(accepted, steps),
+        acceptance_rate=draft_acceptance_rate(accepted, draft_total) if draft_total else None,
     )
 
 
@@ -174,32 +166,19 @@ class RequestTrace:
         if self.finish_reasons:
             attributes["gen_ai.response.finish_reasons"] = tuple(self.finish_reasons)
         if spec is not None:
-            attributes["dflash.spec.steps"] = spec.steps
-            attributes["dflash.spec.accepted_tokens"] = spec.accepted_tokens
-            if spec.draft_tokens is not None:
-                attributes["dflash.spec.draft_tokens"] = spec.draft_tokens
-            if spec.acceptance_length is not None:
-                attributes["dflash.spec.mean_acceptance_length"] = spec.acceptance_length
-            if spec.acceptance_rate is not None:
-                attributes["dflash.spec.draft_acceptance_rate"] = spec.acceptance_rate
+            attributes.update(
+                spec_span_attributes(spec.steps, spec.accepted_tokens, spec.draft_tokens)
+            )
         self.answer.update(attributes)
 
     def refused(self, span: Span, status: int, code: str, message: str) -> None:
         """A refusal at this step (401, 429, 4xx): the step's span says so, and why."""
-        from wire.otel import Status, StatusCode
-
-        span.set_attribute("http.response.status_code", status)
-        span.set_attribute("error.type", code)
-        span.add_event("refused", {"http.response.status_code": status, "error.type": code})
-        span.set_status(Status(StatusCode.ERROR, message))
+        attributes = {"http.response.status_code": status, "error.type": code}
+        self.tracing.fail(span, message, attributes, event="refused")
 
     def failed(self, span: Span, kind: str, message: str) -> None:
         """An upstream failure on this span: recorded as an event, the span in error."""
-        from wire.otel import Status, StatusCode
-
-        span.set_attribute("error.type", kind)
-        span.add_event("upstream_failure", {"error.type": kind, "message": message})
-        span.set_status(Status(StatusCode.ERROR, message))
+        self.tracing.fail(span, message, {"error.type": kind}, event="upstream_failure")
 
     def routed(self, started: int, worker: Any) -> None:
         """The routing decision that began at `started` (ns): the pool and worker picked
@@ -215,18 +194,12 @@ class RequestTrace:
 
     def attempt(self, number: int, url: str) -> Attempt:
         """Attempt `number` to the worker at `url` (its pool and label: the route span's)."""
-        from wire.otel import SpanKind
-
         attributes: dict[str, Any] = {"dflash.attempt": number, "server.address": url}
-        span = self.tracing.tracer.start_span(
-            f"attempt {number}", context=self.context, kind=SpanKind.CLIENT, attributes=attributes
-        )
+        span = self.tracing.start(f"attempt {number}", self.context, "client", attributes)
         return Attempt(self, span)
 
     def end(self) -> None:
         """The server span's status: a 4xx or 5xx the client got, or the client leaving."""
-        from wire.otel import Status, StatusCode
-
         if self.pending is not None:  # a tenant's key, and no limits checked after it
             tenant, started, ended = self.pending
             self.child("admission", {"dflash.tenant": tenant}, started).end(ended)
@@ -237,10 +210,10 @@ class RequestTrace:
             answer["error.type"] = self.error_code or str(status)
         self.server.set_attributes(answer)
         if status == CLIENT_CLOSED:
-            self.server.add_event("client_disconnected")
-            self.server.set_status(Status(StatusCode.ERROR, "the client closed the connection"))
+            message = "the client closed the connection"
+            self.tracing.fail(self.server, message, event="client_disconnected")
         elif status >= 400:
-            self.server.set_status(Status(StatusCode.ERROR, answer["error.type"]))
+            self.tracing.fail(self.server, answer["error.type"])
         self.server.end()
 
 

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -59,7 +59,15 @@ EXPORTER_LOGGERS = (
 EXPORTER_LOG_INTERVAL_S = 60.0
 SCOPE = "dflash-serving"
 
-__all__ = ["Span", "SpanKind", "Status", "StatusCode", "Tracing"]
+# A span's kind by name (the callers' modules load without the SDK).
+Kind = Literal["internal", "server", "client"]
+KINDS: dict[str, SpanKind] = {
+    "internal": SpanKind.INTERNAL,
+    "server": SpanKind.SERVER,
+    "client": SpanKind.CLIENT,
+}
+
+__all__ = ["Span", "Tracing"]
 
 
 def sampler(settings: TracingSettings) -> Sampler:
@@ -281,14 +289,31 @@ class Tracing:
         self,
         name: str,
         parent: Span | Context | None,
-        kind: SpanKind = SpanKind.INTERNAL,
+        kind: Kind = "internal",
         attributes: dict[str, Any] | None = None,
         start_time: int | None = None,
     ) -> Span:
+        """A span below `parent`; `kind` by name, so that callers need not import the SDK."""
         context = trace.set_span_in_context(parent) if isinstance(parent, Span) else parent
         return self.tracer.start_span(
-            name, context=context, kind=kind, attributes=attributes, start_time=start_time
+            name, context=context, kind=KINDS[kind], attributes=attributes, start_time=start_time
         )
+
+    @staticmethod
+    def fail(
+        span: Span,
+        message: str,
+        attributes: dict[str, Any] | None = None,
+        event: str | None = None,
+    ) -> None:
+        """A span in error, the one way both sides mark it: its attributes (the status code,
+        `error.type`), an event naming what happened (with the same attributes), and the
+        ERROR status with the message."""
+        if attributes:
+            span.set_attributes(attributes)
+        if event is not None:
+            span.add_event(event, attributes or {})
+        span.set_status(Status(StatusCode.ERROR, message))
 
     def shutdown(self) -> None:
         """Flush what is queued (bounded by the exporter's timeout) and stop the thread."""

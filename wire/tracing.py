@@ -25,9 +25,22 @@ Sampler = Literal[
     "parentbased_always_off",
     "parentbased_traceidratio",
 ]
+# gen_ai.operation.name of each endpoint (the GenAI conventions' well-known values): the
+# gateway's and the worker's spans of one request name it alike (a Responses request runs as
+# a chat).
+OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/v1/responses": "chat",
+}
 # The default service name of each kind of process (OTEL_SERVICE_NAME overrides it).
 GATEWAY_SERVICE = "dflash-gateway"
 WORKER_SERVICE = "dflash-worker"
+
+
+def operation(endpoint: str) -> str:
+    """The GenAI operation of a request to `endpoint` (its last path part if not listed)."""
+    return OPERATIONS.get(endpoint, endpoint.rsplit("/", 1)[-1] or "request")
 
 
 def _env(name: str, *more: str) -> AliasChoices:

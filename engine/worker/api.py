@@ -159,7 +159,7 @@ async def responses(request: Request) -> Response:
     request.state.request_id = given or uuid.uuid4().hex
     if state.tracing is None:
         return await create_response(state, request, _admit(state, request), _start)
-    trace = _trace(state.tracing, state, request, "responses")
+    trace = _trace(state.tracing, state, request)
     try:
         engine = _admit(state, request)
         return await create_response(state, request, engine, partial(_start, trace=trace))
@@ -334,8 +334,7 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
     """The request under its server span when tracing is on (docs/tracing.md)."""
     if state.tracing is None:
         return await _generate(state, request, kind, None)
-    kind_name = "chat" if kind is ChatCompletionRequest else "completion"
-    trace = _trace(state.tracing, state, request, kind_name)
+    trace = _trace(state.tracing, state, request)
     try:
         return await _generate(state, request, kind, trace)
     except ApiError as error:
@@ -343,10 +342,10 @@ async def _complete(state: WorkerState, request: Request, kind: type[AnyRequest]
         raise
 
 
-def _trace(tracing: Tracing, state: WorkerState, request: Request, kind: str) -> WorkerTrace:
+def _trace(tracing: Tracing, state: WorkerState, request: Request) -> WorkerTrace:
     """The request's server span, continuing the gateway's traceparent."""
     path, model = request.url.path, state.settings.model_name
-    return WorkerTrace(tracing, kind, path, model, request.scope["headers"])
+    return WorkerTrace(tracing, path, model, request.scope["headers"])
 
 
 async def _generate(

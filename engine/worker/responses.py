@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.sequence import RequestMetrics, SpecDecodeStats, TokenLogprob
 from engine.worker.schemas import Endpoint
+from wire.speculation import draft_acceptance_rate, mean_acceptance_length
 
 # A token id -> (its text, its bytes): engine.tokenizer.Tokenizer.logprob_token.
 TokenNamer = Callable[[int], tuple[str, bytes]]
@@ -36,8 +37,8 @@ def speculative_object(spec: SpecDecodeStats, level: str, *, stream: bool) -> di
     stream's final chunk and sets them to null in a whole response, as vLLM does."""
     steps, accepted, drafted = spec.num_steps, spec.num_accepted, spec.num_drafted
     out: dict[str, Any] = {
-        "mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_acceptance_length": mean_acceptance_length(accepted, steps),
+        "draft_acceptance_rate": draft_acceptance_rate(accepted, drafted),
         "acceptance_histogram": spec.histogram(),
         "num_spec_steps": steps,
         "num_accepted_draft_tokens": accepted,

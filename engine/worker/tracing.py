@@ -10,13 +10,11 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from engine.sequence import RequestMetrics, RequestOutput, SpecDecodeStats
+from wire.speculation import spec_span_attributes
+from wire.tracing import operation
 
 if TYPE_CHECKING:
     from wire.otel import Tracing
-
-# gen_ai.operation.name of each kind of request (a Responses request runs as a chat, and the
-# gateway names it so too).
-OPERATIONS = {"chat": "chat", "completion": "text_completion", "responses": "chat"}
 
 
 def epoch_ns(monotonic_s: float, offset_ns: int) -> int:
@@ -29,17 +27,9 @@ def decoding_attributes(spec: SpecDecodeStats | None, output_tokens: int) -> dic
     attributes: dict[str, Any] = {"gen_ai.usage.output_tokens": output_tokens}
     if spec is None:
         return attributes
-    steps, accepted, drafted = spec.num_steps, spec.num_accepted, spec.num_drafted
-    attributes.update(
-        {
-            "dflash.spec.steps": steps,
-            "dflash.spec.draft_tokens": drafted,
-            "dflash.spec.accepted_tokens": accepted,
-            "dflash.spec.mean_acceptance_length": 1.0 + accepted / steps if steps else 1.0,
-            "dflash.spec.num_spec_tokens": spec.num_spec_tokens,
-            "dflash.spec.adaptive": spec.adaptive,
-        }
-    )
+    attributes.update(spec_span_attributes(spec.num_steps, spec.num_accepted, spec.num_drafted))
+    attributes["dflash.spec.num_spec_tokens"] = spec.num_spec_tokens
+    attributes["dflash.spec.adaptive"] = spec.adaptive
     if spec.adaptive:
         chosen = Counter(spec.per_step_drafted)
         attributes["dflash.adaptive.plain_steps"] = spec.num_plain_steps
@@ -54,22 +44,19 @@ class WorkerTrace:
     def __init__(
         self,
         tracing: Tracing,
-        kind: str,
         route: str,
         model: str,
         headers: list[tuple[bytes, bytes]],
     ) -> None:
-        from wire.otel import SpanKind
-
         self.tracing = tracing
         self.server = tracing.start(
             f"POST {route}",
             tracing.extract(headers),
-            SpanKind.SERVER,
+            "server",
             {
                 "http.request.method": "POST",
                 "http.route": route,
-                "gen_ai.operation.name": OPERATIONS.get(kind, kind),
+                "gen_ai.operation.name": operation(route),
                 "gen_ai.request.model": model,
             },
         )
@@ -110,13 +97,10 @@ class WorkerTrace:
             span.end(epoch_ns(stop, offset))
 
     def failed(self, status: int, code: str, message: str) -> None:
-        from wire.otel import Status, StatusCode
-
         if self.ended:  # its sequences were withdrawn first: nothing more to say
             return
-        self.server.set_attribute("http.response.status_code", status)
-        self.server.set_attribute("error.type", code)
-        self.server.set_status(Status(StatusCode.ERROR, message))
+        attributes = {"http.response.status_code": status, "error.type": code}
+        self.tracing.fail(self.server, message, attributes)
         self.end()
 
     def usage(self, prompt_tokens: int) -> None:

@@ -24,6 +24,7 @@ import json
 from typing import Any, TypeGuard
 
 from service.reports import SpecStats, Usage, parse_spec
+from wire.speculation import draft_acceptance_rate, mean_acceptance_length
 
 SGLANG_FLAG = "return_spec_tokens_details"
 TRTLLM_FIELD = "avg_decoded_tokens_per_iter"
@@ -135,8 +136,8 @@ def sglang_stats(entry: object) -> SpecStats | None:
     if not is_count(steps) or not is_count(accepted) or not steps:
         return None
     drafted = proposed if is_count(proposed) else None
-    rate = accepted / drafted if drafted else None
-    return SpecStats(steps, drafted, accepted, 1.0 + accepted / steps, rate)
+    rate = draft_acceptance_rate(accepted, drafted) if drafted else None
+    return SpecStats(steps, drafted, accepted, mean_acceptance_length(accepted, steps), rate)
 
 
 def is_number(value: object) -> TypeGuard[int | float]:
