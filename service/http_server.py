@@ -41,7 +41,13 @@ BODY_LATE = _timeout_response("The request body was not received in time.")
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with header and body read deadlines."""
+    """uvicorn's httptools protocol with header and body read deadlines.
+
+    It overrides uvicorn's private hooks (connection_made/lost, on_message_begin,
+    on_headers_complete, on_message_complete, on_response_complete) and reads `loop`,
+    `transport`, `client` and `cycle.response_started`: written against uvicorn 0.54's
+    httptools_impl.py, the range pyproject.toml pins; tests/service/test_http_server.py fails
+    if their names or signatures change."""
 
     header_timeout_s = 10.0
     body_timeout_s = 30.0

@@ -164,7 +164,11 @@ class DrainingServer(uvicorn.Server):
     """uvicorn whose signals are handled by `serve_all`: on SIGTERM its `drain()` runs (by
     default: `on_drain()` at once, then `drain_delay_s`), and then it stops listening
     (in-flight requests then finish). `sock`: a listening socket of its own (a backlog,
-    SO_REUSEPORT) instead of uvicorn binding host:port."""
+    SO_REUSEPORT) instead of uvicorn binding host:port.
+
+    Overrides uvicorn.Server's `capture_signals` and `serve(sockets)` and reads `started`,
+    `should_exit`, `force_exit`: written against uvicorn 0.54's server.py, the range
+    pyproject.toml pins; tests/wire/test_http.py fails if their shape changes."""
 
     def __init__(
         self,

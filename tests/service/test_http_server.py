@@ -60,3 +60,50 @@ def test_keep_alive_requests_each_get_their_own_header_deadline() -> None:
                 while not answer.endswith(b'{"status":"ok"}'):
                     answer += sock.recv(65536)
                 assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+# The uvicorn internals GuardedHttpProtocol overrides or reads (pyproject pins the versions
+# read: 0.54): a release that renames or reshapes one fails here, not as silently lost
+# deadlines in production.
+PROTOCOL_HOOKS = {
+    "connection_made": ["self", "transport"],
+    "connection_lost": ["self", "exc"],
+    "on_message_begin": ["self"],
+    "on_headers_complete": ["self"],
+    "on_message_complete": ["self"],
+    "on_response_complete": ["self"],
+}
+
+
+def test_the_uvicorn_internals_the_deadlines_hook_keep_their_shape() -> None:
+    import asyncio
+    import inspect
+
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+    from uvicorn.server import ServerState
+
+    for name, params in PROTOCOL_HOOKS.items():
+        method = getattr(HttpToolsProtocol, name)
+        assert list(inspect.signature(method).parameters) == params, name
+    # the attributes _late reads: the loop, the transport, the client and the request cycle
+    assert "self.response_started" in inspect.getsource(RequestResponseCycle.__init__)
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        return None
+
+    loop = asyncio.new_event_loop()
+    try:
+        config = uvicorn.Config(app, http="httptools", log_config=None)
+        protocol = HttpToolsProtocol(config, ServerState(), {}, _loop=loop)
+        assert protocol.loop is loop and protocol.cycle is None
+        left, right = socket.socketpair()
+        with left, right:
+            transport = loop.run_until_complete(
+                loop.connect_accepted_socket(lambda: protocol, left)
+            )[0]
+            assert protocol.transport is transport and hasattr(protocol, "client")
+            transport.close()
+            loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()

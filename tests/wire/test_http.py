@@ -80,3 +80,20 @@ def test_serving_processes_freeze_the_startup_heap() -> None:
         "assert gc.collect() == 0  # nothing frozen is scanned or freed\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_uvicorn_server_internals_draining_relies_on_keep_their_shape() -> None:
+    """DrainingServer overrides uvicorn.Server.capture_signals (a generator context manager:
+    serve_all handles the signals) and serve(sockets), and reads started, should_exit,
+    force_exit and Config.get_loop_factory (pyproject pins the versions read: 0.54)."""
+    import inspect
+
+    import uvicorn
+
+    capture = inspect.unwrap(uvicorn.Server.capture_signals)
+    assert inspect.isgeneratorfunction(capture)
+    assert list(inspect.signature(capture).parameters) == ["self"]
+    assert list(inspect.signature(uvicorn.Server.serve).parameters) == ["self", "sockets"]
+    server = uvicorn.Server(uvicorn.Config(app=lambda *a: None, log_config=None))
+    assert (server.started, server.should_exit, server.force_exit) == (False, False, False)
+    assert callable(server.config.get_loop_factory)
