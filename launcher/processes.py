@@ -1,12 +1,11 @@
 """Local processes, started and stopped the same way everywhere: `dflash-serve`, the
 benchmarks (loadtest/harness.py) and the test fixtures. Free loopback ports, health waits
 that fail fast when the process dies, SIGTERM-then-SIGKILL stops, and the process trees and
-CPU seconds the benchmarks read from /proc."""
+CPU seconds the benchmarks read (psutil)."""
 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
@@ -15,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+import psutil
 
 _HANDED: set[int] = set()
 
@@ -92,30 +92,29 @@ def stop_all(
             process.wait(timeout=10)
 
 
+def _tree(pid: int) -> list[psutil.Process]:
+    """The process and its descendants; none once it has exited. psutil finds children by
+    their parent pid, on any platform (reading /proc/PID/task/*/children by hand needed a
+    kernel built with CONFIG_PROC_CHILDREN)."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:  # exited, or gone while its children were listed
+        return []
+
+
 def process_tree(pid: int) -> list[int]:
-    """The process and its descendants (vLLM's engine core, nginx's workers), from /proc."""
-    found, frontier = [pid], [pid]
-    while frontier:
-        parent = frontier.pop()
-        children: list[str] = []
-        for task in Path(f"/proc/{parent}/task").glob("*"):  # children of every thread
-            with contextlib.suppress(OSError):
-                children += (task / "children").read_text().split()
-        for child in map(int, children):
-            found.append(child)
-            frontier.append(child)
-    return found
+    """The process and its descendants (vLLM's engine core, nginx's workers)."""
+    return [one.pid for one in _tree(pid)]
 
 
 def cpu_by_process(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of the process and of each descendant, by pid."""
     found: dict[int, float] = {}
-    for one in process_tree(pid):
-        try:
-            fields = Path(f"/proc/{one}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        found[one] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for one in _tree(pid):
+        with contextlib.suppress(psutil.Error):  # a descendant may exit meanwhile
+            times = one.cpu_times()
+            found[one.pid] = times.user + times.system
     return found
 
 
@@ -126,10 +125,8 @@ def cpu_seconds(pid: int) -> float:
 
 def rss_mib(pid: int) -> float:
     """Resident memory of the process and its descendants, MiB."""
-    total_kib = 0
-    for one in process_tree(pid):
-        with contextlib.suppress(OSError):
-            for line in Path(f"/proc/{one}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total_kib += int(line.split()[1])
-    return round(total_kib / 1024, 1)
+    total = 0
+    for one in _tree(pid):
+        with contextlib.suppress(psutil.Error):
+            total += one.memory_info().rss
+    return round(total / 2**20, 1)

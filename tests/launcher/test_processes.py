@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from launcher.processes import (
+    cpu_by_process,
     cpu_seconds,
     free_port,
     healthy,
@@ -88,10 +89,15 @@ def test_a_process_that_ignores_sigterm_is_killed_after_the_timeout() -> None:
 
 
 def test_process_trees_and_their_cpu_and_memory() -> None:
+    """The child is started from a thread (as vLLM's engine core is): a child of a thread
+    other than the main one belongs to the tree too."""
     code = (
-        "import subprocess, sys, time\n"
-        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
-        "print(c.pid, flush=True); sum(range(3_000_000)); time.sleep(30)"
+        "import subprocess, sys, threading, time\n"
+        "box = []\n"
+        "spawn = lambda: box.append(subprocess.Popen([sys.executable, '-c', "
+        "'import time; time.sleep(30)']))\n"
+        "t = threading.Thread(target=spawn); t.start(); t.join()\n"
+        "print(box[0].pid, flush=True); sum(range(3_000_000)); time.sleep(30)"
     )
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -100,6 +106,10 @@ def test_process_trees_and_their_cpu_and_memory() -> None:
         assert set(process_tree(parent.pid)) == {parent.pid, child}
         assert cpu_seconds(parent.pid) > 0
         assert rss_mib(parent.pid) > 1
+        assert set(cpu_by_process(parent.pid)) == {parent.pid, child}
     finally:
         stop(parent)
         subprocess.run(["kill", str(child)], check=False)
+    # an exited process has no tree, no CPU and no memory (no error)
+    assert process_tree(parent.pid) == [] and cpu_seconds(parent.pid) == 0.0
+    assert rss_mib(parent.pid) == 0.0
