@@ -53,8 +53,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-class IncrementalDetokenizer:
-    """Streams text for appended tokens; never emits half a UTF-8 character.
+class WindowDetokenizer:
+    """Streams text for appended tokens; never emits half a UTF-8 character. The fallback
+    for tokenizers that are not byte-level (ByteLevelDetokenizer is the fast path).
 
     Decodes a short window (`prefix_offset`..end) and emits what it adds over the already
     emitted part (`prefix_offset`..`read_offset`), so each push costs O(window), not
@@ -268,10 +269,8 @@ class Tokenizer:
         text = self.render_chat(messages, **options)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def detokenizer(
-        self, context: Sequence[int] = ()
-    ) -> ByteLevelDetokenizer | IncrementalDetokenizer:
+    def detokenizer(self, context: Sequence[int] = ()) -> ByteLevelDetokenizer | WindowDetokenizer:
         """A streaming detokenizer for one request's output (`context`: its prompt)."""
         if self._byte_table is not None:
             return ByteLevelDetokenizer(self._byte_table)
-        return IncrementalDetokenizer(self._tok, context)
+        return WindowDetokenizer(self._tok, context)

@@ -48,7 +48,7 @@ from service.tenancy.response_store import (
     ResponseStore,
 )
 from service.tenancy.tenants import KeyRing, Tenant
-from service.tracing import RequestTrace, server_span
+from service.tracing import RequestTrace, begin_trace
 from wire.errors import (
     ApiError,
     AuthenticationFailed,
@@ -138,7 +138,7 @@ class RequestContext:
         """The request under its server span (docs/tracing.md). A request the sampler left out
         only passes its context on, so the worker makes the same choice."""
         route = endpoint_label(scope["path"])
-        trace = server_span(tracing, scope["method"], route, scope["headers"])
+        trace = begin_trace(tracing, scope["method"], route, scope["headers"])
         if isinstance(trace, bytes):
             scope[TRACEPARENT_KEY] = trace
             await self.handle(scope, receive, send)

@@ -501,7 +501,7 @@ def tap_for(call: ProxyCall, worker: Worker) -> SseTap:
         wire=worker.wire,
         keep_extra=call.spec_details,
         rewrite=call.responses.patch_event if call.responses is not None else None,
-        finish_reasons=call.trace is not None,
+        collect_finish_reasons=call.trace is not None,
     )
 
 

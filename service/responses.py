@@ -20,7 +20,9 @@ from wire.errors import InvalidRequest, NotFound, Unavailable
 from wire.responses import ResponsesRequest, message_item, typed_event
 
 log = logging.getLogger("dflash.gateway.responses")
-TERMINAL = ("completed", "incomplete")
+# The statuses of a response worth storing for `previous_response_id`: it ended with an
+# answer (a failed one has none to continue from).
+STORABLE = ("completed", "incomplete")
 
 
 def output_items(response: dict[str, Any]) -> list[dict[str, Any]]:
@@ -92,7 +94,7 @@ class StoreHook:
         """Store a finished response (before the client sees its end)."""
         if self.kept or not self.keep_it or not isinstance(response, dict):
             return
-        if response.get("status") not in TERMINAL or not isinstance(response.get("id"), str):
+        if response.get("status") not in STORABLE or not isinstance(response.get("id"), str):
             return
         self.kept = True
         record = {

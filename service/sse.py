@@ -50,7 +50,7 @@ class SseTap:
         wire: Wire = WIRES["vllm"],
         keep_extra: bool = True,
         rewrite: Callable[[bytes], bytes] | None = None,
-        finish_reasons: bool = False,
+        collect_finish_reasons: bool = False,
     ) -> None:
         self._strip = strip_usage_chunk
         # Responses API streams: events carrying the response object are rewritten
@@ -70,7 +70,7 @@ class SseTap:
         # The choices' finish reasons, collected for a traced request only (untraced streams
         # pay nothing). Two byte counts per event; the regex runs only on an event where some
         # finish_reason is not a compact `null` (the last one of each choice).
-        self.finish_reasons: list[str] | None = [] if finish_reasons else None
+        self.finish_reasons: list[str] | None = [] if collect_finish_reasons else None
 
     @property
     def final(self) -> dict[str, Any] | None:

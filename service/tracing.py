@@ -54,7 +54,7 @@ def summed(stats: list[SpecStats]) -> SpecStats:
     )
 
 
-def server_span(
+def begin_trace(
     tracing: Tracing, method: str, route: str, headers: list[tuple[bytes, bytes]]
 ) -> RequestTrace | bytes:
     """The request's trace if the sampler keeps it, else the `traceparent` header line the

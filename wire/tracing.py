@@ -16,8 +16,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 if TYPE_CHECKING:
     from wire.otel import Tracing
 
-Protocol = Literal["grpc", "http/protobuf"]
-Sampler = Literal[
+OtlpProtocol = Literal["grpc", "http/protobuf"]
+SamplerName = Literal[
     "always_on",
     "always_off",
     "traceidratio",
@@ -61,7 +61,7 @@ class TracingSettings(BaseSettings):
         default=None,
         validation_alias=_env("traces_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"),
     )
-    protocol: Protocol = Field(
+    protocol: OtlpProtocol = Field(
         default="grpc",
         validation_alias=_env(
             "protocol", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"
@@ -70,7 +70,7 @@ class TracingSettings(BaseSettings):
     service_name: str | None = Field(
         default=None, min_length=1, validation_alias=_env("service_name", "OTEL_SERVICE_NAME")
     )
-    sampler: Sampler = Field(
+    sampler: SamplerName = Field(
         default="parentbased_always_on", validation_alias=_env("sampler", "OTEL_TRACES_SAMPLER")
     )
     sampler_arg: float = Field(

@@ -2,7 +2,7 @@
 
 A completion request goes: admit (draining? key? loaded?) -> read and validate the body
 (wire/http.py, engine/worker/schemas.py) -> tokens and sampling parameters -> the engine
-(generate.py) -> a JSON body or an SSE stream (responses.py). This module is the only place
+(generate.py) -> a JSON body or an SSE stream (formatting.py). This module is the only place
 where engine exceptions become HTTP errors.
 """
 
@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from engine.errors import QueueFull, RequestRejected
 from engine.sequence import SamplingParams
 from engine.worker.fields import check_fields
+from engine.worker.formatting import CompletionFormatter, metrics_object
 from engine.worker.generate import (
     Choice,
     ClientGone,
@@ -30,7 +31,6 @@ from engine.worker.generate import (
     finish_reason,
     stream_events,
 )
-from engine.worker.responses import Formatter, metrics_object
 from engine.worker.responses_api import create_response
 from engine.worker.schemas import (
     AnyRequest,
@@ -360,7 +360,7 @@ async def _generate(
     req, payload = await _read(state, request, kind)
     check_fields(payload, "chat" if is_chat else "completion")
     choices = await _start(engine, state, req, request_id, trace)
-    fmt = Formatter(
+    fmt = CompletionFormatter(
         "chat" if is_chat else "completion",
         request_id,
         state.settings.model_name,
@@ -387,4 +387,4 @@ async def _generate(
     # Per-request metrics describe one sequence: only for a single choice, as vLLM.
     single = finals[0].last.metrics if len(choices) == 1 else None
     body_metrics = None if single is None else metrics_object(single, level, stream=False)
-    return JSONResponse(fmt.response(bodies, use, body_metrics), headers=headers)
+    return JSONResponse(fmt.body(bodies, use, body_metrics), headers=headers)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from starlette.requests import Request
 
 from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
+from engine.worker.formatting import CompletionFormatter, metrics_object, usage
 from engine.worker.metrics import WorkerMetrics
-from engine.worker.responses import Formatter, metrics_object, usage
 from engine.worker.schemas import AnyRequest
 from engine.worker.tracing import WorkerTrace
 from wire.errors import ApiError, InternalError, Unavailable
@@ -225,7 +225,7 @@ async def merged_outputs(
 async def stream_events(
     request: Request,
     choices: list[Choice],
-    fmt: Formatter,
+    fmt: CompletionFormatter,
     req: AnyRequest,
     level: str,
     force_usage: bool,

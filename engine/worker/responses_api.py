@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from engine.worker.fields import asks_nothing
+from engine.worker.formatting import metrics_object
 from engine.worker.generate import Choice, ClientGone, collect, finish_reason, merged_outputs
-from engine.worker.responses import metrics_object
 from engine.worker.responses_wire import ResponseFormatter, response_usage
 from engine.worker.schemas import ChatCompletionRequest
 from wire.errors import (

@@ -274,7 +274,7 @@ class RedisClient:
     async def close(self) -> None:
         self._drop(RedisUnavailable("client closed"))
 
-    def discard(self, reason: BaseException) -> None:
+    def drop_connection(self, reason: BaseException) -> None:
         """A reply that Redis would never send for the command (the wrong shape): the stream
         may be out of step, so the connection goes, as after any failure."""
         self._fail(reason)

@@ -160,12 +160,14 @@ class RedisLedger:
         try:
             refused, usage, now = usage_of(reply, month)
         except ProtocolError as exc:
-            self.client.discard(exc)
+            self.client.drop_connection(exc)
             raise
         if refused == "settled":  # only a caller that gave up on it could have sent it
             raise RedisUnavailable(f"lease {lease} was settled before its admission arrived")
         if refused not in REFUSALS:
-            self.client.discard(ProtocolError(f"the admission script refused for {refused!r}"))
+            self.client.drop_connection(
+                ProtocolError(f"the admission script refused for {refused!r}")
+            )
             raise ProtocolError(f"the admission script refused for {refused!r}")
         return Verdict(refused, usage, now)
 
@@ -183,7 +185,7 @@ class RedisLedger:
         try:
             return usage_of(reply, month)[1]
         except ProtocolError as exc:
-            self.client.discard(exc)
+            self.client.drop_connection(exc)
             raise
 
     async def close(self) -> None:

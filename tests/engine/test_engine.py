@@ -22,7 +22,7 @@ from engine.layers import INT8_LINEAR
 from engine.loader import load_drafter, load_target, save_drafter, save_target
 from engine.row_speculation import RowView, StepPlan
 from engine.sequence import RequestOutput, SamplingParams, TokenLogprob
-from engine.worker.responses import metrics_object
+from engine.worker.formatting import metrics_object
 from tests.fixtures.tiny_models import (
     TinyCheckpoint,
     build_tiny_checkpoint,

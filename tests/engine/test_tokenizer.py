@@ -11,7 +11,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from engine.sequence import Detokenizer
-from engine.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, Tokenizer
+from engine.tokenizer import ByteLevelDetokenizer, Tokenizer, WindowDetokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (
@@ -63,7 +63,7 @@ def detokenizers(folder: Path, context: list[int]) -> list[Detokenizer]:
     """Both streaming paths: the byte-table one and the generic re-decoding window."""
     tok = Tokenizer.from_dir(folder)
     fast = tok.detokenizer(context)
-    generic = IncrementalDetokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), context)
+    generic = WindowDetokenizer(HFTokenizer.from_file(str(folder / "tokenizer.json")), context)
     assert isinstance(fast, ByteLevelDetokenizer)
     return [fast, generic]
 
@@ -132,7 +132,7 @@ def test_non_byte_level_tokenizer_uses_the_window(tmp_path: Path) -> None:
     wl.save(str(tmp_path / "tokenizer.json"))
     tok = Tokenizer.from_dir(tmp_path)
     detok = tok.detokenizer()
-    assert isinstance(detok, IncrementalDetokenizer)
+    assert isinstance(detok, WindowDetokenizer)
     assert (
         "".join(detok.push([i]) for i in (1, 2, 1)) == tok.decode([1, 2, 1]) == "héllo wörld héllo"
     )

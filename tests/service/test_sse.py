@@ -120,7 +120,7 @@ def test_finish_reasons_of_a_traced_stream() -> None:
         b'data: {"choices": [{"index": 0, "finish_reason": "stop"}]}\n\n'
         b'data: {"choices": [{"index": 0, "finish_reason": null}]}\n\n' + DONE
     )
-    tap = SseTap(strip_usage_chunk=False, finish_reasons=True)
+    tap = SseTap(strip_usage_chunk=False, collect_finish_reasons=True)
     assert feed_in_pieces(tap, events, 13) == events
     assert tap.finish_reasons == ["length", "stop"]
     assert SseTap(strip_usage_chunk=False).finish_reasons is None  # untraced: not collected

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.sequence import SpecDecodeStats
-from engine.worker.responses import speculative_object
+from engine.worker.formatting import speculative_object
 from engine.worker.tracing import decoding_attributes
 from service.reports import SpecStats, parse_spec
 from service.tracing import summed

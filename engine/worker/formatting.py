@@ -1,5 +1,6 @@
-"""OpenAI response bodies and stream chunks, plus vLLM's per-request `metrics` object: the
-one place where the engine's request state becomes wire format."""
+"""Chat and completion bodies and stream chunks, plus vLLM's per-request `metrics` object: the
+one place where the engine's request state becomes wire format. (The Responses API's objects
+and events are responses_wire.py's.)"""
 
 from __future__ import annotations
 
@@ -84,7 +85,7 @@ def _logprob(value: float) -> float:
 
 
 @dataclass
-class Formatter:
+class CompletionFormatter:
     """Builds the bodies of one request, chat or completion, with a fixed id and time."""
 
     endpoint: Endpoint
@@ -104,7 +105,7 @@ class Formatter:
         bare token id is a token nothing scored, the first of an echoed prompt: null)."""
         if entries is None:
             return None
-        assert self.name_token is not None, "Formatter(name_token=...) for logprobs"
+        assert self.name_token is not None, "CompletionFormatter(name_token=...) for logprobs"
         name = self.name_token
         if self.endpoint == "chat":
             scored = [e for e in entries if isinstance(e, TokenLogprob)]
@@ -188,9 +189,10 @@ class Formatter:
             return {"index": index, "message": message, "logprobs": lp, **ends}
         return {"index": index, "text": text, "logprobs": lp, **ends}
 
-    def response(
+    def body(
         self, choices: list[dict[str, Any]], use: dict[str, int], metrics: dict[str, Any] | None
     ) -> dict[str, Any]:
+        """The whole (non-streamed) chat.completion or text_completion body."""
         obj = "chat.completion" if self.endpoint == "chat" else "text_completion"
         extra = {} if metrics is None else {"metrics": metrics}
         return {**self._head(obj), "choices": choices, "usage": use, **extra}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine.sequence import RequestMetrics, SamplingParams, SpecDecodeStats, TokenLogprob
-from engine.worker.responses import (
+from engine.worker.formatting import (
     LOGPROB_FLOOR,
-    Formatter,
+    CompletionFormatter,
     metrics_object,
     speculative_object,
     usage,
@@ -86,17 +86,17 @@ def test_level_none_keeps_timings_and_drops_speculation() -> None:
 
 def test_usage_and_bodies() -> None:
     assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    chat = Formatter("chat", "id-1", "m", created=5)
+    chat = CompletionFormatter("chat", "id-1", "m", created=5)
     assert chat.role_chunk()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     end = chat.chunk("b", "stop", "##")["choices"][0]
     assert end["delta"] == {"content": "b"} and end["stop_reason"] == "##"
     final = chat.usage_chunk(usage(1, 2), {"x": 1})
     assert final["choices"] == [] and final["metrics"] == {"x": 1}
-    fmt = Formatter("completion", "id-2", "m")
-    body = fmt.response([fmt.choice(0, "t", "length", None)], usage(1, 1), {})
+    fmt = CompletionFormatter("completion", "id-2", "m")
+    body = fmt.body([fmt.choice(0, "t", "length", None)], usage(1, 1), {})
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == "t"
     assert body["choices"][0]["stop_reason"] is None and body["metrics"] == {}
-    several = fmt.response([fmt.choice(i, "t", "stop", "\n") for i in (0, 1)], usage(1, 2), None)
+    several = fmt.body([fmt.choice(i, "t", "stop", "\n") for i in (0, 1)], usage(1, 2), None)
     assert [c["index"] for c in several["choices"]] == [0, 1] and "metrics" not in several
 
 
@@ -147,7 +147,7 @@ ENTRIES = [
 
 
 def test_chat_logprobs_are_openais_content_list() -> None:
-    fmt = Formatter("chat", "id", "m", name_token=_name)
+    fmt = CompletionFormatter("chat", "id", "m", name_token=_name)
     content = fmt.choice(0, "x", "stop", None, ENTRIES)["logprobs"]["content"]
     assert content[0] == {
         "token": "t5",
@@ -164,7 +164,7 @@ def test_chat_logprobs_are_openais_content_list() -> None:
 
 
 def test_completion_logprobs_carry_the_chosen_token_and_offsets_across_chunks() -> None:
-    fmt = Formatter("completion", "id", "m", name_token=_name)
+    fmt = CompletionFormatter("completion", "id", "m", name_token=_name)
     first = fmt.chunk("", None, None, 0, ENTRIES[:1])["choices"][0]["logprobs"]
     assert first == {
         "text_offset": [0],
