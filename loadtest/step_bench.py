@@ -6,7 +6,8 @@ every requested block width w, interleaved (plain, w=4, w=8, w=16, plain, ...), 
 noisy machine hits every column alike. Each step is split into the phases `spec_step`
 times itself (prepare, draft, verify, accept, context, commit); "other" is the rest of
 the call. Costs are reported in milliseconds (median thread CPU time per step; wall
-time percentiles beside it show the noise) and in plain-step units, with
+time percentiles beside it show the noise; on a GPU the median wall time, each phase
+waiting for its kernels) and in plain-step units, with
 the tokens each step commits and the resulting speedup bound (tokens per step / cost in
 plain steps). Rows advance through real greedy decoding and restart from their prompt
 after `--run-tokens` tokens (same context range for every column).
@@ -36,6 +37,7 @@ class Column:
     batch_size: int
     width: int
     drafter: bool  # False: the target alone (the unit); True: through the DFlash state
+    wall: bool = False  # cost from wall time (a GPU: the host waits, its CPU time is no cost)
     step_ms: list[float] = field(default_factory=list)  # wall time of each spec_step call
     cpu_ms: list[float] = field(default_factory=list)  # thread CPU time of each call
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -45,8 +47,9 @@ class Column:
     def summary(self, plain: Column) -> dict[str, Any]:
         # Costs from thread CPU time: preemption by other processes on a shared machine
         # inflates wall time at random; CPU time is steadier (wall is kept alongside).
-        median = statistics.median(self.cpu_ms)
-        unit = statistics.median(plain.cpu_ms)
+        # On a GPU the step's time is the device's, which only wall time holds.
+        median = statistics.median(self.step_ms if self.wall else self.cpu_ms)
+        unit = statistics.median(plain.step_ms if plain.wall else plain.cpu_ms)
         total_phase = sum(self.phase_s.values())
         wall = sum(self.step_ms) / 1000.0  # phases are wall-clock shares of the step
         # each phase's share of the median step, from the phases' share of all the time
@@ -63,7 +66,9 @@ class Column:
             "step_ms_median": statistics.median(self.step_ms),
             "step_ms_p10": percentile(self.step_ms, 10),
             "step_ms_p90": percentile(self.step_ms, 90),
-            "cpu_ms_median": median,
+            "cpu_ms_median": statistics.median(self.cpu_ms),
+            "cost_basis": "wall" if self.wall else "cpu",
+            "cost_ms_median": median,
             "phases_ms": phases,
             "cost_plain_steps": cost,
             "phases_plain_steps": {p: v / unit for p, v in phases.items()} if unit else {},
@@ -104,6 +109,7 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
         action="store_true",
         help="also measure with one core kept busy by another process",
     )
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="float32")
     p.add_argument(
         "--drafter-dtype",
@@ -144,14 +150,16 @@ def main(argv: Seq[str] | None = None) -> int:
 
 
 def format_table(report: dict[str, Any]) -> str:
+    basis = "wall" if report.get("device", "cpu").startswith("cuda") else "thread CPU"
     head = (
-        f"{'batch':>5} {'w':>3} {'cpu ms':>7} {'wall p10-p90':>12} {'plain':>6} "
+        f"{'batch':>5} {'w':>3} {'ms':>7} {'wall p10-p90':>12} {'plain':>6} "
         + " ".join(f"{p[:7]:>7}" for p in (*PHASES, "other"))
         + f" {'tok/step':>8} {'bound':>6}"
     )
     lines = [
         f"step benchmark: {report['model']} + {report['drafter']} "
-        f"(threads {report['threads']}; phases in plain-step units; bound = "
+        f"(threads {report['threads']}; ms = median {basis} ms per step; phases in "
+        f"plain-step units; bound = "
         f"tokens per step / cost; w 1d = 0 drafts through the DFlash state)"
     ]
     for name, run in report["runs"].items():
@@ -160,7 +168,7 @@ def format_table(report: dict[str, Any]) -> str:
             ph = r["phases_plain_steps"]
             width = f"{r['width']}{'d' if r['drafter'] and r['width'] == 1 else ''}"
             lines.append(
-                f"{r['batch_size']:>5} {width:>3} {r['cpu_ms_median']:>7.2f} "
+                f"{r['batch_size']:>5} {width:>3} {r['cost_ms_median']:>7.2f} "
                 f"{r['step_ms_p10']:>6.1f}-{r['step_ms_p90']:<5.1f} "
                 f"{r['cost_plain_steps']:>6.2f} "
                 + " ".join(f"{ph.get(p, 0.0):>7.2f}" for p in (*PHASES, "other"))
@@ -180,10 +188,11 @@ class StepBench:
 
         self.args = args
         self.dtype = getattr(torch, args.dtype)
-        self.target = load_target(args.model, "cpu", self.dtype)
+        self.device = args.device
+        self.target = load_target(args.model, self.device, self.dtype)
         int8 = args.drafter_dtype == "int8"
         drafter_dtype = self.dtype if int8 else getattr(torch, args.drafter_dtype or args.dtype)
-        self.drafter = load_drafter(args.drafter, self.target, "cpu", drafter_dtype)
+        self.drafter = load_drafter(args.drafter, self.target, self.device, drafter_dtype)
         if int8:
             self.drafter.use_int8()
         tokenizer = Tokenizer.from_dir(args.model)
@@ -198,6 +207,7 @@ class StepBench:
         return {
             "model": str(self.args.model),
             "drafter": str(self.args.drafter),
+            "device": self.device,
             "dtype": self.args.dtype,
             "drafter_dtype": self.args.drafter_dtype or self.args.dtype,
             "widths": self.widths,
@@ -208,7 +218,8 @@ class StepBench:
     def run(self) -> dict[str, Any]:
         columns = []
         for b in self.args.batch_sizes:
-            cells = {v: Column(b, *v) for v in self.variants}
+            wall = self.device.startswith("cuda")
+            cells = {v: Column(b, *v, wall=wall) for v in self.variants}
             states = {v: self._state(b, v[1]) for v in self.variants}
             rows = {v: self._restart(states[v], b) for v in self.variants}
             for v in self.variants:  # warm-up: first-call allocations and fused weights
@@ -225,7 +236,13 @@ class StepBench:
         size = self.drafter.block_size if drafter else 1
         capacity = max(map(len, self.prompts)) + self.args.run_tokens + 2 * size
         return SpecState.create(
-            self.target, self.drafter if drafter else None, batch, capacity, size, "cpu", self.dtype
+            self.target,
+            self.drafter if drafter else None,
+            batch,
+            capacity,
+            size,
+            self.device,
+            self.dtype,
         )
 
     def _restart(self, state: Any, batch: int) -> list[Any]:
@@ -241,7 +258,7 @@ class StepBench:
     def _advance(
         self, state: Any, rows: list[Any], width: int, cell: Column | None, count: int = 3
     ) -> list[Any]:
-        from engine.speculative import DecodeRow, RowSampling, StepTimings, spec_step
+        from engine.speculative import DecodeRow, RowSampling, StepTimings, spec_step, synchronize
 
         greedy = [RowSampling(temperature=0.0)] * len(rows)
         k = width - 1
@@ -252,8 +269,10 @@ class StepBench:
             ):
                 rows = self._restart(state, len(rows))
             timings = StepTimings()
+            synchronize(state)  # on a GPU: the last step's kernels are not this one's
             wall, cpu = time.perf_counter(), time.thread_time()
             results = spec_step(state, rows, greedy, num_draft=k, timings=timings)
+            synchronize(state)
             cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
             if cell is not None:
                 cell.step_ms.append(wall * 1000.0)
