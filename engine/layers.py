@@ -11,6 +11,19 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# On CUDA, attention without cuDNN's kernel. PyTorch picks cuDNN for one-token queries, and
+# cuDNN builds an execution plan for every new key length (cached per shape, ~50 ms each on
+# an H100 with torch 2.11): decoding grows the keys by one every step, so every plain step
+# paid it (55-71 ms a step against 5-6 ms with any other backend; drafting steps, whose
+# queries cuDNN does not take, never did). Flash and memory-efficient where they apply, else
+# the math kernel (GQA with a mask).
+CUDA_ATTENTION_BACKENDS = [
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+]
 
 
 @dataclass(frozen=True)
@@ -305,9 +318,12 @@ class Attention(nn.Module):
     def attend(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         """q [b, h, t, d], k/v [b, kv_h, s, d], mask bool [b, 1, t, s] -> [b, t, hidden]."""
         # enable_gqa: query head h reads kv head h // (heads / kv_heads), without copying K/V
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        gqa = self.num_kv_heads != self.num_heads
+        if q.is_cuda:
+            with sdpa_kernel(CUDA_ATTENTION_BACKENDS):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         b, _, t, _ = out.shape
         # [b, h, t, d] -> [b, t, h * d]
         out = out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim)
