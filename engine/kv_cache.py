@@ -8,13 +8,22 @@ setting that length back: entries past it are dead and get overwritten by the ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from engine.layers import LayerShape
+
+
+class LayeredConfig(Protocol):
+    """What a cache needs of a model's config (the target's and the drafter's have it)."""
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+
+    def layer_shape(self) -> LayerShape: ...
 
 
 @dataclass(frozen=True)
@@ -86,18 +95,18 @@ class KVCache:
         self.lengths = [0] * num_slots
 
     @classmethod
-    def for_layers(
+    def for_model(
         cls,
-        num_layers: int,
-        shape: LayerShape,
+        config: LayeredConfig,
         num_slots: int,
         capacity: int,
         device: torch.device | str,
         dtype: torch.dtype,
     ) -> KVCache:
-        """A cache for `num_layers` decoder layers of this shape (target and drafter alike)."""
+        """A cache for every decoder layer of a model's config (target and drafter alike)."""
+        shape = config.layer_shape()
         return cls(
-            num_layers=num_layers,
+            num_layers=config.num_hidden_layers,
             num_slots=num_slots,
             num_kv_heads=shape.num_key_value_heads,
             capacity=capacity,

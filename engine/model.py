@@ -114,10 +114,7 @@ class Qwen3Target(nn.Module):
     def new_cache(
         self, num_slots: int, capacity: int, device: torch.device | str, dtype: torch.dtype
     ) -> KVCache:
-        c = self.config
-        return KVCache.for_layers(
-            c.num_hidden_layers, c.layer_shape(), num_slots, capacity, device, dtype
-        )
+        return KVCache.for_model(self.config, num_slots, capacity, device, dtype)
 
     def forward(
         self,

@@ -17,7 +17,14 @@ from typing import Any
 from service.tenancy.redis_client import RedisUnavailable
 from service.tenancy.response_store import Record, ResponseStore
 from wire.errors import InvalidRequest, NotFound, Unavailable
-from wire.responses import ResponsesRequest, message_item, typed_event
+from wire.responses import (
+    ResponsesRequest,
+    failed_event,
+    joined_text,
+    message_id,
+    message_item,
+    typed_event,
+)
 
 log = logging.getLogger("dflash.gateway.responses")
 # The statuses of a response worth storing for `previous_response_id`: it ended with an
@@ -30,20 +37,16 @@ def output_items(response: dict[str, Any]) -> list[dict[str, Any]]:
     items = []
     for item in response.get("output") or []:
         if isinstance(item, dict) and item.get("type") == "message":
-            text = "".join(
-                part.get("text", "")
-                for part in item.get("content") or []
-                if isinstance(part, dict) and part.get("type") == "output_text"
-            )
+            text = joined_text(item.get("content"), "output_text")
             items.append(message_item("assistant", "output_text", text))
     return items
 
 
 def with_ids(response_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items as OpenAI lists them: each with an id and a status."""
-    stem = response_id.removeprefix("resp_")
     return [
-        {"id": f"msg_{stem}_{i}", "status": "completed", **item} for i, item in enumerate(items)
+        {"id": message_id(response_id, i), "status": "completed", **item}
+        for i, item in enumerate(items)
     ]
 
 
@@ -110,15 +113,10 @@ class StoreHook:
     def failed(self, code: str, message: str, sequence: int) -> bytes:
         """The stream's last event when it breaks after the first byte: response.failed (the
         opened response, failed), else OpenAI's `error` event."""
-        if self.opened is None:
-            event: dict[str, Any] = {"type": "error", "code": code, "message": message}
-            event["param"] = None
-        else:
-            response = {**self.opened, "status": "failed"}
-            response["error"] = {"code": "server_error", "message": message}
-            event = {"type": "response.failed", "response": response}
-        event["sequence_number"] = sequence
-        return typed_event(event)
+        if self.opened is not None:
+            return failed_event(self.opened, "server_error", message, sequence)
+        event = {"type": "error", "code": code, "message": message, "param": None}
+        return typed_event({**event, "sequence_number": sequence})
 
 
 async def prepare(

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.tenancy.redis_client import MAX_BULK, RedisAddress, TlsFiles
@@ -37,6 +37,11 @@ def dns_target(value: str | None) -> str | None:
     return value
 
 
+# The fields a pool and the gateway's own single pool share, validated where they are typed.
+WorkerUrls = Annotated[list[str], AfterValidator(worker_urls)]
+DnsTarget = Annotated[str | None, AfterValidator(dns_target)]
+
+
 class PoolSpec(BaseModel):
     """Workers that serve one model the same way (one engine, one drafter), and the share of
     that model's traffic they get. Several pools of one model split it by `weight`."""
@@ -50,21 +55,11 @@ class PoolSpec(BaseModel):
     # model has a healthy worker (a drained canary that still takes over as a fallback).
     weight: float = Field(default=100.0, ge=0, allow_inf_nan=False)
     engine: Engine = "vllm"
-    workers: list[str] = Field(default_factory=list)
-    worker_dns: str | None = None
+    workers: WorkerUrls = Field(default_factory=list)
+    worker_dns: DnsTarget = None
     # GPUs behind one worker (tensor x pipeline parallel, x nodes): the denominator of the
     # pool's tokens/s per GPU. A CPU worker counts 1 (the series is then per worker).
     gpus_per_worker: int = Field(default=1, ge=1)
-
-    @field_validator("workers")
-    @classmethod
-    def _check_urls(cls, value: list[str]) -> list[str]:
-        return worker_urls(value)
-
-    @field_validator("worker_dns")
-    @classmethod
-    def _check_dns(cls, value: str | None) -> str | None:
-        return dns_target(value)
 
     @model_validator(mode="after")
     def _has_workers(self) -> PoolSpec:
@@ -110,8 +105,8 @@ class GatewaySettings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     # Static worker base URLs (http://host:port) and/or a DNS name re-resolved on an
     # interval (the headless Service of the worker StatefulSet), as NAME:PORT.
-    workers: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    worker_dns: str | None = None
+    workers: Annotated[WorkerUrls, NoDecode] = Field(default_factory=list)
+    worker_dns: DnsTarget = None
     # GPUs behind each of those workers (see PoolSpec.gpus_per_worker).
     gpus_per_worker: int = Field(default=1, ge=1)
     # Several pools instead (JSON in env): models, and weighted pools of one model (canaries).
@@ -204,16 +199,6 @@ class GatewaySettings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
-
-    @field_validator("workers")
-    @classmethod
-    def _check_urls(cls, value: list[str]) -> list[str]:
-        return worker_urls(value)
-
-    @field_validator("worker_dns")
-    @classmethod
-    def _check_dns(cls, value: str | None) -> str | None:
-        return dns_target(value)
 
     @field_validator("redis_url")
     @classmethod

@@ -132,6 +132,32 @@ def typed_event(event: dict[str, Any]) -> bytes:
     return f"event: {kind}\ndata: {data}\n\n".encode()
 
 
+def failed_event(response: dict[str, Any], code: str, message: str, sequence: int) -> bytes:
+    """A stream's `response.failed` event: the response it carried, failed with an error
+    (the gateway's when a worker's stream breaks, the worker's when its engine fails)."""
+    failed = {**response, "status": "failed", "error": {"code": code, "message": message}}
+    return typed_event({"type": "response.failed", "sequence_number": sequence, "response": failed})
+
+
+def message_id(response_id: str, index: int | None = None) -> str:
+    """The id of a message of response `resp_X`: `msg_X` (its output), `msg_X_i` (its i-th
+    input item, as the input_items listing names them)."""
+    stem = response_id.removeprefix("resp_")
+    return f"msg_{stem}" if index is None else f"msg_{stem}_{index}"
+
+
+def joined_text(parts: object, part_type: str | None = None) -> str:
+    """The text of a message's content parts (of one type only, when given); what is not a
+    text part is skipped."""
+    if not isinstance(parts, list):
+        return ""
+    return "".join(
+        part.get("text", "")
+        for part in parts
+        if isinstance(part, dict) and (part_type is None or part.get("type") == part_type)
+    )
+
+
 def message_item(role: str, part_type: str, text: str) -> dict[str, Any]:
     return {"type": "message", "role": role, "content": [{"type": part_type, "text": text}]}
 
@@ -151,6 +177,5 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]]) -> list
     as in chat completions."""
     messages = [] if instructions is None else [{"role": "system", "content": instructions}]
     for item in items:
-        text = "".join(part["text"] for part in item["content"])
-        messages.append({"role": item["role"], "content": text})
+        messages.append({"role": item["role"], "content": joined_text(item["content"])})
     return messages

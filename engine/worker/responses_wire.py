@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from wire.responses import ResponsesRequest, typed_event
+from wire.responses import ResponsesRequest, failed_event, message_id, typed_event
 
 # Why a response stopped early, by the engine's finish reason (OpenAI's incomplete reasons).
 INCOMPLETE = {"length": "max_output_tokens"}
@@ -37,7 +37,12 @@ class ResponseFormatter:
 
     @property
     def item_id(self) -> str:
-        return "msg_" + self.response_id.removeprefix("resp_")
+        return message_id(self.response_id)
+
+    @property
+    def where(self) -> dict[str, Any]:
+        """Where a text event belongs: the one message's one text part."""
+        return {"item_id": self.item_id, "output_index": 0, "content_index": 0}
 
     def message(self, text: str, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
@@ -94,7 +99,7 @@ class ResponseFormatter:
     def opening(self) -> bytes:
         """created, in_progress, the message item and its text part opened."""
         pending = self.response("in_progress", [])
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        where = self.where
         return b"".join(
             (
                 self.event("response.created", response=pending),
@@ -113,14 +118,14 @@ class ResponseFormatter:
         )
 
     def delta(self, text: str) -> bytes:
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        where = self.where
         return self.event("response.output_text.delta", delta=text, logprobs=[], **where)
 
     def closing(self, whole: dict[str, Any]) -> bytes:
         """The text, part and item done, then the terminal event (completed or incomplete)."""
         item = whole["output"][0]
         part = item["content"][0]
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        where = self.where
         terminal = "response.completed" if whole["status"] == "completed" else "response.incomplete"
         return b"".join(
             (
@@ -133,5 +138,4 @@ class ResponseFormatter:
 
     def failed(self, code: str, message: str) -> bytes:
         """The terminal event of a stream that broke after its first byte."""
-        error = {"code": code, "message": message}
-        return self.event("response.failed", response=self.response("failed", [], error=error))
+        return failed_event(self.response("failed", []), code, message, next(self._seq))
