@@ -14,13 +14,14 @@ def mean_acceptance_length(accepted: int, steps: int) -> float:
 
     At zero steps it is 1.0, not undefined: a request that never verified a draft decoded
     one token per forward pass, which is what a mean acceptance length of 1 says (plain
-    decoding's value). vLLM's per-request object says the same (`speculative_object`)."""
+    decoding's value). vLLM's per-request object says the same (vLLM 0.33 and 0.32,
+    `RequestSpecDecodeMetrics.to_dict` in vllm/v1/metrics/stats.py)."""
     return 1.0 + accepted / steps if steps else 1.0
 
 
 def draft_acceptance_rate(accepted: int, drafted: int) -> float:
     """The share of drafted tokens the target accepted; 0.0 when nothing was drafted (no
-    draft was accepted), as vLLM's per-request object reports it."""
+    draft was accepted), as vLLM's per-request object reports it (the same to_dict)."""
     return accepted / drafted if drafted else 0.0
 
 
