@@ -36,9 +36,8 @@ because of it. A row enters the drafting group only if the tokens it adds pay fo
 costs the step (the drafter's forward, the wider verify, its catch-up of drafter context),
 and the plain rows' wait for the drafting forward is counted in that cost.
 
-Seeded sampled rows always draft `max_k` (how many drafts a row verifies decides how many
-random numbers it draws, and a seed promises the same text every time), so they are always
-in the drafting group and fix its K.
+Seeded sampled rows are planned like any other: their draws are keyed by position
+(speculative.accept_keyed), so their text is the same whatever the plan gives them.
 """
 
 from __future__ import annotations
@@ -100,7 +99,6 @@ class RowView:
 
     rates: Sequence[float]  # its own conditional acceptance per position
     pending: int = 0  # positions of drafter context it lacks (put off by plain steps)
-    forced: bool = False  # a seeded sampled row: always drafts max_k
     context: int | None = None  # tokens in its cache (None: the cost grid's context)
     probation: bool = False  # has not drafted PROBATION_STEPS times yet
     tokens_left: int = 0  # the most tokens it may still generate
@@ -127,27 +125,23 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     second of decoding. A prefill in the same iteration is not counted: it is spent
     whatever the step does, so the time per generated token is the decode step's alone.
     Each group's cost is taken at its longest row's context. Drafting must beat plain
-    decoding by the policy's margin unless a forced row needs it."""
+    decoding by the policy's margin."""
     n = len(rows)
     if policy.mode == "fixed" or policy.max_k == 0:
         return StepPlan(policy.max_k, (True,) * n)
-    forced = sum(r.forced for r in rows)
     gains = [_cumulative_tokens(r.rates, policy.max_k) for r in rows]
-    order = sorted(range(n), key=lambda i: (not rows[i].forced, -gains[i][-1]))
+    order = sorted(range(n), key=lambda i: -gains[i][-1])
     head, tail = _running_contexts([rows[i].context for i in order])
     per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
-    plain_score = n / policy.curve(n, head[n])[0]
-    best_score, best = (-1.0, StepPlan.plain(n)) if forced else (plain_score, StepPlan.plain(n))
-    threshold = best_score * (1.0 + (0.0 if forced else policy.margin))
-    ks = _candidate_ks(policy, forced > 0)
+    best_score, best = n / policy.curve(n, head[n])[0], StepPlan.plain(n)
+    threshold = best_score * (1.0 + policy.margin)
+    ks = _candidate_ks(policy)
     tokens, catch = dict.fromkeys(ks, float(n)), 0.0
     for m in range(1, n + 1):
         row = order[m - 1]
         catch += rows[row].pending * per_position
         for k in ks:
             tokens[k] += gains[row][k] - 1.0
-        if m < forced:
-            continue
         drafting = policy.curve(m, head[m])
         rest = policy.curve(n - m, tail[m])[0] if m < n else 0.0
         for k in ks:
@@ -187,11 +181,9 @@ def _cumulative_tokens(rates: Sequence[float], max_k: int) -> list[float]:
     return out
 
 
-def _candidate_ks(policy: SpecPolicy, forced: bool) -> list[int]:
+def _candidate_ks(policy: SpecPolicy) -> list[int]:
     """The grid's draft counts (the costs are measured there; between them they are
-    interpolated), and max_k; only max_k when a forced row sets it."""
-    if forced:
-        return [policy.max_k]
+    interpolated), and max_k."""
     grid = {k for k in policy.costs.num_drafts if 0 < k <= policy.max_k}
     return sorted(grid | {policy.max_k})
 
@@ -232,15 +224,6 @@ def _look_cost(policy: SpecPolicy, plan: StepPlan, k: int) -> float:
         policy.curve(n - m)[0] if m < n else 0.0
     )
     return policy.curve(n)[k] - planned
-
-
-def with_forced(plan: StepPlan, forced: Sequence[bool], max_k: int) -> StepPlan:
-    """The plan with every seeded sampled row in the drafting group at max_k (which the
-    group's other rows then draft too: a padded block costs no more per row)."""
-    if not any(forced):
-        return plan
-    group = tuple(d or f for d, f in zip(plan.drafting, forced, strict=True))
-    return StepPlan(max_k, group)
 
 
 # Standard errors added to each row's acceptance estimates when planning a lone request
@@ -312,7 +295,6 @@ class RowPlanner:
     def plan(
         self,
         keys: Sequence[Hashable],
-        forced: Sequence[bool],
         contexts: Sequence[int],
         pending: Callable[[int], int],
         tokens_left: Sequence[int] | None = None,
@@ -324,7 +306,7 @@ class RowPlanner:
         kept = self._kept
         if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY:
             self._kept = (batch, kept[1], kept[2] + 1)
-            return with_forced(kept[1], forced, self.policy.max_k)
+            return kept[1]
         left = [0] * len(batch) if tokens_left is None else tokens_left
         # What a row's drafting teaches is paid by every row waiting for its forward.
         doubt = OPTIMISM / len(batch)
@@ -332,8 +314,7 @@ class RowPlanner:
             RowView(
                 self._own[key].optimistic_rates(doubt),
                 pending(i),
-                forced[i],
-                contexts[i],
+                context=contexts[i],
                 probation=self._own[key].tried[0] < PROBATION_STEPS - 0.5,
                 tokens_left=left[i],
             )
@@ -342,7 +323,7 @@ class RowPlanner:
         planned = plan_step(self.policy, views)
         self._kept = None if planned.any_drafting else (batch, planned, 0)
         looked = probed(self.policy, explored(self.policy, planned, views), views)
-        return with_forced(looked, forced, self.policy.max_k)
+        return looked
 
     def observe(
         self,

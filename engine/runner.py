@@ -183,7 +183,6 @@ class ModelRunner:
         assert self.planner is not None
         return self.planner.plan(
             [id(s) for s in seqs],
-            [_seeded_sampling(s) for s in seqs],
             [row.position for row in rows],
             lambda i: pending_context(self._state, [rows[i]]),
             [s.tokens_left for s in seqs],
@@ -230,15 +229,14 @@ class ModelRunner:
                 logprobs=params.logprobs,
                 prompt_logprobs=params.prompt_logprobs,
             )
-        if params.seed is None:
-            generator = self._shared_generator
-        else:
-            generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        # A seeded row's draws are keyed by (seed, position) (sampling.keyed_token), so its
+        # text holds whatever each step verifies; the others draw from the shared generator.
         return RowSampling(
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,
-            generator=generator,
+            generator=self._shared_generator if params.seed is None else None,
+            seed=params.seed,
             min_p=params.min_p,
             processors=processors,
             logprobs=params.logprobs,
@@ -260,7 +258,3 @@ def _processors(seq: Sequence) -> LogitsProcessing | None:
         allowed_token_ids=params.allowed_token_ids,
     )
     return proc if proc.active else None
-
-
-def _seeded_sampling(seq: Sequence) -> bool:
-    return seq.params.seed is not None and seq.params.temperature > 0

@@ -1,7 +1,9 @@
 """Token choice: temperature / min-p / top-k / top-p to probabilities, greedy, seeded sampling.
 
-Randomness always comes from the row's own `torch.Generator` (per-request seed) when it
-has one, so a seeded request is reproducible whatever else is batched with it.
+A seeded request's token at sequence position t is drawn with randomness keyed by (seed, t)
+alone (`keyed_token`): its text is the same whatever else is batched with it, and whatever
+a step verifies (0 drafts or 15: speculative.accept_keyed). An unseeded sampled request
+draws from the engine's shared generator, in order.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class RowSampling:
     temperature: float
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # an unseeded sampled row's draws, in order
+    seed: int | None = None  # a seeded row: each position's draw keyed by (seed, position)
     min_p: float = 0.0  # 0 = off
     processors: LogitsProcessing | None = None  # None: the logits are used as they are
     logprobs: int | None = None  # top log-probabilities per emitted token (None: none)
@@ -92,3 +95,40 @@ def uniform(generator: torch.Generator | None) -> float:
     """One U[0, 1) draw from the row's generator."""
     device = "cpu" if generator is None else generator.device
     return float(torch.rand((), generator=generator, device=device).item())
+
+
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's finaliser: a bijective 64-bit mix (nearby inputs, far-apart outputs)."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def position_key(seed: int, position: int) -> int:
+    """The generator seed of sequence position `position` of a request seeded `seed`: seeds
+    n and n + 1 (a request's choices) and neighbouring positions draw unrelated streams."""
+    return _splitmix64(_splitmix64(seed & MASK64) ^ position)
+
+
+def keyed_token(probs: Tensor, seed: int, position: int) -> int:
+    """probs [vocab] -> one token drawn from them with the randomness of (seed, position):
+    the exponential race, argmax p_i / E_i with E_i ~ Exp(1) i.i.d., picks i with probability
+    p_i exactly, and the same token for the same distribution, seed and position."""
+    generator = torch.Generator(device=probs.device).manual_seed(position_key(seed, position))
+    race = torch.empty(probs.shape, dtype=torch.float32, device=probs.device)
+    race.exponential_(generator=generator)
+    # a zero draw would make 0/0 (NaN, which argmax takes) of a token the filters removed
+    race.clamp_min_(torch.finfo(torch.float32).tiny)
+    return int(torch.argmax(probs.float() / race).item())
+
+
+def draw(probs: Tensor, sampling: RowSampling, position: int) -> int:
+    """The token at sequence `position` from probs [vocab]: keyed by the row's seed, else
+    from its generator."""
+    if sampling.seed is not None:
+        return keyed_token(probs, sampling.seed, position)
+    return sample(probs, sampling.generator)

@@ -42,7 +42,15 @@ from engine.kv_cache import CacheIndex, PendingFeatures, SlotCaches
 from engine.logits_processors import process_block
 from engine.logprobs import TokenLogprob, token_logprobs
 from engine.model import Qwen3Target
-from engine.sampling import RowSampling, greedy, row_probabilities, sample, uniform
+from engine.sampling import (
+    RowSampling,
+    draw,
+    greedy,
+    keyed_token,
+    row_probabilities,
+    sample,
+    uniform,
+)
 
 __all__ = [
     "DecodeRow",
@@ -166,7 +174,7 @@ def _first_token(logits: Tensor, prompt: list[int], sampling: RowSampling) -> Ro
     if sampling.greedy:
         token = int(greedy(scores[0]).item())
     else:
-        token = sample(row_probabilities(scores, sampling)[0], sampling.generator)
+        token = draw(row_probabilities(scores, sampling)[0], sampling, len(prompt))
     return RowResult([token], 0, 0, _logprobs(logits[None], [token], sampling))
 
 
@@ -344,6 +352,23 @@ def accept_sampled(
     return len(drafts), sample(probs[len(drafts)], generator)
 
 
+def accept_keyed(probs: Tensor, drafts: list[int], seed: int, position: int) -> tuple[int, int]:
+    """A seeded row's acceptance. probs [B, vocab] as in accept_sampled; `position`: the
+    sequence position of the block's first new token. The target's own sample at each
+    position is keyed by (seed, position) (sampling.keyed_token), and a draft is accepted
+    when it equals that sample: the committed text is the target's keyed samples, the same
+    whatever the step verifies, so a seed's text does not depend on the plan.
+
+    Lossless and as accepting as accept_sampled: a draft x (deterministic) is accepted with
+    probability P(sample = x) = probs[i, x], and a rejection's bonus is the sample given it
+    differs from x, distributed as probs[i] without x, renormalised."""
+    for i, x in enumerate(drafts):
+        token = keyed_token(probs[i], seed, position + i)
+        if token != x:
+            return i, token
+    return len(drafts), keyed_token(probs[len(drafts)], seed, position + len(drafts))
+
+
 def _processed(
     logits: Tensor, rows: list[DecodeRow], drafts: list[list[int]], sampling: list[RowSampling]
 ) -> Tensor:
@@ -363,16 +388,21 @@ def _processed(
 
 
 def _decide(
-    logits: Tensor, drafts: list[list[int]], sampling: list[RowSampling]
+    logits: Tensor, rows: list[DecodeRow], drafts: list[list[int]], sampling: list[RowSampling]
 ) -> list[tuple[int, int]]:
     """Processed logits [b, B, vocab] -> per row (accepted drafts, bonus)."""
     choices = greedy(logits).tolist()  # one host transfer for every greedy row
-    return [
-        accept_greedy(choices[i], drafts[i])
-        if s.greedy
-        else accept_sampled(row_probabilities(logits[i], s), drafts[i], s.generator)
-        for i, s in enumerate(sampling)
-    ]
+    decisions = []
+    for i, s in enumerate(sampling):
+        if s.greedy:
+            decisions.append(accept_greedy(choices[i], drafts[i]))
+            continue
+        probs = row_probabilities(logits[i], s)
+        if s.seed is not None:  # the token after `last_token` sits at position + 1
+            decisions.append(accept_keyed(probs, drafts[i], s.seed, rows[i].position + 1))
+        else:
+            decisions.append(accept_sampled(probs, drafts[i], s.generator))
+    return decisions
 
 
 @dataclass
@@ -455,7 +485,7 @@ def spec_step(
     )
     t3 = clock() if clock else 0.0
     drafts = block[:, 1:].tolist()
-    decisions = _decide(_processed(out.logits, rows, drafts, sampling), drafts, sampling)
+    decisions = _decide(_processed(out.logits, rows, drafts, sampling), rows, drafts, sampling)
     t4 = clock() if clock else 0.0
     accepted = [n for n, _ in decisions]
     drafted = size > 1 and out.hidden is not None

@@ -1,5 +1,5 @@
 """Speculation per request: band priors, the split of a step into drafting and plain groups,
-exploration and seeded rows."""
+and exploration."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from engine.row_speculation import (
     explored,
     plan_step,
     probed,
-    with_forced,
 )
 
 MAX_K = 15
@@ -154,8 +153,8 @@ def test_a_busy_batch_plans_nearer_its_point_estimates() -> None:
         )
         for _ in range(2):
             planner._own[key].observe([(MAX_K, 0)])
-    assert planner.plan(keys[:1], [False], [64], lambda i: 0).any_drafting
-    assert planner.plan(keys, [False] * 8, [64] * 8, lambda i: 0) == StepPlan.plain(8)
+    assert planner.plan(keys[:1], [64], lambda i: 0).any_drafting
+    assert planner.plan(keys, [64] * 8, lambda i: 0) == StepPlan.plain(8)
 
 
 def test_a_new_request_is_probed_when_the_step_can_afford_it() -> None:
@@ -174,17 +173,6 @@ def test_a_new_request_is_probed_when_the_step_can_afford_it() -> None:
     group = StepPlan(3, (True, False))
     rows = [RowView(HIGH, tokens_left=200), RowView(LOW, probation=True, tokens_left=200)]
     assert probed(policy, group, rows) == StepPlan(3, (True, True))
-
-
-def test_seeded_rows_always_draft_max_k() -> None:
-    policy = _policy()
-    rows = [RowView(LOW, forced=True), RowView(LOW)]
-    planned = plan_step(policy, rows)
-    assert planned.num_drafts == MAX_K and planned.drafting[0]
-    flags = [r.forced for r in rows]
-    forced = with_forced(StepPlan.plain(2), flags, MAX_K)
-    assert forced == StepPlan(MAX_K, (True, False))
-    assert with_forced(StepPlan(3, (False, True)), flags, MAX_K) == StepPlan(MAX_K, (True, True))
 
 
 def test_exploration_looks_at_every_row_when_the_catch_up_is_cheap() -> None:
@@ -226,7 +214,7 @@ def test_a_plain_plan_is_kept_while_its_batch_stays_the_same(
             asked.append(i)
             return 0
 
-        return planner.plan(keys, [False] * len(keys), [64] * len(keys), pending)
+        return planner.plan(keys, [64] * len(keys), pending)
 
     assert plan(("a", "b")) == StepPlan.plain(2) and asked == [0, 1]
     for _ in range(REPLAN_EVERY):
@@ -239,8 +227,6 @@ def test_a_plain_plan_is_kept_while_its_batch_stays_the_same(
     planner.observe(["a"], [1.0], [(3, 3)])
     plan(("a",))
     assert len(asked) == 6  # its estimates moved
-    # A seeded sampled row drafts max_k even on a kept plain plan.
-    assert planner.plan(("a",), [True], [64], lambda i: 0) == StepPlan(MAX_K, (True,))
 
 
 def test_a_drafting_plan_is_weighed_every_step() -> None:
@@ -248,7 +234,7 @@ def test_a_drafting_plan_is_weighed_every_step() -> None:
     planner.add("g", 0.0)  # a fresh greedy band: the optimistic prior drafts
     asked: list[int] = []
     for _ in range(3):
-        plan = planner.plan(("g",), [False], [64], lambda i: asked.append(i) or 0)
+        plan = planner.plan(("g",), [64], lambda i: asked.append(i) or 0)
         assert plan.any_drafting
     assert asked == [0, 0, 0]
     planner.remove("g")

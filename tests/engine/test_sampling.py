@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampling import RowSampling, greedy, probabilities, row_probabilities, sample
+from engine.sampling import (
+    RowSampling,
+    greedy,
+    keyed_token,
+    position_key,
+    probabilities,
+    row_probabilities,
+    sample,
+)
 
 
 def test_temperature_scales_logits_before_softmax() -> None:
@@ -64,3 +72,18 @@ def test_temperatures_below_the_greedy_threshold_are_greedy() -> None:
     assert torch.isfinite(probabilities(logits, 1e-4)).all()
     with pytest.raises(ValueError, match="temperature"):
         probabilities(logits, 1e-300)
+
+
+def test_keyed_draws_repeat_per_position_and_follow_probs() -> None:
+    probs = torch.tensor([0.1, 0.6, 0.0, 0.3])
+    assert keyed_token(probs, 7, 12) == keyed_token(probs, 7, 12)  # the same key, the same token
+    # a request's choices (seeds n, n + 1) and neighbouring positions draw unrelated streams
+    keys = {position_key(seed, position) for seed in (7, 8) for position in range(64)}
+    assert len(keys) == 128
+    counts = torch.zeros(4)
+    for position in range(6000):
+        counts[keyed_token(probs, 11, position)] += 1
+    assert counts[2] == 0  # a token the filters removed is never drawn
+    assert torch.allclose(counts / counts.sum(), probs, atol=0.02)
+    # seeds beyond 64 bits of two's complement (OpenAI's int64 range) still key
+    assert keyed_token(probs, -(2**63), 0) in (0, 1, 3)

@@ -457,6 +457,25 @@ def test_acceptance_rule_reproduces_the_target_distribution(
     assert chi_square_p(counts, expected) > PASS_P
 
 
+def test_keyed_acceptance_reproduces_the_target_distribution(
+    direct_case: tuple[torch.Tensor, list[int]],
+) -> None:
+    """A seeded row's rule (accept a draft when it equals the target's keyed sample): over
+    seeds, the same law as the target alone; and one seed always gives the same tokens."""
+    probs, drafts = direct_case
+    seeds = iter(range(10**6))
+
+    def keyed(
+        probs: torch.Tensor, drafts: list[int], gen: torch.Generator | None
+    ) -> tuple[int, int]:
+        return speculative.accept_keyed(probs, drafts, next(seeds), 40)
+
+    counts = _first_tokens(keyed, probs, drafts, 8000)
+    assert chi_square_p(counts, _direct_expected(probs, drafts)) > PASS_P
+    once = [speculative.accept_keyed(probs, drafts, 3, 40) for _ in range(3)]
+    assert once[0] == once[1] == once[2]
+
+
 @pytest.mark.parametrize("wrong", [always_accept, resample_without_removal])
 def test_the_check_rejects_wrong_acceptance_rules(
     direct_case: tuple[torch.Tensor, list[int]], wrong: AcceptFn

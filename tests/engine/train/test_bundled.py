@@ -110,3 +110,47 @@ def test_the_portable_drafter_reads_no_last_layer_and_is_lossless() -> None:
         assert spec == plain
         accepted.extend(steps)
     assert 1 + sum(accepted) / len(accepted) > 1.5
+
+
+def _sampled(
+    target: Qwen3Target,
+    drafter: DFlashDrafter,
+    prompt: list[int],
+    sampling: RowSampling,
+    plan: list[int],
+    n: int,
+) -> tuple[list[int], int]:
+    """Sampled tokens through the speculative step, step i verifying plan[i % len(plan)]
+    drafts; and the drafts accepted."""
+    state = SpecState.create(target, drafter, 1, 512, 16, "cpu", torch.float32)
+    out = prefill(state, [PrefillRow(0, prompt)], [sampling])[0].token_ids
+    accepted, step = 0, 0
+    while len(out) < n:
+        row = DecodeRow(slot=0, last_token=out[-1], position=len(prompt) + len(out) - 1)
+        k = plan[step % len(plan)]
+        result = spec_step(state, [row], [sampling], num_draft=k)[0]
+        out.extend(result.token_ids)
+        accepted += result.num_accepted
+        step += 1
+    return out[:n], accepted
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7])
+def test_a_seeded_text_does_not_depend_on_the_drafts_verified(
+    models: tuple[Qwen3Target, DFlashDrafter], temperature: float
+) -> None:
+    """Seeded sampling on held-out prompts: plans of 0, 1, 3 and 15 drafts a step, and one
+    that changes every step, give the same text, and drafting accepts drafts (keyed draws:
+    speculative.accept_keyed)."""
+    target, drafter = models
+    tok = AutoTokenizer.from_pretrained(ASSETS / "target")
+    accepted = 0
+    for seed, text in enumerate(heldout_prompts(2)):
+        prompt = tok.encode(text, add_special_tokens=False)
+        sampling = RowSampling(temperature=temperature, seed=seed)
+        plain, _ = _sampled(target, drafter, prompt, sampling, [0], 40)
+        for plan in ([1], [3], [15], [15, 0, 3, 1, 7]):
+            tokens, hits = _sampled(target, drafter, prompt, sampling, plan, 40)
+            assert tokens == plain, (seed, plan)
+            accepted += hits
+    assert accepted > 0
