@@ -102,7 +102,11 @@ def build_workload(
 
 
 def request_body(
-    req: Request, stream: bool, temperature: float = 0.0, ignore_eos: bool = True
+    req: Request,
+    stream: bool,
+    temperature: float = 0.0,
+    ignore_eos: bool = True,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL_NAME,
@@ -111,6 +115,8 @@ def request_body(
         "ignore_eos": ignore_eos,
         "stream": stream,
     }
+    if seed is not None:
+        body["seed"] = seed
     if req.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -153,9 +159,10 @@ async def one_request(
     stream: bool,
     temperature: float,
     ignore_eos: bool = True,
+    seed: int | None = None,
 ) -> Outcome | None:
     path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
-    body = request_body(req, stream, temperature, ignore_eos)
+    body = request_body(req, stream, temperature, ignore_eos, seed)
     start = time.perf_counter()
     try:
         if not stream:
@@ -462,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="every workload shape (prompt and output lengths, arrivals, temperatures, "
         "streaming) in one table: loadtest/speedup_matrix.py",
     )
+    p.add_argument(
+        "--shapes",
+        type=lambda text: [name for name in text.split(",") if name],
+        default=None,
+        help="--matrix: only these shapes, by name (a mixed shape brings its greedy twin)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny run: 1 round, c=1,2, short")
     p.add_argument("--threads", type=int, default=0, help="OMP threads per worker (0: default)")
     p.add_argument("--port-base", type=int, default=0, help="ports base, base+1 (default: free)")
@@ -483,8 +496,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (MATRIX_MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
-    if (args.fixed or args.tree or args.control) and not args.matrix:
-        parser.error("--fixed, --tree and --control are --matrix options")
+    if (args.fixed or args.tree or args.control or args.shapes) and not args.matrix:
+        parser.error("--fixed, --tree, --control and --shapes are --matrix options")
     if args.tree is not None and not (args.tree / "engine" / "worker" / "cli.py").is_file():
         parser.error(f"--tree {args.tree}: not a dflash-serving checkout")
     for name in ("rounds", "num_requests", "requests_per_slot", "starts"):

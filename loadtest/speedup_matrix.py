@@ -7,7 +7,8 @@ One workload tunes a policy; users send many. The matrix crosses, over the same 
 - output: short (32-96 new tokens, EOS allowed) or long (256, `ignore_eos`);
 - arrivals: a burst (each client sends one or two requests and stops) or a closed loop
   (each client sends `--requests-per-slot` requests back to back);
-- temperature: 0, 0.7, or a mixed stream (greedy and 1.0 alternating, concurrently);
+- temperature: 0, 0.7, or a mixed stream (greedy and 1.0 alternating, concurrently; in one
+  shape every sampled request carries a seed);
 - streaming for some shapes.
 
 Every shape runs at every concurrency, A/B interleaved (the order rotating by round, each
@@ -68,7 +69,8 @@ SAMPLED = 1.0  # the mixed stream's other half: drafts are then rarely accepted
 STEP_SECONDS = "dflash:engine_step_seconds"  # the worker's profile, per kind of forward
 KINDS = ("prefill", "drafting", "plain", "catch_up")
 Arrivals = Literal["burst", "closed"]
-Temperature = Literal["0", "0.7", "mixed"]
+# mixed: greedy and SAMPLED alternating; mixed-seeded: the same, each sampled request seeded
+Temperature = Literal["0", "0.7", "mixed", "mixed-seeded"]
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,14 @@ class Shape:
     twin: str | None = None  # a mixed shape's greedy-only twin
 
     def temperature_of(self, i: int) -> float:
-        if self.temperature == "mixed":
+        if self.temperature.startswith("mixed"):
             return 0.0 if i % 2 == 0 else SAMPLED
         return float(self.temperature)
+
+    def seed_of(self, i: int) -> int | None:
+        """Request i's seed: its index for a sampled request of a seeded mix, else none."""
+        seeded = self.temperature == "mixed-seeded" and self.temperature_of(i) > 0
+        return i if seeded else None
 
     def num_requests(self, c: int, per_slot: int) -> int:
         """A burst: client j sends 1 + j % 2 requests; a closed loop: per_slot each."""
@@ -114,6 +121,14 @@ def _shape(
 SHAPES = (
     _shape("short-burst-t0", SHORT_PROMPT, "short", "burst", "0"),
     _shape("short-burst-mixed", SHORT_PROMPT, "short", "burst", "mixed", twin="short-burst-t0"),
+    _shape(
+        "short-burst-mixed-seeded",
+        SHORT_PROMPT,
+        "short",
+        "burst",
+        "mixed-seeded",
+        twin="short-burst-t0",
+    ),
     _shape("short-closed-t0.7", SHORT_PROMPT, "long", "closed", "0.7"),
     _shape("medium-closed-t0", MEDIUM_PROMPT, "long", "closed", "0"),
     _shape("medium-closed-t0-stream", MEDIUM_PROMPT, "short", "closed", "0", stream=True),
@@ -138,7 +153,15 @@ MAX_MODEL_LEN = MATRIX_MAX_MODEL_LEN  # the long prompts and answers fit the bun
 
 
 def shapes_for(args: argparse.Namespace) -> tuple[Shape, ...]:
-    return QUICK_SHAPES if args.quick else SHAPES
+    """The matrix's shapes, or those --shapes names (and the greedy twins of mixed ones)."""
+    every = QUICK_SHAPES if args.quick else SHAPES
+    if not getattr(args, "shapes", None):
+        return every
+    unknown = set(args.shapes) - {s.name for s in every}
+    if unknown:
+        raise SystemExit(f"dflash-bench speedup --matrix: no shape {sorted(unknown)}")
+    wanted = set(args.shapes) | {s.twin for s in every if s.name in args.shapes and s.twin}
+    return tuple(s for s in every if s.name in wanted)
 
 
 def modes(args: argparse.Namespace) -> list[str]:
@@ -312,9 +335,9 @@ async def _run(
     client: httpx.AsyncClient, url: str, shape: Shape, batch: Sequence[Request], c: int
 ) -> tuple[list[Outcome | None], float]:
     async def send(i: int) -> Outcome | None:
-        temperature = shape.temperature_of(i)
+        temperature, seed = shape.temperature_of(i), shape.seed_of(i)
         return await one_request(
-            client, url, batch[i], shape.stream, temperature, ignore_eos=shape.ignore_eos
+            client, url, batch[i], shape.stream, temperature, shape.ignore_eos, seed
         )
 
     return await closed_loop(len(batch), c, send)

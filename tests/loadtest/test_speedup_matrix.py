@@ -25,10 +25,10 @@ def test_the_matrix_covers_every_level_of_every_axis() -> None:
         (sm.LONG_OUTPUT, True),
     }
     assert {s.arrivals for s in shapes} == {"burst", "closed"}
-    assert {s.temperature for s in shapes} == {"0", "0.7", "mixed"}
+    assert {s.temperature for s in shapes} == {"0", "0.7", "mixed", "mixed-seeded"}
     assert any(s.stream for s in shapes)
     names = {s.name for s in shapes}
-    for mixed in (s for s in shapes if s.temperature == "mixed"):
+    for mixed in (s for s in shapes if s.temperature.startswith("mixed")):
         twin = next(s for s in shapes if s.name == mixed.twin)  # its greedy-only twin
         assert twin.temperature == "0" and twin.name in names
         assert (twin.prompt, twin.output, twin.arrivals) == (
@@ -41,6 +41,13 @@ def test_the_matrix_covers_every_level_of_every_axis() -> None:
 def test_mixed_streams_alternate_and_bursts_are_one_or_two_per_client() -> None:
     mixed = next(s for s in sm.SHAPES if s.temperature == "mixed")
     assert [mixed.temperature_of(i) for i in range(4)] == [0.0, sm.SAMPLED, 0.0, sm.SAMPLED]
+    assert [mixed.seed_of(i) for i in range(4)] == [None] * 4
+    seeded = next(s for s in sm.SHAPES if s.temperature == "mixed-seeded")
+    assert [seeded.temperature_of(i) for i in range(4)] == [0.0, sm.SAMPLED, 0.0, sm.SAMPLED]
+    assert [seeded.seed_of(i) for i in range(4)] == [None, 1, None, 3]  # the sampled ones
+    request = sb.Request("chat", "def f():", 4, 8)
+    assert sb.request_body(request, False, sm.SAMPLED, seed=3)["seed"] == 3
+    assert "seed" not in sb.request_body(request, False, sm.SAMPLED)
     burst = next(s for s in sm.SHAPES if s.arrivals == "burst")
     assert burst.num_requests(4, 3) == 6 and burst.num_requests(1, 3) == 1
     closed = next(s for s in sm.SHAPES if s.arrivals == "closed")
@@ -199,3 +206,13 @@ def test_quick_matrix_against_embedded_workers(
     assert report["summary"]["control_range"] == [min(controls), max(controls)]
     shares = [r["profile"]["dflash"] for r in rows]  # where DFlash's time went
     assert all(s["prefill"] > 0 and s["drafting"] + s["plain"] > 0 for s in shares)
+
+
+def test_shapes_picks_some_with_their_twins() -> None:
+    args = sb.parse_args(["--matrix", "--shapes", "short-burst-mixed-seeded,long-burst-t0"])
+    names = [s.name for s in sm.shapes_for(args)]
+    assert names == ["short-burst-t0", "short-burst-mixed-seeded", "long-burst-t0"]
+    with pytest.raises(SystemExit):
+        sm.shapes_for(sb.parse_args(["--matrix", "--shapes", "nope"]))
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--shapes", "long-burst-t0"])  # a --matrix option
