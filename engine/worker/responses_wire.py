@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.worker.formatting import usage
 from wire.responses import ResponsesRequest, failed_event, message_id, typed_event
 
 # Why a response stopped early, by the engine's finish reason (OpenAI's incomplete reasons).
@@ -16,12 +17,14 @@ INCOMPLETE = {"length": "max_output_tokens"}
 
 
 def response_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    """The chat completion's usage (formatting.usage) in the Responses API's names."""
+    chat = usage(input_tokens, output_tokens)
     return {
-        "input_tokens": input_tokens,
+        "input_tokens": chat["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": output_tokens,
+        "output_tokens": chat["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": input_tokens + output_tokens,
+        "total_tokens": chat["total_tokens"],
     }
 
 
