@@ -100,7 +100,7 @@ class ModelRunner:
             self.planner = RowPlanner(self.policy, BandPriors(max_k))
 
     def add(self, seq: Sequence) -> None:
-        """Set up a sequence's sampling (its own generator when seeded)."""
+        """Set up a sequence's sampling (keyed by its seed when it has one)."""
         self._sampling[id(seq)] = self._row_sampling(seq)
         if self.planner is not None:
             self.planner.add(id(seq), seq.params.temperature)

@@ -61,11 +61,13 @@ __all__ = [
     "StepTimings",
     "TokenLogprob",
     "accept_greedy",
+    "accept_keyed",
     "accept_sampled",
     "catch_up",
     "max_draft_tokens",
     "move_slot",
     "pending_context",
+    "phase_clock",
     "prefill",
     "release",
     "row_probabilities",
@@ -166,15 +168,18 @@ def swap_slots(state: SpecState, a: int, b: int) -> None:
     state.caches.swap(a, b)
 
 
-def _first_token(logits: Tensor, prompt: list[int], sampling: RowSampling) -> RowResult:
-    """The token after a prompt, from the target's logit vector [vocab] there."""
+def _first_token(
+    logits: Tensor, prompt: list[int], sampling: RowSampling, position: int
+) -> RowResult:
+    """The token after a prompt, at sequence `position`, from the target's logit vector
+    [vocab] there."""
     scores = logits[None]
     if sampling.processors is not None:
         scores = process_block(scores, sampling.processors, prompt, (), ())
     if sampling.greedy:
         token = int(greedy(scores[0]).item())
     else:
-        token = draw(row_probabilities(scores, sampling)[0], sampling, len(prompt))
+        token = draw(row_probabilities(scores, sampling)[0], sampling, position)
     return RowResult([token], 0, 0, _logprobs(logits[None], [token], sampling))
 
 
@@ -233,7 +238,8 @@ def prefill(
     results = []
     for i, (row, s) in enumerate(zip(rows, sampling, strict=True)):
         n = len(row.token_ids)
-        first = _first_token(out.logits[i, n - 1 if every else 0], row.token_ids, s)
+        logits = out.logits[i, n - 1 if every else 0]
+        first = _first_token(logits, row.token_ids, s, starts[i] + n)
         if s.prompt_logprobs is not None:  # position j predicts prompt token j + 1
             scored = token_logprobs(out.logits[i], row.token_ids[1:], s.prompt_logprobs)
             first = replace(first, prompt_logprobs=scored)

@@ -143,6 +143,8 @@ class SseTap:
 
         Cheap byte checks first: once the first token is seen, only the rare events (usage
         only, errors) are parsed; the usage chunk itself is parsed once, at the end."""
+        if event[:1] in (b"\n", b"\r"):  # blank lines before it (legal SSE): not the event
+            event = event.lstrip(b"\r\n")
         if event.startswith((b"data: [DONE]", b"data:[DONE]")) or (
             self._rewrite is not None and any(end in event for end in RESPONSE_ENDS)
         ):

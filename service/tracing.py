@@ -166,8 +166,12 @@ class RequestTrace:
         if self.finish_reasons:
             attributes["gen_ai.response.finish_reasons"] = tuple(self.finish_reasons)
         if spec is not None:
+            # the engine's own mean where it reports one (TensorRT-LLM's tokens per step,
+            # from which the steps were derived), else 1 + accepted / steps
             attributes.update(
-                spec_span_attributes(spec.steps, spec.accepted_tokens, spec.draft_tokens)
+                spec_span_attributes(
+                    spec.steps, spec.accepted_tokens, spec.draft_tokens, spec.acceptance_length
+                )
             )
         self.answer.update(attributes)
 
@@ -178,7 +182,8 @@ class RequestTrace:
 
     def failed(self, span: Span, kind: str, message: str) -> None:
         """An upstream failure on this span: recorded as an event, the span in error."""
-        self.tracing.fail(span, message, {"error.type": kind}, event="upstream_failure")
+        attributes, details = {"error.type": kind}, {"message": message}
+        self.tracing.fail(span, message, attributes, event="upstream_failure", details=details)
 
     def routed(self, started: int, worker: Any) -> None:
         """The routing decision that began at `started` (ns): the pool and worker picked

@@ -305,14 +305,15 @@ class Tracing:
         message: str,
         attributes: dict[str, Any] | None = None,
         event: str | None = None,
+        details: dict[str, Any] | None = None,
     ) -> None:
         """A span in error, the one way both sides mark it: its attributes (the status code,
-        `error.type`), an event naming what happened (with the same attributes), and the
-        ERROR status with the message."""
+        `error.type`), an event naming what happened (with the same attributes and any
+        `details`), and the ERROR status with the message."""
         if attributes:
             span.set_attributes(attributes)
         if event is not None:
-            span.add_event(event, attributes or {})
+            span.add_event(event, {**(attributes or {}), **(details or {})})
         span.set_status(Status(StatusCode.ERROR, message))
 
     def shutdown(self) -> None:

@@ -25,14 +25,19 @@ def draft_acceptance_rate(accepted: int, drafted: int) -> float:
     return accepted / drafted if drafted else 0.0
 
 
-def spec_span_attributes(steps: int, accepted: int, drafted: int | None) -> dict[str, Any]:
+def spec_span_attributes(
+    steps: int, accepted: int, drafted: int | None, reported_length: float | None = None
+) -> dict[str, Any]:
     """The `dflash.spec.*` attributes of a span (docs/tracing.md): the gateway's server span
     and the worker's decode span carry the same names and values. `drafted` is None where an
-    engine does not report it (the rate is then left out, never guessed)."""
+    engine does not report it (the rate is then left out, never guessed); `reported_length`:
+    the engine's own mean where the counts were derived from it (TensorRT-LLM reports tokens
+    per step, and the steps are rounded from it), else the mean is computed."""
+    length = mean_acceptance_length(accepted, steps) if reported_length is None else reported_length
     attributes: dict[str, Any] = {
         "dflash.spec.steps": steps,
         "dflash.spec.accepted_tokens": accepted,
-        "dflash.spec.mean_acceptance_length": mean_acceptance_length(accepted, steps),
+        "dflash.spec.mean_acceptance_length": length,
     }
     if drafted is not None:
         attributes["dflash.spec.draft_tokens"] = drafted

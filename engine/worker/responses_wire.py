@@ -66,7 +66,6 @@ class ResponseFormatter:
         usage: dict[str, Any] | None = None,
         *,
         finish: str | None = None,
-        error: dict[str, str] | None = None,
     ) -> dict[str, Any]:
         req = self.req
         reason = INCOMPLETE.get(finish or "")
@@ -75,7 +74,7 @@ class ResponseFormatter:
             "object": "response",
             "created_at": self.created_at,
             "status": "incomplete" if status == "completed" and reason else status,
-            "error": error,
+            "error": None,  # a failed response: wire.responses.failed_event sets it
             "incomplete_details": {"reason": reason} if reason else None,
             "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,

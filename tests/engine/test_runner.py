@@ -63,15 +63,30 @@ def test_prefill_then_a_step_fill_and_free_the_caches(tiny_checkpoint: TinyCheck
     assert runner.kv_cache_usage() == 0
 
 
-def test_seeded_requests_get_their_own_generator(tiny_checkpoint: TinyCheckpoint) -> None:
+def test_seeded_requests_draw_by_their_own_seed(tiny_checkpoint: TinyCheckpoint) -> None:
+    """A seeded request's draws are keyed by its seed (not the runner's generator): the same
+    seed gives the same first tokens, other seeds others."""
+    runner = _runner(tiny_checkpoint, None)
+    seqs = [_seq(i, [3, 4, 5], SamplingParams(temperature=1.0, seed=7)) for i in (0, 1)]
+    runner.add(seqs[0])
+    assert runner._sampling[id(seqs[0])].seed == 7
+    assert runner._sampling[id(seqs[0])].generator is None
+
     def first_tokens(seed: int) -> list[int]:
-        runner = _runner(tiny_checkpoint, None)
-        seqs = [_seq(i, [3, 4, 5], SamplingParams(temperature=1.0, seed=seed)) for i in (0, 1)]
-        for s in seqs:
-            runner.add(s)
-        return [r.token_ids[0] for r in runner.prefill(seqs)]
+        tokens = []
+        for offset in range(0, 8, 2):  # two slots: four prefills of two requests
+            runner = _runner(tiny_checkpoint, None)
+            seqs = [
+                _seq(i, [3, 4, 5], SamplingParams(temperature=1.0, seed=seed + offset + i))
+                for i in (0, 1)
+            ]
+            for s in seqs:
+                runner.add(s)
+            tokens += [r.token_ids[0] for r in runner.prefill(seqs)]
+        return tokens
 
     assert first_tokens(7) == first_tokens(7)
+    assert first_tokens(7) != first_tokens(1000)
 
 
 def test_dtype_names() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine import sampling as sampling_module
 from engine import speculative
 from engine.drafter import DFlashDrafter
 from engine.logits_processors import LogitsProcessing, process_block
@@ -642,9 +643,7 @@ def test_seeded_rows_reproduce_whatever_is_batched_with_them(
 
     def run(batch: int) -> list[int]:
         state = SpecState.create(target, drafter, batch, 16, 4, "cpu", torch.float32)
-        sampling = [
-            RowSampling(1.0, generator=torch.Generator().manual_seed(99 + r)) for r in range(batch)
-        ]
+        sampling = [RowSampling(1.0, seed=99 + r) for r in range(batch)]
         first = [
             r.token_ids[0]
             for r in prefill(state, [PrefillRow(r, E2E_PROMPT) for r in range(batch)], sampling)
@@ -673,3 +672,40 @@ def test_processors_must_see_the_drafts_before_each_position(
     monkeypatch.setattr(speculative, "process_block", drafts_ignored)
     counts = _sample_three(target, drafter, batches=10, extra=E2E_PROCESSORS)
     assert chi_square_p(counts, _exact_three(target, E2E_PROCESSORS)) < FAIL_P
+
+
+def test_keyed_draws_use_each_sequence_position_once(
+    monkeypatch: pytest.MonkeyPatch, small_vocab: tuple[Qwen3Target, DFlashDrafter]
+) -> None:
+    """A seeded row keys its first token at the prompt's length L and each step's block
+    positions after its last token: L, L+1, ... with none skipped or used twice (a key
+    used twice would repeat the same randomness; a chunked prefill keys after the chunks)."""
+    target, drafter = small_vocab
+    seen: list[int] = []
+    real = speculative.keyed_token
+
+    def spy(probs: torch.Tensor, seed: int, position: int) -> int:
+        token = real(probs, seed, position)
+        seen.append(position)
+        return token
+
+    monkeypatch.setattr(speculative, "keyed_token", spy)
+    monkeypatch.setattr(sampling_module, "keyed_token", spy)
+    state = SpecState.create(target, drafter, 1, 32, 4, "cpu", torch.float32)
+    row_sampling = RowSampling(1.0, seed=5)
+    prompt = E2E_PROMPT
+    prefill(state, [PrefillRow(0, prompt[:2])], [GREEDY])
+    (first,) = prefill(state, [PrefillRow(0, prompt[2:])], [row_sampling])
+    assert seen == [len(prompt)]
+    tokens = list(first.token_ids)
+    while len(tokens) < 12:
+        row = DecodeRow(0, tokens[-1], len(prompt) + len(tokens) - 1)
+        seen_before = len(seen)
+        (result,) = spec_step(state, [row], [row_sampling])
+        # this step keyed the positions of the tokens it committed, from the next one on
+        assert seen[seen_before:] == list(
+            range(row.position + 1, row.position + 1 + len(result.token_ids))
+        )
+        tokens.extend(result.token_ids)
+    committed = seen[: len(tokens)]
+    assert committed == list(range(len(prompt), len(prompt) + len(tokens)))

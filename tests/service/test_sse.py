@@ -124,3 +124,38 @@ def test_finish_reasons_of_a_traced_stream() -> None:
     assert feed_in_pieces(tap, events, 13) == events
     assert tap.finish_reasons == ["length", "stop"]
     assert SseTap(strip_usage_chunk=False).finish_reasons is None  # untraced: not collected
+
+
+@pytest.mark.parametrize("end", LINE_ENDS.values(), ids=list(LINE_ENDS))
+def test_blank_lines_before_an_event_do_not_hide_it(end: bytes) -> None:
+    """An extra empty line before `data: [DONE]` is legal SSE: the stream still ends."""
+    stream = with_line_ends(ROLE + USAGE + b"\n" + DONE, end)
+    tap = SseTap(strip_usage_chunk=False)
+    assert tap.feed(stream) == stream
+    assert tap.done and tap.final is not None
+
+
+def test_a_crlf_responses_stream_is_rewritten_and_ends() -> None:
+    """The Responses path over CRLF: events carrying the response object are rewritten, the
+    others pass unchanged, and the terminal event ends the stream, wherever the reads split."""
+    created = (
+        b'event: response.created\ndata: {"type":"response.created","response":{"id":"r"}}\n\n'
+    )
+    delta = (
+        b"event: response.output_text.delta\n"
+        b'data: {"type":"response.output_text.delta","delta":"x"}\n\n'
+    )
+    done = (
+        b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"r"}}\n\n'
+    )
+    stream = (created + delta + done).replace(b"\n", b"\r\n")
+
+    def rewrite(event: bytes) -> bytes:
+        return event.replace(b'"id":"r"', b'"id":"r","store":true')
+
+    expected = stream.replace(b'"id":"r"', b'"id":"r","store":true')
+    for cut in range(len(stream) + 1):
+        tap = SseTap(strip_usage_chunk=False, rewrite=rewrite)
+        out = b"".join(tap.feed(piece) for piece in split_at(stream, cut))
+        assert out == expected, f"cut at {cut}"
+        assert tap.done and tap.events == 3 and tap.first_token_at is not None

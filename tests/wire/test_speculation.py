@@ -37,13 +37,13 @@ def test_worker_object_worker_span_and_gateway_span_agree(per_step: list[tuple[i
     body = {"metrics": {"speculative_decoding": speculative_object(spec, "summary", stream=False)}}
     worker_span = decoding_attributes(spec, output_tokens=9)
     reported = parse_spec(body)
-    # The gateway reads the worker's object; with no step it reports nothing to sum.
-    if reported:
-        gateway_span = spec_span_attributes(
-            summed(reported).steps, summed(reported).accepted_tokens, summed(reported).draft_tokens
-        )
-        for name, value in gateway_span.items():
-            assert worker_span[name] == pytest.approx(value), name
+    assert reported  # the gateway reads the worker's object, zero steps included
+    total = summed(reported)
+    gateway_span = spec_span_attributes(
+        total.steps, total.accepted_tokens, total.draft_tokens, total.acceptance_length
+    )
+    for name, value in gateway_span.items():
+        assert worker_span[name] == pytest.approx(value), name
     wire_object = body["metrics"]["speculative_decoding"]
     assert (
         wire_object["mean_acceptance_length"] == worker_span["dflash.spec.mean_acceptance_length"]
