@@ -351,8 +351,10 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
         run_round(engine, prompts[:2], 2, 4, args.mix, args.device)
     cells = {(c, v): Cell(c, *v) for c in args.concurrency for v in variants}
     greedy = [i for i in range(len(prompts)) if is_greedy(i, args.mix)]
+    # A seeded request's text is the same whatever the engine drafts (speculative.accept_keyed).
+    seeded = [i for i in range(len(prompts)) if request_params(i, 1, args.mix).seed is not None]
     reference: dict[int, list[int]] = {}
-    compared = matched = 0
+    compared = matched = seeded_matched = seeded_compared = 0
     for c in args.concurrency:
         n = max(len(prompts), c * args.requests_per_slot)
         batch = [prompts[i % len(prompts)] for i in range(n)]
@@ -360,11 +362,15 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
             for v in variants:
                 outs = _measure(engines[v], cells[(c, v)], batch, c, args)
                 if not reference:
-                    reference = {i: outs[i] for i in greedy}
+                    reference = {i: outs[i] for i in greedy + seeded}
                 compared += len(greedy)
                 matched += sum(outs[i] == reference[i] for i in greedy)
+                seeded_compared += len(seeded)
+                seeded_matched += sum(outs[i] == reference[i] for i in seeded)
     report = _report(args, variants, cells, matched == compared)
     report["greedy_requests_compared"], report["greedy_requests_matched"] = compared, matched
+    report["seeded_requests_compared"] = seeded_compared
+    report["seeded_requests_matched"] = seeded_matched
     for v, engine in engines.items():
         if v.adaptive and not v.drafter_int8:
             info = adaptive_report(engine, sorted({1, 2, 4, 8, 16, *args.concurrency}))

@@ -32,7 +32,7 @@ DEFAULT_JSON = Path("bench-results/gpu-bench.json")
 SIZES: dict[str, tuple[Any, Any]] = {
     "concurrency": ([1, 2, 4, 8, 16, 32], [1, 2]),
     "max_tokens": (64, 8),
-    "num_prompts": (8, 2),
+    "num_prompts": (8, 4),  # --quick: four, so that the mixed shape has a seeded request
     "repeats": (2, 1),
     "step_batch_sizes": ([1, 8, 32], [1, 2]),
     "step_widths": ([4, 8, 16], [16]),
@@ -319,6 +319,13 @@ def format_table(report: dict[str, Any]) -> str:
         for shape, s in report["shapes"].items()
     ]
     lines.append("greedy outputs identical, DFlash vs plain: " + ", ".join(matches))
+    seeded = [
+        f"{shape} shape {s['seeded_requests_matched']}/{s['seeded_requests_compared']} requests"
+        for shape, s in report["shapes"].items()
+        if s.get("seeded_requests_compared")
+    ]
+    if seeded:
+        lines.append("seeded sampled outputs identical, DFlash vs plain: " + ", ".join(seeded))
     lines += ["", "step profile (cost in plain steps; ms = median per step):"]
     head = [
         "batch",

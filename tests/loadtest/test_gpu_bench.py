@@ -65,6 +65,10 @@ def test_make_gpu_bench_quick_runs_on_the_cpu_without_the_web_stack(tmp_path: Pa
     greedy, mixed = report["shapes"]["greedy"], report["shapes"]["mixed"]
     assert greedy["outputs_match"] is True and greedy["greedy_requests_compared"] > 0
     assert mixed["mix"] == "mixed" and mixed["greedy_requests_compared"] > 0
+    # seeded sampled requests: the same text whatever the engine drafts (on the CPU, exactly)
+    assert mixed["seeded_requests_compared"] > 0
+    assert mixed["seeded_requests_matched"] == mixed["seeded_requests_compared"]
+    assert greedy["seeded_requests_compared"] == 0
     assert {(r["batch_size"], r["width"]) for r in report["step_summary"]} == {(1, 16), (2, 16)}
     for r in report["step_summary"]:
         assert r["plain_ms"] > 0 and r["cost_plain_steps"] > 0
