@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 
 import pytest
 
@@ -159,3 +160,31 @@ def test_a_crlf_responses_stream_is_rewritten_and_ends() -> None:
         out = b"".join(tap.feed(piece) for piece in split_at(stream, cut))
         assert out == expected, f"cut at {cut}"
         assert tap.done and tap.events == 3 and tap.first_token_at is not None
+
+
+def test_random_line_ends_and_reads_fuzz() -> None:
+    """A bounded fuzz (seeded): every line end chosen at random among CRLF, CR and LF, the
+    stream cut into up to six reads at random, with and without the usage chunk stripped:
+    the bytes pass as sent (less the stripped chunk), each event is counted once, and the
+    usage and the end are read."""
+    rng = random.Random(2026)
+    events = [ROLE, TOKEN, TOKEN, USAGE, DONE]
+    for _ in range(2000):
+        built = []
+        for event in events:
+            lines = event[:-2].split(b"\n")
+            ends = [rng.choice(list(LINE_ENDS.values())) for _ in range(len(lines) + 1)]
+            if ends[-2] == b"\r" and ends[-1] == b"\n":  # CR then LF is one CRLF, not two
+                ends[-1] = b"\r"
+            built.append(
+                b"".join(line + end for line, end in zip(lines, ends, strict=False)) + ends[-1]
+            )
+        stream = b"".join(built)
+        strip = rng.random() < 0.5
+        expected = b"".join(e for i, e in enumerate(built) if i != 3) if strip else stream
+        cuts = sorted(rng.sample(range(1, len(stream)), rng.randint(0, 5)))
+        tap = SseTap(strip_usage_chunk=strip)
+        out = b"".join(tap.feed(piece) for piece in split_at(stream, *cuts))
+        assert out == expected, (stream, cuts)
+        assert tap.events == 5 and tap.done
+        assert tap.final is not None and tap.final["usage"]["completion_tokens"] == 2
