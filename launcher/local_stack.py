@@ -142,6 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the gateway's key file: one key per line, or tenants with their keys and limits "
         "(YAML; see the README's Tenants section)",
     )
+    p.add_argument(
+        "--capture",
+        metavar="DIR",
+        help="capture the served requests into this folder, for `dflash-train adapt` "
+        "(docs/capture.md)",
+    )
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -303,6 +309,7 @@ def gateway_settings(
     worker_env: Mapping[str, str],
     api_keys: Sequence[str] = (),
     api_key_file: str | None = None,
+    capture_uri: str | None = None,
 ) -> GatewaySettings:
     """The gateway over `gateway.pools`, whose workers are `urls[pool name]`."""
     pools = [
@@ -316,6 +323,8 @@ def gateway_settings(
         fixed["api_keys"] = list(api_keys)
     if api_key_file is not None:
         fixed["api_key_file"] = api_key_file
+    if capture_uri is not None:
+        fixed["capture_uri"] = capture_uri
     keep_alive = worker_env.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "")
     if "DFLASH_GATEWAY_UPSTREAM_KEEPALIVE_S" not in os.environ and keep_alive.isdigit():
         # (a malformed value is the workers' to report: they refuse to start)
@@ -370,7 +379,15 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(started, args.startup_timeout)
             servers = [
                 GatewayServer(
-                    gateway_settings(g, urls, args.log_level, env, args.api_key, args.api_key_file)
+                    gateway_settings(
+                        g,
+                        urls,
+                        args.log_level,
+                        env,
+                        args.api_key,
+                        args.api_key_file,
+                        str(Path(args.capture).resolve()) if args.capture else None,
+                    )
                 )
                 for g in gateways
             ]

@@ -196,6 +196,7 @@ async def forward(
         ticket=ticket,
         trace=trace,
         trace_headers=request.scope.get(TRACEPARENT_KEY, b""),
+        capture_share=1.0 if tenant is None else tenant.capture,
         **call,
     )
     return runtime.proxy.response(proxied)

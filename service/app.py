@@ -31,6 +31,8 @@ from service.api import (
     proxy_endpoint,
     router,
 )
+from service.capture.policy import Capture
+from service.capture.writer import OUTCOMES, CaptureWriter
 from service.metrics import GatewayMetrics, code_label
 from service.openapi import served_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
@@ -49,6 +51,7 @@ from service.tenancy.response_store import (
 )
 from service.tenancy.tenants import KeyRing, Tenant
 from service.tracing import RequestTrace, begin_trace
+from wire.capture import redact_uri
 from wire.errors import (
     ApiError,
     AuthenticationFailed,
@@ -344,6 +347,33 @@ async def tear_down(*steps: TeardownStep | None) -> list[str]:
     return failed
 
 
+def open_capture(
+    settings: GatewaySettings, metrics: GatewayMetrics, ring: KeyRing
+) -> Capture | None:
+    """Traffic capture (docs/capture.md), when capture_uri is set: its writer started, and the
+    startup log saying so and saying whom it captures."""
+    config = settings.capture_config()
+    if config is None:
+        return None
+    metrics.describe_capture(OUTCOMES)
+    writer = CaptureWriter(config, metrics.count_capture)
+    writer.start()
+    pools = {pool.name: pool.capture for pool in settings.pool_specs()}
+    who = (
+        "the tenants whose capture is set: "
+        + (", ".join(f"{t.name} ({t.capture:g})" for t in ring.tenants if t.capture) or "none")
+        if ring.tenancy
+        else "every request"
+    )
+    log.warning(
+        "traffic capture is ON: %s is written to %s (pool shares: %s)",
+        who,
+        redact_uri(config.uri),
+        ", ".join(f"{name} {share:g}" for name, share in pools.items()) or "all",
+    )
+    return Capture(writer, pools)
+
+
 def create_app(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics()
     auth = ApiKeyAuth(settings.load_key_ring(), protect_metrics=settings.metrics_auth)
@@ -376,7 +406,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         upstream = upstream_pool(settings)
         fleet = WorkerFleet(settings, client, metrics)
         await fleet.start()
-        proxy = Proxy(settings, fleet, upstream, metrics)
+        capture = open_capture(settings, metrics, auth.ring)
+        proxy = Proxy(settings, fleet, upstream, metrics, capture)
         state.runtime = Runtime(client, upstream, fleet, proxy)
         log.info(
             "gateway ready: %d of %d workers healthy", len(fleet.routable()), len(fleet.workers)
@@ -403,6 +434,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 ("close the upstream connections", upstream.close),
                 ("flush and close the rate limiter's ledger", limiter.close),
                 ("close the response store", state.responses.close),
+                # write the samples still queued: bounded by the writer's close timeout
+                ("write the captured samples", lambda: asyncio.to_thread(capture.writer.close))
+                if capture is not None
+                else None,
                 # flush the spans: bounded by the exporter's timeout
                 ("shut the tracer down", lambda: asyncio.to_thread(tracing.shutdown))
                 if tracing is not None

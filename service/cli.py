@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds an idle worker connection is kept for reuse (default 4; keep it below "
         "the workers' idle close, VLLM_HTTP_TIMEOUT_KEEP_ALIVE)",
     )
+    p.add_argument(
+        "--capture-uri",
+        metavar="URI",
+        help="capture served traffic for drafter training into this dataset: a folder, s3:// "
+        "or gs:// (docs/capture.md; with tenants, only those whose capture is set)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true")
     return p

@@ -271,6 +271,32 @@ class GatewayMetrics(TenancySeries):
         # docs/tracing.md: spans the bounded export queue had no room for (collector down/slow).
         dropped = "Spans dropped: the export queue was full"
         self.trace_spans_dropped = Counter("dflash_trace_spans_dropped", dropped, registry=r)
+        self._capture_series(r)
+
+    def _capture_series(self, r: CollectorRegistry) -> None:
+        """docs/capture.md: every captured sample ends written or dropped, and why."""
+        self.capture_samples = Counter(
+            "dflash_capture_samples",
+            "Requests offered to traffic capture, by outcome: written, or dropped (queue_full, "
+            "too_large, unusable, store_error, shutdown)",
+            ["outcome"],
+            registry=r,
+        )
+        self.capture_shards = Counter(
+            "dflash_capture_shards", "Dataset shards written by traffic capture", registry=r
+        )
+
+    def count_capture(self, outcome: str, count: int) -> None:
+        """The capture writer's counts (its thread calls this; the counters are thread-safe)."""
+        if outcome == "shards":
+            self.capture_shards.inc(count)
+        else:
+            self.child(self.capture_samples, outcome).inc(count)
+
+    def describe_capture(self, outcomes: tuple[str, ...]) -> None:
+        """At zero from the start, so that an alert on drops has its series."""
+        for outcome in outcomes:
+            self.child(self.capture_samples, outcome)
 
     def _spec_series(self, r: CollectorRegistry) -> None:
         self.spec_length = Histogram(

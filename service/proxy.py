@@ -14,6 +14,7 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from service.capture.policy import Capture
 from service.metrics import NO_POOL, GatewayMetrics, code_label
 from service.reports import parse_usage, unwrap
 from service.responses import StoreHook
@@ -59,6 +60,9 @@ class ProxyCall:
     responses: StoreHook | None = None  # /v1/responses: the gateway's store (service/responses.py)
     trace: RequestTrace | None = None  # with tracing on and the request sampled
     trace_headers: bytes = b""  # traced but not sampled: the traceparent the worker gets
+    # The share of this caller's requests captured for drafter training (the tenant's
+    # `capture:`; 1.0 without tenants); the pool's share multiplies it (service/capture/).
+    capture_share: float = 0.0
 
     @property
     def rate_headers(self) -> Headers:
@@ -213,8 +217,10 @@ class Proxy:
         fleet: WorkerFleet,
         upstream: ConnectionPool,
         metrics: GatewayMetrics,
+        capture: Capture | None = None,
     ) -> None:
         self.settings, self.fleet, self.upstream, self.metrics = settings, fleet, upstream, metrics
+        self.capture = capture
         self.watchdog = Watchdog(watchdog_tick(settings))
         self.refusing = False  # draining: new requests get 503 + Retry-After
         self.in_flight = 0
@@ -326,6 +332,8 @@ class Proxy:
                 raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
         self.fleet.report_success(worker)
         if parsed is not None:
+            if self._capturing(call, worker):
+                self._capture(call, worker, body, stream=False)
             usage = parse_usage(parsed)
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
             stats = worker.wire.spec_stats(parsed, usage)
@@ -403,7 +411,10 @@ class Proxy:
         """From the first byte on: pass events through; a failure ends the stream in-band.
         True when the upstream stream ended cleanly."""
         hook = call.responses
-        tap = tap_for(call, worker)
+        record_limit = 0
+        if self.capture is not None and self._capturing(call, worker):
+            record_limit = self.capture.writer.config.sample_bytes
+        tap = tap_for(call, worker, record_limit)
         outcome.status = 200
         headers = [*SSE_HEADERS, *ids(call, worker)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -434,6 +445,7 @@ class Proxy:
             if outcome.delivered:
                 self.fleet.report_success(worker)
                 observe_stream(self.metrics, call, worker, tap)
+                self._capture_stream(call, worker, tap)
             raise
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
@@ -449,11 +461,34 @@ class Proxy:
             outcome.failed(failure)
         elif not drained:
             self.fleet.report_success(worker)
+            self._capture_stream(call, worker, tap)
         # Counted before the last send, which a client that already left may interrupt.
         observe_stream(self.metrics, call, worker, tap)
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return failure is None and not drained
+
+    def _capturing(self, call: ProxyCall, worker: Worker) -> bool:
+        return self.capture is not None and self.capture.wants(call.capture_share, worker.pool)
+
+    def _capture_stream(self, call: ProxyCall, worker: Worker, tap: SseTap) -> None:
+        recorded = tap.recorded
+        if recorded is not None and tap.done and not tap.errored:
+            self._capture(call, worker, recorded, stream=True)
+
+    def _capture(self, call: ProxyCall, worker: Worker, reply: bytes, *, stream: bool) -> None:
+        """The request and the worker's reply, handed to the capture writer unparsed."""
+        assert self.capture is not None
+        self.capture.offer(
+            endpoint=call.endpoint,
+            request_body=call.body,
+            reply=reply,
+            stream=stream,
+            model=call.label,
+            pool=worker.pool,
+            tenant=call.tenant,
+            request_id=call.request_id,
+        )
 
 
 def stream_tail(
@@ -495,13 +530,14 @@ def final_error(last: UpstreamFailure | None, settings: GatewaySettings) -> ApiE
     return UpstreamError(f"Upstream failure: {last.message}.")
 
 
-def tap_for(call: ProxyCall, worker: Worker) -> SseTap:
+def tap_for(call: ProxyCall, worker: Worker, record_limit: int = 0) -> SseTap:
     return SseTap(
         strip_usage_chunk=not call.wants_usage,
         wire=worker.wire,
         keep_extra=call.spec_details,
         rewrite=call.responses.patch_event if call.responses is not None else None,
         collect_finish_reasons=call.trace is not None,
+        record_limit=record_limit,
     )
 
 

@@ -9,6 +9,8 @@ from typing import Annotated, Literal, Protocol
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from service.capture.policy import CaptureShare
+from service.capture.writer import CaptureConfig
 from service.tenancy.redis_client import MAX_BULK, RedisAddress, TlsFiles
 from service.tenancy.tenants import KeyRing, parse_key_file
 from wire.tracing import TracingSettings
@@ -60,6 +62,9 @@ class PoolSpec(BaseModel):
     # GPUs behind one worker (tensor x pipeline parallel, x nodes): the denominator of the
     # pool's tokens/s per GPU. A CPU worker counts 1 (the series is then per worker).
     gpus_per_worker: int = Field(default=1, ge=1)
+    # The share of this pool's requests captured when the gateway captures (capture_uri):
+    # true, false or a fraction; it multiplies the tenant's.
+    capture: CaptureShare = 1.0
 
     @model_validator(mode="after")
     def _has_workers(self) -> PoolSpec:
@@ -190,6 +195,16 @@ class GatewaySettings(BaseSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
+    # Traffic capture for drafter training (docs/capture.md): a dataset URI (a folder, s3://,
+    # gs://) the served requests are written to; None: off. With tenants, only those whose
+    # `capture:` says so; without, every request (times each pool's `capture:`).
+    capture_uri: str | None = None
+    capture_shard_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)  # uncompressed
+    capture_flush_s: float = Field(default=60.0, gt=0)  # a shard is written at least this often
+    capture_queue_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)  # then samples drop
+    capture_sample_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)  # larger: not captured
+    capture_max_bytes: int | None = Field(default=10 * 1024**3, ge=1024)  # total; oldest go
+    capture_retention_s: float | None = Field(default=7 * 86400.0, gt=0)
     # OpenTelemetry's own environment (OTEL_*), read with the rest (docs/tracing.md).
     tracing: TracingSettings = Field(default_factory=TracingSettings)
 
@@ -264,6 +279,19 @@ class GatewaySettings(BaseSettings):
                 gpus_per_worker=self.gpus_per_worker,
             )
         ]
+
+    def capture_config(self) -> CaptureConfig | None:
+        if self.capture_uri is None:
+            return None
+        return CaptureConfig(
+            uri=self.capture_uri,
+            shard_bytes=self.capture_shard_bytes,
+            flush_s=self.capture_flush_s,
+            queue_bytes=self.capture_queue_bytes,
+            sample_bytes=self.capture_sample_bytes,
+            max_bytes=self.capture_max_bytes,
+            retention_s=self.capture_retention_s,
+        )
 
     def load_key_ring(self) -> KeyRing:
         """Keys from env plus the key file (one per line, or the tenant format); no key

@@ -51,6 +51,7 @@ class SseTap:
         keep_extra: bool = True,
         rewrite: Callable[[bytes], bytes] | None = None,
         collect_finish_reasons: bool = False,
+        record_limit: int = 0,
     ) -> None:
         self._strip = strip_usage_chunk
         # Responses API streams: events carrying the response object are rewritten
@@ -71,6 +72,11 @@ class SseTap:
         # pay nothing). Two byte counts per event; the regex runs only on an event where some
         # finish_reason is not a compact `null` (the last one of each choice).
         self.finish_reasons: list[str] | None = [] if collect_finish_reasons else None
+        # The worker's bytes as they came, for capture (service/capture/): one append per
+        # read, parsed later on the capture thread. None when not capturing, or once the
+        # stream outgrew record_limit (it is then not captured).
+        self.recording: list[bytes] | None = [] if record_limit > 0 else None
+        self._record_room = record_limit
 
     @property
     def final(self) -> dict[str, Any] | None:
@@ -78,18 +84,20 @@ class SseTap:
         if self._final_raw is None:
             return None
         if self._final_parsed[0] is not self._final_raw:  # parsed once per final chunk
-            obj = _event_json(self._final_raw)
+            obj = event_json(self._final_raw)
             self._final_parsed = (self._final_raw, obj if isinstance(obj, dict) else None)
         return self._final_parsed[1]
 
     @property
     def spec_event(self) -> dict[str, Any] | None:
         """The last event carrying the engine's own speculation fields (not vLLM's)."""
-        obj = _event_json(self._spec_raw) if self._spec_raw is not None else None
+        obj = event_json(self._spec_raw) if self._spec_raw is not None else None
         return obj if isinstance(obj, dict) else None
 
     def feed(self, data: bytes) -> bytes:
         """Bytes to send to the client now (maybe empty while an event is incomplete)."""
+        if self.recording is not None:
+            self._record(data)
         head = b""
         if self._lf_owed:  # the last read ended an event on a CR: a LF now completes its CRLF
             self._lf_owed = False
@@ -113,6 +121,17 @@ class SseTap:
         elif len(keep) == len(events):
             return head + complete
         return head + b"".join(event + b"\n\n" for event in keep)
+
+    def _record(self, data: bytes) -> None:
+        self._record_room -= len(data)
+        if self._record_room < 0:
+            self.recording = None
+        else:
+            self.recording.append(data)  # type: ignore[union-attr]
+
+    @property
+    def recorded(self) -> bytes | None:
+        return None if self.recording is None else b"".join(self.recording)
 
     def _feed_any_line_ends(self, buf: bytes) -> bytes:
         """`feed` for a buffer with CRs in it: SSE ends a line with CRLF, CR or LF, and an
@@ -160,7 +179,7 @@ class SseTap:
             self.finish_reasons.extend(r.decode() for r in FINISH_REASON.findall(event))
         if self.first_token_at is not None and not usage_only and b'"error"' not in event:
             return True
-        obj = _event_json(event)
+        obj = event_json(event)
         if not isinstance(obj, dict):
             return True
         if "error" in obj:
@@ -184,7 +203,7 @@ FINISH_REASON = re.compile(rb'"finish_reason":\s*"([A-Za-z_]+)"')
 FINISH_KEY, NO_FINISH = b'"finish_reason"', b'"finish_reason":null'
 
 
-def _event_json(event: bytes) -> Any:
+def event_json(event: bytes) -> Any:
     split = LINE_END.split(event) if b"\r" in event else event.split(b"\n")
     lines = [line[5:].lstrip() for line in split if line.startswith(b"data:")]
     try:

@@ -190,13 +190,25 @@ def is_shard(name: str) -> bool:
     return base.startswith(SHARD_PREFIX) and base.endswith(SHARD_SUFFIX)
 
 
+def redact_uri(uri: str) -> str:
+    """The URI for a log line: credentials written into it (user:secret@) left out."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep:
+        return uri
+    authority, slash, path = rest.partition("/")
+    host = authority.rpartition("@")[2]
+    return f"{scheme}://{host}{slash}{path}"
+
+
 def open_store(uri: str) -> tuple[Any, str]:
     """The fsspec filesystem and root path of a dataset URI (s3:// needs s3fs, gs:// gcsfs:
     the `capture-s3` and `capture-gcs` extras)."""
     from fsspec.core import url_to_fs
 
     try:
-        fs, root = url_to_fs(uri)
+        # Its own instance: fsspec caches one per URI and options, which would keep the
+        # endpoint and credentials of whoever opened the store first in this process.
+        fs, root = url_to_fs(uri, skip_instance_cache=True)
     except (ImportError, ValueError) as exc:
         raise CaptureDataError(f"{uri}: cannot open the dataset: {exc}") from None
     return fs, root.rstrip("/")

@@ -13,12 +13,14 @@
           tokens_per_minute: 20000
           concurrent_requests: 4
           tokens_per_month: 50000000
+          capture: 0.1           # a tenth of its requests captured for drafter training
         - name: ops
           keys: [sk-ops]
           admin: true            # may read every tenant's usage (GET /admin/usage)
           tokens_per_minute: null  # null: no limit, whatever the defaults say
 
-A limit a tenant leaves out is the default's; no value anywhere means no limit.
+A limit a tenant leaves out is the default's; no value anywhere means no limit. Capture
+(docs/capture.md) is opt-in: a tenant without `capture:` is never captured.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.capture.policy import CaptureShare
 from wire.bearer import key_digest
 
 # Tenant names are metrics labels and Redis key parts: short, printable, no spaces.
@@ -64,6 +67,7 @@ class TenantSpec(Limits):
     name: str = Field(pattern=TENANT_NAME)
     keys: list[str] = Field(min_length=1)
     admin: bool = False
+    capture: CaptureShare = 0.0
 
     def limits(self, defaults: Limits) -> Limits:
         own = {name: getattr(self, name) for name in LIMIT_FIELDS if name in self.model_fields_set}
@@ -83,6 +87,9 @@ class Tenant:
     name: str
     limits: Limits
     admin: bool = False
+    # The share of its requests captured (with capture on). Keys without tenants (one per
+    # line, or none): every request, the local default.
+    capture: float = 1.0
 
 
 class KeyFileError(ValueError):
@@ -144,7 +151,7 @@ def tenant_ring(spec: TenantFile, extra_keys: list[str]) -> KeyRing:
             )
         entries.append(TenantSpec(name=DEFAULT_TENANT, keys=extra_keys))
     for entry in entries:
-        tenant = Tenant(entry.name, entry.limits(spec.defaults), entry.admin)
+        tenant = Tenant(entry.name, entry.limits(spec.defaults), entry.admin, entry.capture)
         tenants.append(tenant)
         for key in entry.keys:
             found = key_digest(key)

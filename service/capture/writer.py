@@ -1,0 +1,223 @@
+"""The capture writer: served requests to dataset shards (wire/capture.py), off the event loop.
+
+The proxy offers each captured request's raw bytes; `offer` never blocks and never raises. A
+bounded queue (by bytes) sits between the proxy and one writer thread, which parses, compresses
+and writes. When the store is slow or down the queue fills and further samples are dropped and
+counted: a request never waits on capture, and memory stays bounded (the queue, plus one shard
+being built).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from service.capture.record import RawCapture, Unusable, build_sample
+from wire.capture import SHARD_PREFIX, SHARD_SUFFIX, encode_shard, is_shard, open_store
+
+log = logging.getLogger("dflash.gateway.capture")
+
+# dflash_capture_samples_total{outcome}: every sample offered ends in one of these.
+OUTCOMES = ("written", "queue_full", "too_large", "unusable", "store_error", "shutdown")
+# How often a failing store is warned about (each failure is counted).
+WARN_EVERY_S = 30.0
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    uri: str
+    shard_bytes: int = 8 * 1024 * 1024  # uncompressed JSON Lines per shard, at most
+    flush_s: float = 60.0  # a shard is written at least this often while samples come
+    queue_bytes: int = 64 * 1024 * 1024  # raw bytes waiting for the writer, at most
+    sample_bytes: int = 4 * 1024 * 1024  # a larger request + reply is not captured
+    max_bytes: int | None = 10 * 1024**3  # the dataset's total (compressed); oldest go first
+    retention_s: float | None = 7 * 86400.0  # shards older than this are deleted
+
+
+Count = Callable[[str, int], None]  # (outcome or "shards", how many)
+
+
+class CaptureWriter:
+    def __init__(self, config: CaptureConfig, count: Count) -> None:
+        self.config, self._count = config, count
+        self._fs, self._root = open_store(config.uri)
+        self._local = "file" in self._fs.protocol
+        self._queue: deque[RawCapture] = deque()
+        self._queued_bytes = 0
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._lines: list[bytes] = []
+        self._line_bytes = 0
+        self._first_at: float | None = None
+        self._warned_at = -WARN_EVERY_S
+        self._thread = threading.Thread(target=self._run, name="dflash-capture", daemon=True)
+
+    def start(self) -> None:
+        if self._local:
+            self._fs.makedirs(self._root, exist_ok=True)
+        self._thread.start()
+
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
+    def offer(self, raw: RawCapture) -> None:
+        """Queue one request for the writer, or drop it (counted): never blocks."""
+        size = raw.size
+        if size > self.config.sample_bytes:
+            self._count("too_large", 1)
+            return
+        with self._wake:
+            if self._stopping:
+                outcome = "shutdown"
+            elif self._queued_bytes + size > self.config.queue_bytes:
+                outcome = "queue_full"
+            else:
+                self._queue.append(raw)
+                self._queued_bytes += size
+                self._wake.notify()
+                return
+        self._count(outcome, 1)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued and stop; what the store has not taken in `timeout_s` is
+        left to the daemon thread (and lost at exit)."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("capture: the store did not take the last samples in %ss", timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                break
+            for raw in batch:
+                self._add(raw)
+            if self._due():
+                self._flush()
+        self._flush()
+
+    def _next_batch(self) -> list[RawCapture] | None:
+        """What is queued, waiting at most until the pending shard is due; None once stopping
+        with nothing left."""
+        with self._wake:
+            while not self._queue:
+                if self._stopping:
+                    return None
+                if self._first_at is not None:
+                    wait = self._first_at + self.config.flush_s - time.monotonic()
+                    if wait <= 0:
+                        return []
+                    self._wake.wait(wait)
+                    if not self._queue:
+                        return []
+                else:
+                    self._wake.wait()
+            batch = list(self._queue)
+            self._queue.clear()
+            self._queued_bytes = 0
+            return batch
+
+    def _add(self, raw: RawCapture) -> None:
+        try:
+            line = build_sample(raw).line()
+        except (Unusable, ValueError, TypeError, KeyError) as exc:
+            log.debug("capture: request %s not captured: %s", raw.request_id, exc)
+            self._count("unusable", 1)
+            return
+        self._lines.append(line)
+        self._line_bytes += len(line) + 1
+        if self._first_at is None:
+            self._first_at = time.monotonic()
+        if self._line_bytes >= self.config.shard_bytes:
+            self._flush()
+
+    def _due(self) -> bool:
+        return (
+            self._first_at is not None and time.monotonic() - self._first_at >= self.config.flush_s
+        )
+
+    def _flush(self) -> None:
+        lines, self._lines, self._line_bytes, self._first_at = self._lines, [], 0, None
+        if not lines:
+            return
+        try:
+            self._write(encode_shard(lines))
+        except Exception as exc:  # any store failure: the samples are dropped, never retried
+            self._count("store_error", len(lines))
+            now = time.monotonic()
+            if now - self._warned_at >= WARN_EVERY_S:
+                self._warned_at = now
+                log.warning(
+                    "capture: writing a shard of %d samples to %s failed (%s); they are dropped",
+                    len(lines),
+                    self.config.uri,
+                    exc,
+                )
+            return
+        self._count("written", len(lines))
+        self._count("shards", 1)
+        try:
+            self._enforce_limits()
+        except Exception as exc:
+            log.warning("capture: applying the dataset's limits failed: %s", exc)
+
+    def _write(self, data: bytes) -> None:
+        """One shard, whole or not at all: a local file is renamed into place; an object
+        store's PUT is atomic by itself."""
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+        name = f"{SHARD_PREFIX}{stamp}-{secrets.token_hex(4)}{SHARD_SUFFIX}"
+        path = f"{self._root}/{name}"
+        if not self._local:
+            self._fs.pipe_file(path, data)
+            return
+        temporary = f"{self._root}/.{name}.tmp"
+        try:
+            self._fs.pipe_file(temporary, data)
+            self._fs.mv(temporary, path)
+        except BaseException:
+            if self._fs.exists(temporary):
+                self._fs.rm_file(temporary)
+            raise
+
+    def _enforce_limits(self) -> None:
+        """Retention and the total size: the oldest shards go first."""
+        config = self.config
+        if config.max_bytes is None and config.retention_s is None:
+            return
+        entries = [e for e in self._fs.ls(self._root, detail=True) if is_shard(str(e["name"]))]
+        entries.sort(key=lambda e: str(e["name"]).rsplit("/", 1)[-1])
+        total = sum(int(e.get("size") or 0) for e in entries)
+        oldest_kept = time.time() - config.retention_s if config.retention_s is not None else None
+        for entry in entries:
+            too_old = oldest_kept is not None and shard_time(str(entry["name"])) < oldest_kept
+            too_big = config.max_bytes is not None and total > config.max_bytes
+            if not (too_old or too_big):
+                break
+            self._remove(entry)
+            total -= int(entry.get("size") or 0)
+
+    def _remove(self, entry: dict[str, Any]) -> None:
+        with contextlib.suppress(FileNotFoundError):  # another gateway process was first
+            self._fs.rm_file(entry["name"])
+
+
+def shard_time(path: str) -> float:
+    """The UTC time a shard's name begins with (0 when it has none: removed first)."""
+    stamp = path.rsplit("/", 1)[-1].removeprefix(SHARD_PREFIX).split("-", 1)[0]
+    try:
+        return datetime.strptime(stamp, "%Y%m%dT%H%M%S%fZ").replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return 0.0

@@ -1,0 +1,175 @@
+"""Raw proxy bytes to dataset samples: every endpoint, unary and streamed, and what is left out."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from service.capture.record import RawCapture, Unusable, build_sample
+from wire.capture import decode_shard, encode_shard
+
+
+def raw(endpoint: str, request: dict[str, Any], reply: bytes, *, stream: bool) -> RawCapture:
+    return RawCapture(
+        endpoint=endpoint,
+        request_body=json.dumps(request).encode(),
+        reply=reply,
+        stream=stream,
+        model="tiny-coder",
+        pool="dflash",
+        tenant="search",
+        request_id="chatcmpl-1",
+        time=1795000000.0,
+    )
+
+
+def sse(*events: dict[str, Any], end: bytes = b"data: [DONE]\n\n", crlf: bool = False) -> bytes:
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + end
+    return body.replace(b"\n", b"\r\n") if crlf else body
+
+
+CHAT = {
+    "model": "tiny-coder",
+    "messages": [{"role": "user", "content": "write a haiku"}],
+    "temperature": 0.7,
+    "max_tokens": 32,
+    "seed": 3,
+    "user": "alice@example.com",  # who asked: never captured
+    "metadata": {"team": "x"},
+    "stream_options": {"include_usage": True},
+}
+METRICS = {"speculative_decoding": {"mean_acceptance_length": 3.5, "num_spec_steps": 4}}
+
+
+def test_a_unary_chat_keeps_the_conversation_sampling_and_answer_only() -> None:
+    reply = {
+        "id": "chatcmpl-1",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "old pond"},
+                "finish_reason": "stop",
+                "token_ids": [5, 6],
+            }
+        ],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+        "metrics": METRICS,
+    }
+    sample = build_sample(
+        raw("/v1/chat/completions", CHAT, json.dumps(reply).encode(), stream=False)
+    )
+    assert sample.messages == CHAT["messages"] and sample.prompt is None
+    assert sample.sampling == {"temperature": 0.7, "max_tokens": 32, "seed": 3}
+    assert [(c.text, c.token_ids, c.finish_reason) for c in sample.completions] == [
+        ("old pond", [5, 6], "stop")
+    ]
+    assert sample.usage == {"prompt_tokens": 7, "completion_tokens": 2}
+    assert sample.acceptance_length == 3.5
+    assert (sample.endpoint, sample.pool, sample.tenant) == ("chat", "dflash", "search")
+    line = sample.line()
+    assert b"alice" not in line and b"team" not in line and b"include_usage" not in line
+    assert decode_shard(encode_shard([line]), "s")[0] == sample
+
+
+@pytest.mark.parametrize("crlf", [False, True])
+def test_a_chat_stream_is_folded_per_choice(crlf: bool) -> None:
+    events = [
+        {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "old "}, "token_ids": [5]}]},
+        {"choices": [{"index": 1, "delta": {"content": "a frog"}, "token_ids": [9, 10]}]},
+        {"choices": [{"index": 0, "delta": {"content": "pond"}, "token_ids": [6]}]},
+        {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
+        {"choices": [{"index": 1, "delta": {}, "finish_reason": "stop"}]},
+        {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}, "metrics": METRICS},
+    ]
+    sample = build_sample(raw("/v1/chat/completions", CHAT, sse(*events, crlf=crlf), stream=True))
+    assert [(c.text, c.token_ids, c.finish_reason) for c in sample.completions] == [
+        ("old pond", [5, 6], "length"),
+        ("a frog", [9, 10], "stop"),
+    ]
+    assert sample.usage == {"prompt_tokens": 7, "completion_tokens": 5}
+    assert sample.acceptance_length == 3.5
+
+
+def test_a_completions_stream_without_token_ids() -> None:
+    request = {"model": "tiny-coder", "prompt": "def fib(n):", "temperature": 0}
+    events = [
+        {"choices": [{"index": 0, "text": "\n    return"}]},
+        {"choices": [{"index": 0, "text": " n"}]},
+    ]
+    sample = build_sample(raw("/v1/completions", request, sse(*events), stream=True))
+    assert sample.prompt == "def fib(n):" and sample.messages is None
+    assert sample.completions[0].text == "\n    return n"
+    assert sample.completions[0].token_ids is None
+    assert sample.temperature == 0.0
+
+
+RESPONSE = {
+    "id": "resp_1",
+    "object": "response",
+    "status": "completed",
+    "output": [
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "old pond", "annotations": []}],
+        }
+    ],
+    "usage": {"input_tokens": 7, "output_tokens": 2, "total_tokens": 9},
+}
+RESPONSES_REQUEST = {
+    "model": "tiny-coder",
+    "instructions": "be brief",
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "a haiku"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "again"},
+    ],
+    "max_output_tokens": 16,
+}
+
+
+def test_responses_unary_and_stream_become_chat_messages() -> None:
+    expected = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a haiku"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "again"},
+    ]
+    unary = build_sample(
+        raw("/v1/responses", RESPONSES_REQUEST, json.dumps(RESPONSE).encode(), stream=False)
+    )
+    stream_bytes = sse(
+        {
+            "type": "response.created",
+            "response": {**RESPONSE, "status": "in_progress", "output": []},
+        },
+        {"type": "response.output_text.delta", "delta": "old pond"},
+        {"type": "response.completed", "response": RESPONSE},
+        end=b"",
+    )
+    streamed = build_sample(raw("/v1/responses", RESPONSES_REQUEST, stream_bytes, stream=True))
+    for sample in (unary, streamed):
+        assert sample.endpoint == "responses" and sample.messages == expected
+        assert sample.completions[0].text == "old pond"
+        assert sample.usage == {"prompt_tokens": 7, "completion_tokens": 2}
+        assert sample.sampling == {"max_output_tokens": 16}
+
+
+@pytest.mark.parametrize(
+    "endpoint, request_body, reply",
+    [
+        ("/v1/chat/completions", CHAT, {"choices": [{"message": {"content": ""}}]}),
+        ("/v1/completions", {"prompt": ["a", "b"]}, {"choices": [{"text": "x"}]}),
+        ("/v1/chat/completions", {"messages": "hi"}, {"choices": [{"message": {"content": "x"}}]}),
+        ("/v1/chat/completions", CHAT, {"choices": []}),
+        ("/v1/embeddings", CHAT, {"choices": [{"text": "x"}]}),
+    ],
+)
+def test_what_cannot_teach_a_drafter_is_unusable(
+    endpoint: str, request_body: dict[str, Any], reply: dict[str, Any]
+) -> None:
+    with pytest.raises(Unusable):
+        build_sample(raw(endpoint, request_body, json.dumps(reply).encode(), stream=False))
