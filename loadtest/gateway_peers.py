@@ -10,8 +10,9 @@ request), and with API keys, then tenants' limits counted in the process and in 
 (`--limits`: every limit set, none reached, so every request is checked and charged), Redis
 reached over TCP and over TLS, by the gateway's own client and, for the record, by redis-py's
 asyncio client (loadtest/redispy_gateway.py), and tracing 1 % and 100 % of requests into a
-local OTLP sink (`--tracing`, loadtest/otlp_sink.py; the cost over the plain gateway is printed
-after the table). A peer
+local OTLP sink (`--tracing`, loadtest/otlp_sink.py), and capturing every request into a folder
+(`--capture`, docs/capture.md); the cost of tracing and capture over the plain gateway is
+printed after the table. A peer
 that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
@@ -234,6 +235,8 @@ def start_peers(
         peers += limit_peers(args, upstream, workdir, missing)
     if args.tracing:
         peers += tracing_peers(args, upstream)
+    if args.capture:
+        peers.append(capture_peer(args, upstream, workdir))
     if "nginx" not in missing:
         port = free_port()
         conf = workdir / "nginx.conf"
@@ -336,17 +339,31 @@ def tracing_peers(args: argparse.Namespace, upstream: int) -> list[Peer]:
     return peers
 
 
-def tracing_cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """CPU per unary request and per stream of each traced gateway over the untraced one."""
+def capture_peer(args: argparse.Namespace, upstream: int, workdir: Path) -> Peer:
+    """The gateway capturing every request into a local folder (docs/capture.md)."""
+    port = free_port()
+    settings = {"capture_uri": str(workdir / "capture")}
+    process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings)
+    return Peer("dflash-gateway (capture)", port, process, "/ready")
+
+
+# The variants of the gateway whose CPU cost is compared with the plain gateway's, and the
+# most each may cost (x of the plain gateway's CPU per request and per stream).
+COST_GOALS = {"tracing 1%": 1.10, "tracing 100%": 1.35, "capture": 1.10}
+
+
+def cost_over_plain(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """CPU per unary request and per stream of each gateway variant (tracing, capture) over
+    the plain gateway, measured in the same rounds."""
     by = {r["proxy"]: r for r in rows}
     off = by.get("dflash-gateway")
     out: dict[str, Any] = {}
-    for name, goal in (("1%", 1.10), ("100%", 1.35)):
-        traced = by.get(f"dflash-gateway (tracing {name})")
-        if off is None or traced is None:
+    for name, goal in COST_GOALS.items():
+        variant = by.get(f"dflash-gateway ({name})")
+        if off is None or variant is None:
             continue
         ratios = {
-            key: round(traced[key] / off[key], 3) if off[key] else None
+            key: round(variant[key] / off[key], 3) if off[key] else None
             for key in ("unary_cpu_us_per_request", "stream_cpu_us_per_stream")
         }
         met = all(r is not None and r <= goal for r in ratios.values())
@@ -642,6 +659,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also the gateway tracing 1%% and 100%% of requests into a local OTLP sink",
     )
+    p.add_argument(
+        "--capture",
+        action="store_true",
+        help="also the gateway capturing every request into a local folder (docs/capture.md)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway-peers.json"))
     return p
 
@@ -666,9 +688,12 @@ def main(argv: list[str] | None = None) -> int:
                 for process in (peer.process, *peer.companions):
                     stop(process)
     print(table(rows, args))
-    if args.tracing:
-        print(f"tracing cost (x of tracing off): {json.dumps(tracing_cost(rows))}")
+    costs = cost_over_plain(rows)
+    if costs:
+        print(f"cost (x of the plain gateway's CPU): {json.dumps(costs)}")
     for name, why in missing.items():
         print(f"missing {name}: {why}")
-    write_report("gateway-peers", args, versions=versions, missing=missing, results=rows)
+    write_report(
+        "gateway-peers", args, versions=versions, missing=missing, results=rows, costs=costs
+    )
     return 0

@@ -199,6 +199,12 @@ def ids(call: ProxyCall, worker: Worker) -> tuple[tuple[bytes, bytes], ...]:
     return (b"x-request-id", call.request_id.encode()), worker.pool_header, *call.rate_headers
 
 
+def attempt_watch(watchdog: Watchdog, settings: GatewaySettings, deadline: float) -> Watch:
+    """The attempt's deadlines: nothing from the worker for first_byte_timeout_s, or the
+    total deadline; `got_first_byte` then switches to the idle limit."""
+    return watchdog.add(None, settings.first_byte_timeout_s, deadline)
+
+
 def watchdog_tick(settings: GatewaySettings) -> float:
     """How often the watchdog looks: a deadline is noticed at most a quarter of the shortest
     one late, and at most 1 s late."""
@@ -220,7 +226,7 @@ class Proxy:
         capture: Capture | None = None,
     ) -> None:
         self.settings, self.fleet, self.upstream, self.metrics = settings, fleet, upstream, metrics
-        self.capture = capture
+        self.capture = capture  # traffic capture (service/capture/), when on
         self.watchdog = Watchdog(watchdog_tick(settings))
         self.refusing = False  # draining: new requests get 503 + Retry-After
         self.in_flight = 0
@@ -297,17 +303,12 @@ class Proxy:
         path, extra = call.endpoint.encode(), outcome.trace_headers(call)
         return await self.upstream.post(target, path, body, call.request_id, watch.follow, extra)
 
-    def _watch(self, deadline: float) -> Watch:
-        """The attempt's deadlines: nothing from the worker for first_byte_timeout_s, or the
-        total deadline; `got_first_byte` then switches to the idle limit."""
-        return self.watchdog.add(None, self.settings.first_byte_timeout_s, deadline)
-
     async def _unary(
         self, worker: Worker, call: ProxyCall, send: Send, outcome: Outcome, deadline: float
     ) -> None:
         response: UpstreamResponse | None = None
         complete = False
-        watch = self._watch(deadline)
+        watch = attempt_watch(self.watchdog, self.settings, deadline)
         try:
             response = await self._post(worker, call, watch, outcome)
             outcome.first_byte(watch, self.settings.idle_stream_timeout_s, response.status, False)
@@ -332,8 +333,8 @@ class Proxy:
                 raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
         self.fleet.report_success(worker)
         if parsed is not None:
-            if self._capturing(call, worker):
-                self._capture(call, worker, body, stream=False)
+            if self.capture is not None and capturing(self.capture, call, worker):
+                capture_reply(self.capture, call, worker, body, stream=False)
             usage = parse_usage(parsed)
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
             stats = worker.wire.spec_stats(parsed, usage)
@@ -360,7 +361,7 @@ class Proxy:
     ) -> None:
         response: UpstreamResponse | None = None
         complete = False
-        watch = self._watch(deadline)
+        watch = attempt_watch(self.watchdog, self.settings, deadline)
         try:
             first: bytes | None = None
             try:
@@ -411,10 +412,7 @@ class Proxy:
         """From the first byte on: pass events through; a failure ends the stream in-band.
         True when the upstream stream ended cleanly."""
         hook = call.responses
-        record_limit = 0
-        if self.capture is not None and self._capturing(call, worker):
-            record_limit = self.capture.writer.config.sample_bytes
-        tap = tap_for(call, worker, record_limit)
+        tap = tap_for(call, worker, record_limit(self.capture, call, worker))
         outcome.status = 200
         headers = [*SSE_HEADERS, *ids(call, worker)]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
@@ -444,8 +442,7 @@ class Proxy:
             # the request succeeded, and its tokens count like any other.
             if outcome.delivered:
                 self.fleet.report_success(worker)
-                observe_stream(self.metrics, call, worker, tap)
-                self._capture_stream(call, worker, tap)
+                observe_stream(self.metrics, call, worker, tap, self.capture)
             raise
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
@@ -461,34 +458,46 @@ class Proxy:
             outcome.failed(failure)
         elif not drained:
             self.fleet.report_success(worker)
-            self._capture_stream(call, worker, tap)
         # Counted before the last send, which a client that already left may interrupt.
-        observe_stream(self.metrics, call, worker, tap)
+        observe_stream(self.metrics, call, worker, tap, self.capture)
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return failure is None and not drained
 
-    def _capturing(self, call: ProxyCall, worker: Worker) -> bool:
-        return self.capture is not None and self.capture.wants(call.capture_share, worker.pool)
 
-    def _capture_stream(self, call: ProxyCall, worker: Worker, tap: SseTap) -> None:
-        recorded = tap.recorded
-        if recorded is not None and tap.done and not tap.errored:
-            self._capture(call, worker, recorded, stream=True)
+def capturing(capture: Capture | None, call: ProxyCall, worker: Worker) -> bool:
+    """Whether this request is captured (service/capture/): decided once per attempt."""
+    return capture is not None and capture.wants(call.capture_share, worker.pool)
 
-    def _capture(self, call: ProxyCall, worker: Worker, reply: bytes, *, stream: bool) -> None:
-        """The request and the worker's reply, handed to the capture writer unparsed."""
-        assert self.capture is not None
-        self.capture.offer(
-            endpoint=call.endpoint,
-            request_body=call.body,
-            reply=reply,
-            stream=stream,
-            model=call.label,
-            pool=worker.pool,
-            tenant=call.tenant,
-            request_id=call.request_id,
-        )
+
+def record_limit(capture: Capture | None, call: ProxyCall, worker: Worker) -> int:
+    """How much of a stream its tap records for capture (0: not captured)."""
+    if capture is None or not capturing(capture, call, worker):
+        return 0
+    return capture.writer.config.sample_bytes
+
+
+def capture_stream(capture: Capture | None, tap: SseTap, call: ProxyCall, worker: Worker) -> None:
+    """A stream the tap recorded, once it ended whole ([DONE] or the terminal event)."""
+    recorded = tap.recorded
+    if capture is not None and recorded is not None and tap.done and not tap.errored:
+        capture_reply(capture, call, worker, recorded, stream=True)
+
+
+def capture_reply(
+    capture: Capture, call: ProxyCall, worker: Worker, reply: bytes, *, stream: bool
+) -> None:
+    """The request and the worker's reply, handed to the capture writer unparsed."""
+    capture.offer(
+        endpoint=call.endpoint,
+        request_body=call.body,
+        reply=reply,
+        stream=stream,
+        model=call.label,
+        pool=worker.pool,
+        tenant=call.tenant,
+        request_id=call.request_id,
+    )
 
 
 def stream_tail(
@@ -541,9 +550,17 @@ def tap_for(call: ProxyCall, worker: Worker, record_limit: int = 0) -> SseTap:
     )
 
 
-def observe_stream(metrics: GatewayMetrics, call: ProxyCall, worker: Worker, tap: SseTap) -> None:
-    """A relayed stream's usage, speculation summary, TTFT and TPOT."""
+def observe_stream(
+    metrics: GatewayMetrics,
+    call: ProxyCall,
+    worker: Worker,
+    tap: SseTap,
+    capture: Capture | None = None,
+) -> None:
+    """A relayed stream's usage, speculation summary, TTFT and TPOT; and its capture, when
+    its tap recorded it and it ended whole."""
     end = time.perf_counter()
+    capture_stream(capture, tap, call, worker)
     pool, final = worker.pool, tap.final
     usage = parse_usage(final)
     metrics.observe_usage(call.label, pool, usage, call.tenant)

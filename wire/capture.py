@@ -27,7 +27,7 @@ import gzip
 import json
 import zlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -86,7 +86,9 @@ class CapturedSample:
         return float(value) if isinstance(value, int | float) else 1.0
 
     def line(self) -> bytes:
-        record = {"schema": SCHEMA_VERSION, **asdict(self)}
+        # Field by field: dataclasses.asdict deep-copies every message (5x the time).
+        record = {"schema": SCHEMA_VERSION, **vars(self)}
+        record["completions"] = [vars(completion) for completion in self.completions]
         return json.dumps(record, separators=(",", ":")).encode()
 
 

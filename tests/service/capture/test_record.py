@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
 
-from service.capture.record import RawCapture, Unusable, build_sample
+from service.capture.record import (
+    RawCapture,
+    Unusable,
+    _every_event,
+    _one_choice_stream,
+    build_sample,
+)
 from wire.capture import decode_shard, encode_shard
 
 
@@ -173,3 +180,49 @@ def test_what_cannot_teach_a_drafter_is_unusable(
 ) -> None:
     with pytest.raises(Unusable):
         build_sample(raw(endpoint, request_body, json.dumps(reply).encode(), stream=False))
+
+
+def test_the_fast_read_of_a_stream_equals_the_full_parse() -> None:
+    """Seeded fuzz: one-choice streams whose text holds quotes, backslashes, keys as text,
+    escapes and non-ASCII, with and without token ids; the fast path must give the full
+    parse's answer whenever it answers, and answer for compact one-choice streams."""
+    rng = random.Random(7)
+    alphabet = ['"', "\\", "x", " ", "\n", "é", "😀", '"content":"', '"index":1', "\t", ": "]
+    answered = 0
+    for _ in range(300):
+        with_ids = rng.random() < 0.5
+        events = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+        for n in range(rng.randint(1, 12)):
+            piece = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 5)))
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": piece}}
+            if with_ids:
+                choice["token_ids"] = [n, n + 1]
+            events.append({"choices": [choice]})
+        events.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 9}})
+        body = (
+            b"".join(
+                b"data: "
+                + json.dumps(e, separators=(",", ":"), ensure_ascii=rng.random() < 0.5).encode()
+                + b"\n\n"
+                for e in events
+            )
+            + b"data: [DONE]\n\n"
+        )
+        fast = _one_choice_stream(body)
+        assert _every_event(body) == (fast if fast is not None else _every_event(body))
+        answered += fast is not None
+    assert answered > 150  # most compact streams take the fast path
+
+
+@pytest.mark.parametrize(
+    "stream",
+    [
+        sse({"choices": [{"index": 0, "delta": {"content": "a"}}]}).replace(b'":', b'": '),
+        sse({"choices": [{"index": 1, "delta": {"content": "a"}}]}),
+        sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 2}]}}]}),
+        sse({"choices": [{"index": 0, "text": "a", "token_ids": None}]}),
+    ],
+)
+def test_other_shapes_take_the_full_parse(stream: bytes) -> None:
+    assert _one_choice_stream(stream) is None
