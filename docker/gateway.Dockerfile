@@ -10,7 +10,7 @@ COPY wire/ wire/
 COPY launcher/ launcher/
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install --no-cache-dir --upgrade pip \
- && /opt/venv/bin/pip install --no-cache-dir '.[tracing]' \
+ && /opt/venv/bin/pip install --no-cache-dir '.[tracing,capture-s3,capture-gcs]' \
  && ! /opt/venv/bin/python -c "import torch" 2>/dev/null
 
 FROM python:3.11-slim

@@ -11,7 +11,7 @@ COPY launcher/ launcher/
 COPY engine/ engine/
 # The core dependencies only: vLLM's image already has its torch and CUDA stack, which must
 # not be replaced (the [engine] extra pins a CPU torch; the [vllm] extra is this base image).
-RUN python3 -m pip install --no-cache-dir '.[tracing]' \
+RUN python3 -m pip install --no-cache-dir '.[tracing,capture-s3,capture-gcs]' \
  && python3 -c "import vllm, engine.worker.cli; print('vllm', vllm.__version__)"
 ENV HF_HOME=/cache/huggingface
 EXPOSE 8000

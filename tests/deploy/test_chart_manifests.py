@@ -528,10 +528,15 @@ def test_one_object_per_template_file_with_a_component_prefix() -> None:
         "inference-httproute.yaml",  # test_chart_inference_gateway.py
         "inference-pool.yaml",
         "tests/inference-test-chat.yaml",
+        "capture-pvc.yaml",  # test_chart_capture.py
+        "capture-adapt-job.yaml",
+        "capture-adapt-serviceaccount.yaml",
     }
     assert sorted([*sources, *optional]) == files  # everything rendered once, nothing extra
     assert all(
-        f.split("/")[-1].startswith(("gateway-", "worker-", "monitoring-", "redis-", "inference-"))
+        f.split("/")[-1].startswith(
+            ("gateway-", "worker-", "monitoring-", "redis-", "inference-", "capture-")
+        )
         for f in files
     )
 

@@ -113,7 +113,17 @@ def test_embedded_image_pins_cpu_torch() -> None:
 def test_every_image_installs_the_tracing_extra(name: str) -> None:
     """docs/tracing.md: the OTEL_* environment traces in every image, so each has the SDK."""
     runs = " ".join(a for o, a in instructions(name) if o == "RUN")
-    assert re.search(r"pip install[^&]*'\.\[[a-z,]*tracing\]'", runs)
+    assert re.search(r"pip install[^&]*'\.\[[a-z0-9,-]*\btracing\b[a-z0-9,-]*\]'", runs)
+
+
+@pytest.mark.parametrize("name", ["gateway.Dockerfile", "worker.Dockerfile"])
+def test_the_gateway_and_the_adapt_job_reach_buckets(name: str) -> None:
+    """docs/capture.md: the gateway captures to s3:// or gs://, and the adapt job (the worker
+    image) reads it back: both images have fsspec's S3 and GCS drivers."""
+    runs = " ".join(a for o, a in instructions(name) if o == "RUN")
+    extras = re.search(r"pip install[^&]*'\.\[([a-z0-9,-]*)\]'", runs)
+    assert extras is not None
+    assert {"capture-s3", "capture-gcs"} <= set(extras.group(1).split(","))
 
 
 @pytest.mark.parametrize("name", ["gateway.Dockerfile", "worker.Dockerfile", "embedded.Dockerfile"])

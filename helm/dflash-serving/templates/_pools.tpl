@@ -31,6 +31,7 @@
 {{- $weight := 100.0 -}}
 {{- if hasKey $pool "weight" }}{{ $weight = float64 $pool.weight }}{{ end -}}
 {{- $_ := set $ctx "pool" (dict "name" $pool.name "weight" $weight "model" $model) -}}
+{{- if hasKey $pool "capture" }}{{ $_ := set $ctx.pool "capture" $pool.capture }}{{ end -}}
 {{- $contexts = append $contexts $ctx -}}
 {{- end -}}
 {{- include "dflash.poolGuards" (dict "contexts" $contexts "pools" $root.Values.pools) -}}
@@ -71,7 +72,9 @@
 {{- $gpus := include "dflash.worker.gpusPerWorker" $ctx | int -}}
 {{- /* No pools list (one engine for the release): the gateway's "default" pool. */ -}}
 {{- $pool := (index $ctx "pool") | default (dict "name" "default" "weight" 100.0 "model" (include "dflash.servedModelName" $ctx)) -}}
-{{- $out = append $out (dict "name" $pool.name "model" $pool.model "weight" $pool.weight "engine" $ctx.Values.mode "worker_dns" (include "dflash.worker.dns" $ctx) "gpus_per_worker" $gpus) -}}
+{{- $spec := dict "name" $pool.name "model" $pool.model "weight" $pool.weight "engine" $ctx.Values.mode "worker_dns" (include "dflash.worker.dns" $ctx) "gpus_per_worker" $gpus -}}
+{{- if hasKey $pool "capture" }}{{ $_ := set $spec "capture" $pool.capture }}{{ end -}}
+{{- $out = append $out $spec -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
