@@ -97,10 +97,10 @@ def run_eval(
     prompts = [tok.encode(p).ids for p in heldout_prompts(cfg.num_prompts, config=corpus)]
     ids = list(drafter.config.target_layer_ids)
     refs = greedy_references(target, prompts, [cfg.max_new_tokens] * len(prompts), ids)
-    rows = []
+    rows: list[dict[str, float | int]] = []
     for block in cfg.block_sizes:
-        tau, n_steps = mean_acceptance(drafter, prompts, refs, block)
-        rows.append({"block_size": block, "mean_acceptance_length": tau, "verify_steps": n_steps})
+        mean, count = mean_acceptance(drafter, prompts, refs, block)
+        rows.append({"block_size": block, "mean_acceptance_length": mean, "verify_steps": count})
     result = {
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
