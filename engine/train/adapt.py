@@ -226,7 +226,7 @@ def train(
     """Continue training `drafter` (resumable in `run_dir`): (steps done in all, steps run
     by this call, seconds this call spent)."""
     blocks = _blocks(drafter.block_size, cfg.anchors_per_seq)
-    n_recipe = round(cfg.batch_seqs * cfg.recipe_mix) if recipe else 0
+    n_recipe = min(round(cfg.batch_seqs * cfg.recipe_mix), cfg.batch_seqs - 1) if recipe else 0
     n_traffic = cfg.batch_seqs - n_recipe
     device = drafter.fc.weight.device
     ran = [0]  # steps run by this call (a resumed run has done some before)

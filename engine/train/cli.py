@@ -108,6 +108,9 @@ def build_adapt_parser() -> argparse.ArgumentParser:
         help="the recipe's distillation chunks to mix in (skipped when absent)",
     )
     parser.add_argument("--recipe-mix", type=float, default=0.25, help="batch fraction of them")
+    parser.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
+    parser.add_argument("--eval-prompts", type=int, default=16, help="recipe prompts measured")
+    parser.add_argument("--eval-tokens", type=int, default=64, help="greedy tokens measured each")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser
 
@@ -115,8 +118,10 @@ def build_adapt_parser() -> argparse.ArgumentParser:
 def adapt_main(argv: list[str]) -> int:
     parser = build_adapt_parser()
     args = parser.parse_args(argv)
-    if args.steps < 1 or (args.minutes is not None and args.minutes <= 0):
-        parser.error("--steps and --minutes must be positive")
+    if min(args.steps, args.batch_seqs, args.eval_prompts, args.eval_tokens) < 1:
+        parser.error("--steps, --batch-seqs, --eval-prompts and --eval-tokens must be positive")
+    if args.minutes is not None and args.minutes <= 0:
+        parser.error("--minutes must be positive")
     if not 0.0 <= args.recipe_mix < 1.0:
         parser.error("--recipe-mix must be in [0, 1)")
     print("== dflash-train: adapt", file=sys.stderr, flush=True)
@@ -140,6 +145,9 @@ def adapt_main(argv: list[str]) -> int:
             train_on=args.train_on,
             recipe_data=args.recipe_data,
             recipe_mix=args.recipe_mix,
+            batch_seqs=args.batch_seqs,
+            eval_prompts=args.eval_prompts,
+            eval_tokens=args.eval_tokens,
         )
         result = run_adapt(cfg)
     except (FileNotFoundError, ValueError) as exc:
