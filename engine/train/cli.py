@@ -107,7 +107,7 @@ def build_adapt_parser() -> argparse.ArgumentParser:
         default=Path("runs/train/distill"),
         help="the recipe's distillation chunks to mix in (skipped when absent)",
     )
-    parser.add_argument("--recipe-mix", type=float, default=0.25, help="batch fraction of them")
+    parser.add_argument("--recipe-mix", type=float, default=0.5, help="batch fraction of them")
     parser.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
     parser.add_argument("--eval-prompts", type=int, default=16, help="recipe prompts measured")
     parser.add_argument("--eval-tokens", type=int, default=64, help="greedy tokens measured each")

@@ -294,3 +294,20 @@ def test_the_recipe_stages_keep_their_command_line() -> None:
         main(["adapt", "--help"])
     assert exc.value.code == 0
     assert main(["--smoke", "adapt"]) == 2  # adapt's options need it named first
+
+
+def test_recipe_chunks_become_examples_and_batch_with_traffic(tmp_path: Path) -> None:
+    """The `distill` stage's chunks (prompt 128 + 128 generated) mix with traffic rows of
+    other lengths: one padded batch, each row keeping its own prompt length."""
+    tokens = torch.randint(5, 4000, (2, 256), dtype=torch.int32)
+    tokens[1, 140] = 2  # a stop: the row ends there
+    chunk = {"tokens": tokens, "features": torch.randn(2, 256, 12).half(), "layer_ids": [1, 3, 5]}
+    torch.save(chunk, tmp_path / "chunk_0000.pt")
+    rows = adapt.recipe_examples(tmp_path, [2], [1, 3, 5])
+    assert [int(r.tokens.numel()) for r in rows] == [256, 141]
+    assert adapt.recipe_examples(tmp_path / "absent", [2], [1, 3, 5]) == []
+    traffic_row = adapt.Example(torch.arange(5, 25), 7, torch.ones(20, 12).half())
+    toks, lengths, prompt_lens, feats = adapt.collate([traffic_row, *rows])
+    assert toks.shape == (3, 256) and feats.shape == (3, 256, 12)
+    assert lengths.tolist() == [20, 256, 141] and prompt_lens.tolist() == [7, 128, 128]
+    assert bool((toks[0, 20:] == 0).all()) and bool((feats[0, 20:] == 0).all())
