@@ -35,14 +35,33 @@ class BlockBatch:
     labels: torch.Tensor  # [b, n*B] next tokens x_{a+k}; 0 where unused
     weights: torch.Tensor  # [b, n*B] loss weight; 0 for the anchor slot and unused slots
 
+    def to(self, device: torch.device | str) -> BlockBatch:
+        """The batch on `device` (blocks are built on the CPU, where the sampling is)."""
+        return BlockBatch(
+            self.block_ids.to(device),
+            self.positions.to(device),
+            self.mask.to(device),
+            self.labels.to(device),
+            self.weights.to(device),
+        )
+
 
 def sample_anchors(
-    lengths: torch.Tensor, prompt_len: int, cfg: BlockConfig, gen: torch.Generator
+    lengths: torch.Tensor,
+    prompt_len: int | torch.Tensor,
+    cfg: BlockConfig,
+    gen: torch.Generator,
 ) -> torch.Tensor:
-    """[b, n] anchors in the generated part, so that a + 1 < valid length of the row."""
+    """[b, n] anchors in the generated part, so that a + 1 < valid length of the row.
+    `prompt_len`: one length for every row (the recipe's fixed-length prompts) or one per
+    row [b] (captured traffic)."""
+    if isinstance(prompt_len, torch.Tensor):
+        lows = [int(p) for p in prompt_len.tolist()]
+    else:
+        lows = [prompt_len] * len(lengths)
     rows = []
-    for valid in lengths.tolist():
-        low, high = prompt_len, max(prompt_len + 1, int(valid) - 1)
+    for valid, low in zip(lengths.tolist(), lows, strict=True):
+        high = max(low + 1, int(valid) - 1)
         rows.append(low + torch.randint(0, high - low, (cfg.anchors_per_seq,), generator=gen))
     return torch.stack(rows)
 

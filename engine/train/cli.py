@@ -2,6 +2,10 @@
 
 Each stage reads the previous stage's outputs from disk, so stages can be re-run alone.
 Checkpoints and logs go under `--runs-dir` (resumable); final artefacts under `--out-dir`.
+
+`dflash-train adapt --data URI --out DIR ...` (options: `dflash-train adapt --help`)
+adapts a drafter to captured traffic (engine/train/adapt.py); it is not part of `all`.
+Exit status: 0 done, 1 error, 2 usage, 3 (adapt) tau did not rise and nothing was written.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def layer_list(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description=__doc__)
-    parser.add_argument("stage", choices=(*STAGES, "all"))
+    parser.add_argument("stage", choices=(*STAGES, "all", "adapt"))
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT, help="tiny-coder folder")
     parser.add_argument("--runs-dir", type=Path, default=Path("runs/train"))
     parser.add_argument("--stdlib", type=Path, default=None, help="corpus root (default: stdlib)")
@@ -68,8 +72,102 @@ def run_stage(stage: str, args: argparse.Namespace) -> None:
     run_torch_stage(stage, corpus, args)
 
 
+def build_adapt_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-train adapt",
+        description="Continue training a DFlash drafter on captured traffic; write it to --out "
+        "only if tau on held-out traffic rose (exit 3 when it did not).",
+    )
+    parser.add_argument("--data", required=True, help="captured-traffic dataset URI")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the new drafter")
+    parser.add_argument("--target", type=Path, default=DEFAULT_OUT / "target")
+    parser.add_argument("--drafter", type=Path, default=DEFAULT_OUT / "dflash")
+    parser.add_argument("--minutes", type=float, default=None, help="bound on training time")
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if any"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--runs-dir",
+        type=Path,
+        default=None,
+        help="checkpoints (resumable) under RUNS_DIR/<hash of the inputs>; "
+        "default: <parent of --out>/runs/adapt",
+    )
+    parser.add_argument(
+        "--train-on",
+        choices=("greedy", "captured"),
+        default="greedy",
+        help="for samples captured at T>0: the target's greedy continuation or the sampled text",
+    )
+    parser.add_argument(
+        "--recipe-data",
+        type=Path,
+        default=Path("runs/train/distill"),
+        help="the recipe's distillation chunks to mix in (skipped when absent)",
+    )
+    parser.add_argument("--recipe-mix", type=float, default=0.5, help="batch fraction of them")
+    parser.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
+    parser.add_argument("--eval-prompts", type=int, default=16, help="recipe prompts measured")
+    parser.add_argument("--eval-tokens", type=int, default=64, help="greedy tokens measured each")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser
+
+
+def adapt_main(argv: list[str]) -> int:
+    parser = build_adapt_parser()
+    args = parser.parse_args(argv)
+    if min(args.steps, args.batch_seqs, args.eval_prompts, args.eval_tokens) < 1:
+        parser.error("--steps, --batch-seqs, --eval-prompts and --eval-tokens must be positive")
+    if args.minutes is not None and args.minutes <= 0:
+        parser.error("--minutes must be positive")
+    if not 0.0 <= args.recipe_mix < 1.0:
+        parser.error("--recipe-mix must be in [0, 1)")
+    print("== dflash-train: adapt", file=sys.stderr, flush=True)
+    try:
+        import torch
+
+        from engine.train.adapt import EXIT_NOT_IMPROVED, AdaptConfig, run_adapt
+
+        torch.set_num_threads(args.threads)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        cfg = AdaptConfig(
+            data=args.data,
+            out=args.out,
+            target=args.target,
+            drafter=args.drafter,
+            runs_dir=args.runs_dir or args.out.resolve().parent / "runs" / "adapt",
+            steps=args.steps,
+            minutes=args.minutes,
+            device=device,
+            seed=args.seed,
+            train_on=args.train_on,
+            recipe_data=args.recipe_data,
+            recipe_mix=args.recipe_mix,
+            batch_seqs=args.batch_seqs,
+            eval_prompts=args.eval_prompts,
+            eval_tokens=args.eval_tokens,
+        )
+        result = run_adapt(cfg)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"dflash-train: error: {exc}", file=sys.stderr)
+        return 1
+    return 0 if result.written else EXIT_NOT_IMPROVED
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # adapt has its own options; the recipe stages keep theirs (and their positional form).
+    if argv[:1] == ["adapt"]:
+        return adapt_main(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.stage == "adapt":  # reached only with options before the stage name
+        print(
+            "dflash-train: error: name `adapt` first: dflash-train adapt --data ...",
+            file=sys.stderr,
+        )
+        return 2
     stages = STAGES if args.stage == "all" else (args.stage,)
     try:
         for stage in stages:

@@ -77,10 +77,11 @@ def generate_with_features(
     context features [b, P + gen_len, n * hidden] (hidden states at `layer_ids`) that the
     same pass produced; the last position, never fed to the target, gets zeros."""
     b, prompt_len = prompts.shape
-    cache = target.new_cache(b, prompt_len + gen_len, "cpu", torch.float32)
-    slots = torch.arange(b)
-    positions = torch.arange(prompt_len).expand(b, prompt_len)
-    last = torch.full((b, 1), prompt_len - 1)
+    device = prompts.device
+    cache = target.new_cache(b, prompt_len + gen_len, device, torch.float32)
+    slots = torch.arange(b, device=device)
+    positions = torch.arange(prompt_len, device=device).expand(b, prompt_len)
+    last = torch.full((b, 1), prompt_len - 1, device=device)
     out = target(prompts, positions, None, cache, slots, layer_ids, logit_index=last)
     tokens, feats = [prompts], []
     for step in range(gen_len):
@@ -89,7 +90,7 @@ def generate_with_features(
         next_ids = out.logits[:, -1].argmax(-1, keepdim=True)  # [b, 1]
         tokens.append(next_ids)
         if step + 1 < gen_len:
-            pos = torch.full((b, 1), prompt_len + step)
+            pos = torch.full((b, 1), prompt_len + step, device=device)
             out = target(next_ids, pos, None, cache, slots, layer_ids)
     feats.append(torch.zeros_like(feats[-1][:, :1]))
     return torch.cat(tokens, dim=1), torch.cat(feats, dim=1)

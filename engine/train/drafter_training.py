@@ -80,7 +80,7 @@ def block_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy over the block, and the per-slot hit mask (argmax == label)."""
     b, seq_len, _ = features.shape
-    ctx_pos = torch.arange(seq_len).expand(b, seq_len)
+    ctx_pos = torch.arange(seq_len, device=features.device).expand(b, seq_len)
     hidden = drafter(batch.block_ids, batch.positions, features, ctx_pos, batch.mask)
     used = batch.weights.flatten() > 0  # lm_head only where there is a label (the big matmul)
     logits = drafter.logits(hidden.flatten(0, 1)[used]).float()  # [used, vocab]

@@ -72,18 +72,30 @@ StepFn = Callable[[int, torch.Generator], tuple[torch.Tensor, dict[str, float]]]
 
 
 def train_loop(
-    model: torch.nn.Module, step_fn: StepFn, cfg: LoopConfig, run_dir: Path, name: str
-) -> None:
-    """Train `model` for `cfg.steps` steps, resuming from `run_dir/ckpt.pt` if present."""
+    model: torch.nn.Module,
+    step_fn: StepFn,
+    cfg: LoopConfig,
+    run_dir: Path,
+    name: str,
+    deadline: float | None = None,
+) -> int:
+    """Train `model` for `cfg.steps` steps, resuming from `run_dir/ckpt.pt` if present.
+    With a `deadline` (time.monotonic()), stop at the first step boundary past it, saving a
+    checkpoint there (a rerun goes on from it). Returns the steps done, resumed ones included."""
     run_dir.mkdir(parents=True, exist_ok=True)
     ckpt, log_path = run_dir / "ckpt.pt", run_dir / "log.jsonl"
     opt = make_optimizer(model, cfg)
     start = _resume(ckpt, model, opt)
     model.train(True)
     bar = tqdm(range(start, cfg.steps), desc=name, initial=start, total=cfg.steps)
+    done = start
     with log_path.open("a", encoding="utf-8") as log:
         t0 = time.monotonic()
         for step in bar:
+            if deadline is not None and time.monotonic() >= deadline:
+                if step > start:  # (nothing new to save when no step ran)
+                    _save(ckpt, model, opt, step)
+                break
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
@@ -99,4 +111,7 @@ def train_loop(
                 log.flush()
             if (step + 1) % cfg.ckpt_every == 0 or step == cfg.steps - 1:
                 _save(ckpt, model, opt, step + 1)
+            done = step + 1
+    bar.close()
     model.train(False)
+    return done
