@@ -27,7 +27,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from launcher.processes import free_port, healthy, stop_all
+from service.capture.policy import CaptureShare
 from service.cli import GatewayServer, configure_logging, describe_invalid, key_file_problem
+from service.routing.promotion import PromotionSpec
 from service.settings import POOL_NAME, GatewaySettings, PoolSpec, check_pools
 from wire.http import run_servers
 
@@ -45,6 +47,8 @@ class LocalPool(BaseModel):
     # The name clients send (the workers' --served-model-name); None: the workers' own.
     model: str | None = Field(default=None, min_length=1)
     weight: float = Field(default=100.0, ge=0, allow_inf_nan=False)
+    capture: CaptureShare = 1.0  # with --capture: the share of its requests captured
+    promotion: PromotionSpec | None = None  # automatic promotion against a baseline pool
 
 
 class PoolsFile(BaseModel):
@@ -312,8 +316,16 @@ def gateway_settings(
     capture_uri: str | None = None,
 ) -> GatewaySettings:
     """The gateway over `gateway.pools`, whose workers are `urls[pool name]`."""
+    # The pool's own fields as it gave them: a weight left out stays unset (a promotion
+    # refuses one that is set).
+    shared = ("name", "model", "weight", "engine", "capture", "promotion")
     pools = [
-        PoolSpec(name=p.name, model=p.model, weight=p.weight, engine=p.engine, workers=urls[p.name])
+        PoolSpec(
+            **{
+                key: getattr(p, key) for key in shared if key in p.model_fields_set or key == "name"
+            },
+            workers=urls[p.name],
+        )
         for p in gateway.pools
     ]
     # Env (DFLASH_GATEWAY_*) still applies to everything not decided here.

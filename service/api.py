@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,11 +11,13 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
 from service.metrics import GatewayMetrics, code_label
 from service.proxy import Proxy, ProxyCall
 from service.responses import affinity_text, load, prepare
 from service.routing.fleet import WorkerFleet
+from service.routing.promotion import evidence_card
 from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth
@@ -23,7 +26,14 @@ from service.tenancy.limits import RateLimiter, Ticket
 from service.tenancy.response_store import ResponseStore
 from service.tenancy.tenants import LIMIT_FIELDS, Tenant
 from service.tracing import RequestTrace
-from wire.errors import ApiError, ModelNotFound, NoHealthyWorker, NotFound, Unavailable
+from wire.errors import (
+    ApiError,
+    ModelNotFound,
+    NoHealthyWorker,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
 from wire.http import package_version, read_json
 from wire.responses import ResponsesRequest
 from wire.schemas import (
@@ -46,7 +56,9 @@ TENANT_KEY = "dflash.tenant"
 # Generation endpoints: the ones tenants' limits count and charge.
 RESPONSES_PATH = "/v1/responses"
 LIMITED_ENDPOINTS = frozenset({"/v1/chat/completions", "/v1/completions", RESPONSES_PATH})
+log = logging.getLogger("dflash.gateway.api")
 ADMIN_USAGE_PATH = "/admin/usage"
+ADMIN_POOLS_PATH = "/admin/pools"
 # With tracing on: the request's RequestTrace (service/tracing.py), or for a request the
 # sampler left out, the traceparent header line the worker gets.
 TRACE_KEY = "dflash.trace"
@@ -197,9 +209,16 @@ async def forward(
         trace=trace,
         trace_headers=request.scope.get(TRACEPARENT_KEY, b""),
         capture_share=1.0 if tenant is None else tenant.capture,
+        temperature=temperature_of(payload),
         **call,
     )
     return runtime.proxy.response(proxied)
+
+
+def temperature_of(payload: dict[str, Any]) -> float | None:
+    """The request's temperature (already validated); None when it names none."""
+    value = payload.get("temperature")
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 async def admit(
@@ -372,6 +391,70 @@ async def admin_usage(request: Request, tenant: str | None = None) -> dict[str, 
         data.append(usage_card(entry, usage))
     window_s = state.settings.rate_limit_window_s
     return {"object": "list", "window_s": window_s, "data": data}
+
+
+class PoolPin(BaseModel):
+    """An operator's weight for a pool; null unpins it (the promotion's weight applies)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    weight: float | None = Field(ge=0, le=100, allow_inf_nan=False)
+
+
+@router.get(ADMIN_POOLS_PATH, summary="Pools, their weights, and canaries' promotion evidence")
+async def admin_pools(request: Request) -> dict[str, Any]:
+    runtime = gateway(request).live()
+    return {"object": "list", "data": pool_cards(runtime.fleet)}
+
+
+@router.put(
+    ADMIN_POOLS_PATH + "/{pool}",
+    summary="Pin a pool's weight (it wins over automatic promotion); null unpins",
+)
+async def pin_pool(request: Request, pool: str, pin: PoolPin) -> dict[str, Any]:
+    caller: Tenant | None = request.scope.get(TENANT_KEY)
+    state = gateway(request)
+    if state.auth.enabled and (caller is None or not caller.admin):
+        raise PermissionDenied("Pinning a pool's weight needs an admin key (`admin: true`).")
+    fleet = state.live().fleet
+    if pool not in fleet.specs:
+        raise NotFound(f"No pool `{pool}`.", param="pool")
+    if fleet.promotions is None or fleet.promotions.pin(pool, pin.weight) is None:
+        spec = fleet.specs[pool]  # not in a rollout: the weight is the pool's own
+        weight = spec.weight if pin.weight is None else pin.weight
+        fleet.weights[pool] = weight
+        state.metrics.describe_pool(spec.model or "", pool, weight, spec.gpus_per_worker)
+    log.warning("pool %s: weight pinned to %s by %s", pool, pin.weight, caller_name(caller))
+    return next(card for card in pool_cards(fleet) if card["pool"] == pool)
+
+
+def caller_name(caller: Tenant | None) -> str:
+    return f"tenant {caller.name}" if caller is not None else "a caller (auth off)"
+
+
+def pool_cards(fleet: WorkerFleet) -> list[dict[str, Any]]:
+    """Each pool's weight, pin and workers; a canary's rollout with its evidence."""
+    promotions = fleet.promotions
+    cards = []
+    for name, spec in fleet.specs.items():
+        card: dict[str, Any] = {
+            "pool": name,
+            "model": spec.model,
+            "weight": fleet.weights.get(name, spec.weight),
+            "pinned": promotions is not None and name in promotions.pins,
+            "workers": sum(1 for w in fleet.workers.values() if w.pool == name),
+        }
+        rollout = promotions.rollouts.get(name) if promotions is not None else None
+        if rollout is not None:
+            card["promotion"] = {
+                "baseline": rollout.baseline,
+                "status": rollout.status,
+                "stage": rollout.stage,
+                "stages": list(rollout.spec.stages),
+                "evidence": evidence_card(rollout.evidence(), rollout),
+                "decisions": rollout.decisions,
+            }
+        cards.append(card)
+    return cards
 
 
 def usage_card(tenant: Tenant, usage: TenantUsage | None) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.api import (
+    ADMIN_POOLS_PATH,
     ADMIN_USAGE_PATH,
     MODEL_LABEL_KEY,
     PROXY_ENDPOINTS,
@@ -37,6 +38,7 @@ from service.metrics import GatewayMetrics, code_label
 from service.openapi import served_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
 from service.routing.fleet import WorkerFleet
+from service.routing.promotion import Promotions, rollouts_of
 from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth, KeyFileWatcher
@@ -73,7 +75,7 @@ STORE_DEADLINE_S = 2.0  # a stored response's read or write in Redis
 UNCOUNTED_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json"})
 COUNTED_PATHS = frozenset(
     {path for path, _ in PROXY_ENDPOINTS}
-    | {"/tokenize", "/detokenize", "/v1/models", "/version", ADMIN_USAGE_PATH}
+    | {"/tokenize", "/detokenize", "/v1/models", "/version", ADMIN_USAGE_PATH, ADMIN_POOLS_PATH}
 )
 
 
@@ -84,6 +86,8 @@ def endpoint_label(path: str) -> str:
         return path
     if path.startswith("/v1/responses/"):
         return "/v1/responses/{id}"
+    if path.startswith(ADMIN_POOLS_PATH + "/"):
+        return ADMIN_POOLS_PATH + "/{pool}"
     return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
 
@@ -347,6 +351,33 @@ async def tear_down(*steps: TeardownStep | None) -> list[str]:
     return failed
 
 
+def open_promotions(fleet: WorkerFleet, metrics: GatewayMetrics) -> Promotions | None:
+    """The canaries' rollouts (pools with `promotion:`), applying their weights to the fleet's
+    split and to dflash_pool_weight; None when no pool has one."""
+    rollouts = rollouts_of(fleet.specs)
+    if not rollouts:
+        return None
+
+    def apply(weights: dict[str, float]) -> None:
+        for pool, weight in weights.items():
+            fleet.weights[pool] = weight
+            spec = fleet.specs[pool]
+            metrics.describe_pool(spec.model or "", pool, weight, spec.gpus_per_worker)
+
+    def healthy(pool: str) -> bool:
+        now = time.monotonic()
+        return all(w.routable(now) for w in fleet.workers.values() if w.pool == pool)
+
+    for rollout in rollouts:
+        log.info(
+            "promotion: canary %s against %s, stages %s",
+            rollout.canary,
+            rollout.baseline,
+            "/".join(f"{share:g}" for share in rollout.spec.stages),
+        )
+    return Promotions(rollouts, apply, healthy, metrics.count_decision)
+
+
 def open_capture(
     settings: GatewaySettings, metrics: GatewayMetrics, ring: KeyRing
 ) -> Capture | None:
@@ -405,6 +436,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         client = upstream_client(settings)
         upstream = upstream_pool(settings)
         fleet = WorkerFleet(settings, client, metrics)
+        fleet.promotions = open_promotions(fleet, metrics)
         await fleet.start()
         capture = open_capture(settings, metrics, auth.ring)
         proxy = Proxy(settings, fleet, upstream, metrics, capture)

@@ -272,6 +272,14 @@ class GatewayMetrics(TenancySeries):
         dropped = "Spans dropped: the export queue was full"
         self.trace_spans_dropped = Counter("dflash_trace_spans_dropped", dropped, registry=r)
         self._capture_series(r)
+        self.promotion_decisions = Counter(
+            "dflash_promotion_decisions",
+            "Canary rollouts' decisions: promote (a stage up) or rollback (to 0)",
+            ["decision"],
+            registry=r,
+        )
+        for decision in ("promote", "rollback"):
+            self.child(self.promotion_decisions, decision)
 
     def _capture_series(self, r: CollectorRegistry) -> None:
         """docs/capture.md: every captured sample ends written or dropped, and why."""
@@ -285,6 +293,10 @@ class GatewayMetrics(TenancySeries):
         self.capture_shards = Counter(
             "dflash_capture_shards", "Dataset shards written by traffic capture", registry=r
         )
+
+    def count_decision(self, decision: str) -> None:
+        """A rollout's promote or rollback (service/routing/promotion.py)."""
+        self.child(self.promotion_decisions, decision).inc()
 
     def count_capture(self, outcome: str, count: int) -> None:
         """The capture writer's counts (its thread calls this; the counters are thread-safe)."""

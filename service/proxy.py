@@ -16,9 +16,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.capture.policy import Capture
 from service.metrics import NO_POOL, GatewayMetrics, code_label
-from service.reports import parse_usage, unwrap
+from service.reports import SpecStats, Usage, decode_speed, parse_usage, unwrap
 from service.responses import StoreHook
 from service.routing.fleet import Worker, WorkerFleet
+from service.routing.promotion import Promotions, request_class
 from service.routing.upstream import Body, ConnectFailed, ConnectionPool, Target, UpstreamIOError
 from service.routing.upstream import Response as UpstreamResponse
 from service.settings import GatewaySettings
@@ -63,6 +64,7 @@ class ProxyCall:
     # The share of this caller's requests captured for drafter training (the tenant's
     # `capture:`; 1.0 without tenants); the pool's share multiplies it (service/capture/).
     capture_share: float = 0.0
+    temperature: float | None = None  # the request's, for promotion's request classes
 
     @property
     def rate_headers(self) -> Headers:
@@ -339,6 +341,7 @@ class Proxy:
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
             stats = worker.wire.spec_stats(parsed, usage)
             self.metrics.observe_spec(call.label, worker.pool, stats)
+            promote(self.fleet.promotions, call, worker, usage, decode_speed(parsed), stats)
             if call.trace is not None:
                 call.trace.replied(parsed, usage, stats)
             body = worker.wire.strip(body, parsed, call.spec_details)
@@ -442,7 +445,7 @@ class Proxy:
             # the request succeeded, and its tokens count like any other.
             if outcome.delivered:
                 self.fleet.report_success(worker)
-                observe_stream(self.metrics, call, worker, tap, self.capture)
+                observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet.promotions)
             raise
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
@@ -459,10 +462,26 @@ class Proxy:
         elif not drained:
             self.fleet.report_success(worker)
         # Counted before the last send, which a client that already left may interrupt.
-        observe_stream(self.metrics, call, worker, tap, self.capture)
+        observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet.promotions)
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return failure is None and not drained
+
+
+def promote(
+    promotions: Promotions | None,
+    call: ProxyCall,
+    worker: Worker,
+    usage: Usage | None,
+    speed: float | None,
+    stats: list[SpecStats] | None,
+) -> None:
+    """One served request's evidence for its pool's rollout (service/routing/promotion.py)."""
+    if promotions is None or usage is None:
+        return
+    acceptance = stats[0].acceptance_length if stats else None
+    klass = request_class(call.temperature, usage.prompt_tokens)
+    promotions.observe(worker.pool, klass, speed, acceptance)
 
 
 def capturing(capture: Capture | None, call: ProxyCall, worker: Worker) -> bool:
@@ -556,9 +575,10 @@ def observe_stream(
     worker: Worker,
     tap: SseTap,
     capture: Capture | None = None,
+    promotions: Promotions | None = None,
 ) -> None:
-    """A relayed stream's usage, speculation summary, TTFT and TPOT; and its capture, when
-    its tap recorded it and it ended whole."""
+    """A relayed stream's usage, speculation summary, TTFT and TPOT; its capture, when its tap
+    recorded it and it ended whole; its speed for its pool's rollout."""
     end = time.perf_counter()
     capture_stream(capture, tap, call, worker)
     pool, final = worker.pool, tap.final
@@ -575,12 +595,18 @@ def observe_stream(
         call.trace.outcome(usage, stats, response if isinstance(response, dict) else None)
         exemplar = call.trace.exemplar()
     first = tap.first_token_at
-    if first is None:
-        return
-    metrics.child(metrics.ttft, call.label, pool).observe(first - call.started, exemplar)
-    if usage is not None and call.single_choice and usage.completion_tokens > 1:
-        tpot = (end - first) / (usage.completion_tokens - 1)
+    # The gateway's own measure of the stream's decode speed (alike for every engine); the
+    # worker's when the stream gives none (one token, several choices).
+    speed = None
+    if first is not None:
+        metrics.child(metrics.ttft, call.label, pool).observe(first - call.started, exemplar)
+    tokens = usage.completion_tokens if usage is not None else 0
+    if first is not None and call.single_choice and tokens > 1:
+        tpot = (end - first) / (tokens - 1)
         metrics.child(metrics.tpot, call.label, pool).observe(tpot, exemplar)
+        speed = 1.0 / tpot if tpot > 0 else None
+    if tap.done and not tap.errored:
+        promote(promotions, call, worker, usage, speed or decode_speed(final), stats)
 
 
 def not_sse(response: UpstreamResponse) -> UpstreamFailure | None:

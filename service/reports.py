@@ -120,3 +120,19 @@ def parse_spec(body: object) -> list[SpecStats]:
             if stats is not None:
                 found.append(stats)
     return found
+
+
+def decode_speed(body: object) -> float | None:
+    """A request's decode tokens/s as its worker measured it (the `metrics` object's
+    `tokens_per_second`, else 1000 / `mean_itl_ms`); None when not reported."""
+    body = unwrap(body)
+    metrics = body.get("metrics") if isinstance(body, dict) else None
+    if isinstance(metrics, list):  # n > 1: one per choice, the first stands for the request
+        metrics = metrics[0] if metrics else None
+    if not isinstance(metrics, dict):
+        return None
+    speed = _ratio(metrics.get("tokens_per_second"))
+    if speed:
+        return speed
+    itl = _ratio(metrics.get("mean_itl_ms"))
+    return 1000.0 / itl if itl else None

@@ -11,6 +11,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from service.capture.policy import CaptureShare
 from service.capture.writer import CaptureConfig
+from service.routing.promotion import PromotionSpec
 from service.tenancy.redis_client import MAX_BULK, RedisAddress, TlsFiles
 from service.tenancy.tenants import KeyRing, parse_key_file
 from wire.tracing import TracingSettings
@@ -65,6 +66,8 @@ class PoolSpec(BaseModel):
     # The share of this pool's requests captured when the gateway captures (capture_uri):
     # true, false or a fraction; it multiplies the tenant's.
     capture: CaptureShare = 1.0
+    # Automatic promotion against a baseline pool (service/routing/promotion.py).
+    promotion: PromotionSpec | None = None
 
     @model_validator(mode="after")
     def _has_workers(self) -> PoolSpec:
@@ -93,12 +96,41 @@ def check_pools(pools: Sequence[PoolLike]) -> None:
         unnamed = [pool.name for pool in pools if pool.model is None]
         if unnamed:
             raise ValueError(f"with several pools each needs a model: {', '.join(unnamed)}")
+    check_promotions(pools)
     weights: dict[str | None, float] = {}
     for pool in pools:
         weights[pool.model] = weights.get(pool.model, 0.0) + pool.weight
     idle = sorted(str(model) for model, total in weights.items() if total == 0)
     if idle:
         raise ValueError(f"every pool of model {', '.join(idle)} has weight 0")
+
+
+def check_promotions(pools: Sequence[PoolLike]) -> None:
+    """A canary's `promotion.baseline` names another pool of its model, each pool is in one
+    rollout at most, and neither side sets `weight` (the promotion sets both)."""
+    by_name = {pool.name: pool for pool in pools}
+    taken: dict[str, str] = {}
+    for pool in pools:
+        promotion = getattr(pool, "promotion", None)
+        if promotion is None or not promotion.enabled:
+            continue
+        where = f"pool {pool.name!r}: promotion.baseline"
+        baseline = by_name.get(promotion.baseline)
+        if baseline is None:
+            raise ValueError(f"{where}: no pool named {promotion.baseline!r}")
+        if baseline is pool or baseline.model != pool.model:
+            raise ValueError(f"{where}: {promotion.baseline!r} is not another pool of its model")
+        for name in (pool.name, baseline.name):
+            if name in taken:
+                raise ValueError(
+                    f"pool {name!r} is in two promotions ({taken[name]!r} and {pool.name!r})"
+                )
+            taken[name] = pool.name
+            if "weight" in getattr(by_name[name], "model_fields_set", ()):
+                raise ValueError(
+                    f"pool {name!r}: weight is set by the promotion of {pool.name!r} "
+                    "(its promotion.stages); leave weight out"
+                )
 
 
 class GatewaySettings(BaseSettings):

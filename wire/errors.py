@@ -67,6 +67,14 @@ class AuthenticationFailed(ApiError):
         super().__init__(message, **kwargs)
 
 
+class PermissionDenied(ApiError):
+    """403: the key is valid but may not do this (an operator's action without an admin key)."""
+
+    status_code = 403
+    error_type = "permission_error"
+    code = "permission_denied"
+
+
 class NotFound(ApiError):
     status_code = 404
     error_type = "invalid_request_error"

@@ -18,6 +18,7 @@ import httpx
 
 from service.metrics import GatewayMetrics
 from service.routing.engines import WIRES, Wire
+from service.routing.promotion import Promotions
 from service.routing.split import SmoothWeighted, pool_of
 from service.settings import DEFAULT_POOL, GatewaySettings, PoolSpec
 
@@ -156,7 +157,7 @@ class WorkerFleet:
         self._client = client
         self._metrics = metrics
         self.specs = {spec.name: spec for spec in settings.pool_specs()}
-        self._weights = {name: spec.weight for name, spec in self.specs.items()}
+        self.weights = {name: spec.weight for name, spec in self.specs.items()}
         self._configured = frozenset(spec.model for spec in self.specs.values() if spec.model)
         for spec in self.specs.values():
             metrics.describe_pool(spec.model or "", spec.name, spec.weight, spec.gpus_per_worker)
@@ -166,6 +167,7 @@ class WorkerFleet:
         self._tasks: list[asyncio.Task[None]] = []
         self._rings: dict[str, HashRing] = {}  # per pool
         self._turns: dict[str, SmoothWeighted] = {}  # per model: the weighted split's state
+        self.promotions: Promotions | None = None  # canaries' rollouts (routing/promotion.py)
         self._turn = 0
         # routable() runs several times per request: cached until health changes
         # (`invalidate`) or the earliest ejection ends.
@@ -272,6 +274,8 @@ class WorkerFleet:
         self._metrics.upstream_errors.labels(worker.label, kind).inc()
         if not counts:
             return
+        if self.promotions is not None:
+            self.promotions.failed(worker.pool)
         worker.failed_requests.add(request)
         if worker.failures < self._settings.eject_after_failures:
             return
@@ -361,7 +365,7 @@ class WorkerFleet:
         if len(offered) == 1:
             return candidates
         affinity = key if self._settings.routing == "prefix_affinity" else None
-        chosen = pool_of(model, offered, self._weights, affinity, self._turns)
+        chosen = pool_of(model, offered, self.weights, affinity, self._turns)
         return [w for w in candidates if w.pool == chosen]
 
     def _least_outstanding(self, candidates: list[Worker]) -> Worker:

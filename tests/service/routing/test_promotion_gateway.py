@@ -1,0 +1,112 @@
+"""Automatic promotion through the real gateway: two fake workers of one model, the canary
+reporting a faster decode (vLLM's per-request `metrics.tokens_per_second`); the canary is
+stepped up to all the traffic with no client error, dflash_pool_weight and the decisions say
+so, /admin/pools shows the evidence, and an operator's pin wins."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import httpx
+
+from tests.service.conftest import running_gateway
+from tests.service.fake_upstream import MODEL, Request, fake_worker, reply
+
+
+def speed_worker(tokens_per_second: float, seed: int):  # type: ignore[no-untyped-def]
+    rng = random.Random(seed)
+
+    async def handler(request: Request, writer: asyncio.StreamWriter) -> None:
+        speed = tokens_per_second * rng.lognormvariate(0, 0.1)
+        body = {
+            "id": "c",
+            "object": "chat.completion",
+            "model": MODEL,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "x"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
+            "metrics": {"tokens_per_second": speed},
+        }
+        writer.write(reply("200 OK", json.dumps(body).encode()))
+
+    return handler
+
+
+def test_a_faster_canary_is_promoted_to_all_the_traffic() -> None:
+    with fake_worker(speed_worker(100.0, 1)) as base, fake_worker(speed_worker(130.0, 2)) as canary:
+        pools = [
+            {"name": "base", "model": MODEL, "workers": [base.url]},
+            {
+                "name": "canary",
+                "model": MODEL,
+                "workers": [canary.url],
+                "promotion": {"baseline": "base", "min_samples": 20},
+            },
+        ]
+        with (
+            running_gateway(pools=pools, engine_check=None)
+            if False
+            else running_gateway(pools=pools) as gw
+        ):
+            assert gw.metric("dflash_pool_weight", pool="canary") == 10.0
+            body = {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "temperature": 0,
+            }
+            with httpx.Client(timeout=10) as client:
+                statuses = [
+                    client.post(gw.v1 + "/chat/completions", json=body).status_code
+                    for _ in range(600)
+                ]
+                assert set(statuses) == {200}
+                cards = {
+                    c["pool"]: c for c in client.get(gw.base_url + "/admin/pools").json()["data"]
+                }
+                assert cards["canary"]["weight"] == 100.0 and cards["base"]["weight"] == 0.0
+                rollout = cards["canary"]["promotion"]
+                assert rollout["status"] == "promoted"
+                assert [d["decision"] for d in rollout["decisions"]] == ["promote"] * 3
+                assert 1.2 < rollout["decisions"][0]["speedup"] < 1.4
+                assert gw.metric("dflash_pool_weight", pool="canary") == 100.0
+                assert gw.metric("dflash_promotion_decisions_total", decision="promote") == 3
+                pinned = client.put(gw.base_url + "/admin/pools/base", json={"weight": 50})
+                assert pinned.status_code == 200 and pinned.json()["pinned"] is True
+                assert gw.metric("dflash_pool_weight", pool="base") == 50.0
+                before = base.posts
+                for _ in range(40):
+                    client.post(gw.v1 + "/chat/completions", json=body)
+                assert base.posts - before >= 10  # the pin routes traffic back to base
+                bad = client.put(gw.base_url + "/admin/pools/base", json={"weight": 150})
+                assert bad.status_code == 400 and "weight" in bad.json()["error"]["message"]
+                missing = client.put(gw.base_url + "/admin/pools/nope", json={"weight": 5})
+                assert missing.status_code == 404
+
+
+def test_pinning_needs_an_admin_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(
+        "tenants:\n  - {name: app, keys: [sk-app]}\n  - {name: ops, keys: [sk-ops], admin: true}\n"
+    )
+    with fake_worker(speed_worker(100.0, 1)) as base:
+        pools = [{"name": "base", "model": MODEL, "workers": [base.url]}]
+        with running_gateway(pools=pools, api_key_file=keys) as gw:
+            put = gw.base_url + "/admin/pools/base"
+            assert httpx.put(put, json={"weight": 5}).status_code == 401
+            denied = httpx.put(put, json={"weight": 5}, headers={"Authorization": "Bearer sk-app"})
+            assert denied.status_code == 403
+            assert denied.json()["error"]["code"] == "permission_denied"
+            ops = {"Authorization": "Bearer sk-ops"}
+            assert httpx.put(put, json={"weight": 5}, headers=ops).json()["weight"] == 5
+            assert httpx.put(put, json={"weight": None}, headers=ops).json()["weight"] == 100
+            listed = httpx.get(
+                gw.base_url + "/admin/pools", headers={"Authorization": "Bearer sk-app"}
+            )
+            assert listed.status_code == 200 and listed.json()["data"][0]["pool"] == "base"
