@@ -418,11 +418,8 @@ async def pin_pool(request: Request, pool: str, pin: PoolPin) -> dict[str, Any]:
     fleet = state.live().fleet
     if pool not in fleet.specs:
         raise NotFound(f"No pool `{pool}`.", param="pool")
-    if fleet.promotions is None or fleet.promotions.pin(pool, pin.weight) is None:
-        spec = fleet.specs[pool]  # not in a rollout: the weight is the pool's own
-        weight = spec.weight if pin.weight is None else pin.weight
-        fleet.weights[pool] = weight
-        state.metrics.describe_pool(spec.model or "", pool, weight, spec.gpus_per_worker)
+    assert fleet.promotions is not None  # made with the fleet (service/app.py)
+    await fleet.promotions.set_pin(pool, pin.weight)
     log.warning("pool %s: weight pinned to %s by %s", pool, pin.weight, caller_name(caller))
     return next(card for card in pool_cards(fleet) if card["pool"] == pool)
 

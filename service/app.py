@@ -39,6 +39,7 @@ from service.openapi import served_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
 from service.routing.fleet import WorkerFleet
 from service.routing.promotion import Promotions, rollouts_of
+from service.routing.promotion_store import SharedPromotions
 from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth, KeyFileWatcher
@@ -351,12 +352,10 @@ async def tear_down(*steps: TeardownStep | None) -> list[str]:
     return failed
 
 
-def open_promotions(fleet: WorkerFleet, metrics: GatewayMetrics) -> Promotions | None:
-    """The canaries' rollouts (pools with `promotion:`), applying their weights to the fleet's
-    split and to dflash_pool_weight; None when no pool has one."""
+def open_promotions(fleet: WorkerFleet, metrics: GatewayMetrics) -> Promotions:
+    """The canaries' rollouts (pools with `promotion:`) and operators' pins, applying their
+    weights to the fleet's split and to dflash_pool_weight."""
     rollouts = rollouts_of(fleet.specs)
-    if not rollouts:
-        return None
 
     def apply(weights: dict[str, float]) -> None:
         for pool, weight in weights.items():
@@ -375,7 +374,8 @@ def open_promotions(fleet: WorkerFleet, metrics: GatewayMetrics) -> Promotions |
             rollout.baseline,
             "/".join(f"{share:g}" for share in rollout.spec.stages),
         )
-    return Promotions(rollouts, apply, healthy, metrics.count_decision)
+    weights = {name: spec.weight for name, spec in fleet.specs.items()}
+    return Promotions(rollouts, weights, apply, healthy, metrics.count_decision)
 
 
 def open_capture(
@@ -437,6 +437,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         upstream = upstream_pool(settings)
         fleet = WorkerFleet(settings, client, metrics)
         fleet.promotions = open_promotions(fleet, metrics)
+        shared = None
+        if settings.redis_url is not None:  # every replica routes by the same weights
+            store = redis_client(settings, STORE_DEADLINE_S)
+            shared = SharedPromotions(fleet.promotions, store, settings.promotion_sync_s)
+            shared.start()
         await fleet.start()
         capture = open_capture(settings, metrics, auth.ring)
         proxy = Proxy(settings, fleet, upstream, metrics, capture)
@@ -460,6 +465,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
                 reloader.cancel()
             state.runtime = None
             await tear_down(
+                ("hand the last promotion evidence over", shared.close) if shared else None,
                 ("stop the fleet's health checks", fleet.stop),
                 ("close the health-check client", client.aclose),
                 ("close the watchdog", proxy.watchdog.close),

@@ -477,7 +477,7 @@ def promote(
     stats: list[SpecStats] | None,
 ) -> None:
     """One served request's evidence for its pool's rollout (service/routing/promotion.py)."""
-    if promotions is None or usage is None:
+    if promotions is None or not promotions.rollouts or usage is None:
         return
     acceptance = stats[0].acceptance_length if stats else None
     klass = request_class(call.temperature, usage.prompt_tokens)

@@ -237,6 +237,9 @@ class GatewaySettings(BaseSettings):
     capture_sample_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)  # larger: not captured
     capture_max_bytes: int | None = Field(default=10 * 1024**3, ge=1024)  # total; oldest go
     capture_retention_s: float | None = Field(default=7 * 86400.0, gt=0)
+    # With redis_url: how often each gateway process hands its canaries' evidence over and
+    # reads the shared rollouts and pins back (docs/gateway.md, "Automatic promotion").
+    promotion_sync_s: float = Field(default=0.5, gt=0)
     # OpenTelemetry's own environment (OTEL_*), read with the rest (docs/tracing.md).
     tracing: TracingSettings = Field(default_factory=TracingSettings)
 

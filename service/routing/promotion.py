@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -80,6 +80,64 @@ Status = Literal["testing", "promoted", "rolled_back"]
 
 
 @dataclass
+class Tally:
+    """One stage's evidence: log speeds by pool and class, acceptance, requests, failures."""
+
+    speeds: dict[str, dict[str, Moments]] = field(default_factory=dict)  # pool -> class ->
+    acceptance: dict[str, Moments] = field(default_factory=dict)  # pool ->
+    requests: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def record(self, pool: str, klass: str, speed: float | None, acceptance: float | None) -> None:
+        self.requests[pool] = self.requests.get(pool, 0) + 1
+        if speed is not None and speed > 0 and math.isfinite(speed):
+            self.speeds.setdefault(pool, {}).setdefault(klass, Moments()).add(math.log(speed))
+        if acceptance is not None and math.isfinite(acceptance):
+            self.acceptance.setdefault(pool, Moments()).add(acceptance)
+
+    def fail(self, pool: str) -> None:
+        self.errors[pool] = self.errors.get(pool, 0) + 1
+
+    def fields(self) -> dict[str, float]:
+        """Flat `pool<TAB>what` counters, summable across gateway replicas (promotion_store)."""
+        flat: dict[str, float] = {}
+        for pool, classes in self.speeds.items():
+            for klass, m in classes.items():
+                flat.update(moment_fields(f"{pool}\tspeed\t{klass}", m))
+        for pool, m in self.acceptance.items():
+            flat.update(moment_fields(f"{pool}\tacceptance\t", m))
+        flat.update({f"{pool}\trequests": float(n) for pool, n in self.requests.items()})
+        flat.update({f"{pool}\terrors": float(n) for pool, n in self.errors.items()})
+        return flat
+
+    @classmethod
+    def from_fields(cls, flat: Mapping[str, float]) -> Tally:
+        """The tally `fields` wrote (summed); unknown names are skipped."""
+        tally = cls()
+        for name, value in flat.items():
+            parts = name.split("\t")
+            if len(parts) == 2 and parts[1] in ("requests", "errors"):
+                getattr(tally, parts[1])[parts[0]] = int(value)
+            elif len(parts) == 4 and parts[1] in ("speed", "acceptance"):
+                pool, what, klass, part = parts
+                if what == "speed":
+                    moments = tally.speeds.setdefault(pool, {}).setdefault(klass, Moments())
+                else:
+                    moments = tally.acceptance.setdefault(pool, Moments())
+                if part == "n":
+                    moments.n = int(value)
+                elif part == "sum":
+                    moments.total = value
+                elif part == "squares":
+                    moments.squares = value
+        return tally
+
+
+def moment_fields(prefix: str, m: Moments) -> dict[str, float]:
+    return {f"{prefix}\tn": float(m.n), f"{prefix}\tsum": m.total, f"{prefix}\tsquares": m.squares}
+
+
+@dataclass
 class Rollout:
     """One canary against its baseline: the stage reached and this stage's evidence."""
 
@@ -89,11 +147,24 @@ class Rollout:
     spec: PromotionSpec
     stage: int = 0
     status: Status = "testing"
-    speeds: dict[str, dict[str, Moments]] = field(default_factory=dict)  # pool -> class ->
-    acceptance: dict[str, Moments] = field(default_factory=dict)  # pool ->
-    requests: dict[str, int] = field(default_factory=dict)
-    errors: dict[str, int] = field(default_factory=dict)
+    tally: Tally = field(default_factory=Tally)
     decisions: list[dict[str, Any]] = field(default_factory=list)  # the last few, newest last
+
+    @property
+    def speeds(self) -> dict[str, dict[str, Moments]]:
+        return self.tally.speeds
+
+    @property
+    def acceptance(self) -> dict[str, Moments]:
+        return self.tally.acceptance
+
+    @property
+    def requests(self) -> dict[str, int]:
+        return self.tally.requests
+
+    @property
+    def errors(self) -> dict[str, int]:
+        return self.tally.errors
 
     @property
     def canary_share(self) -> float:
@@ -116,11 +187,13 @@ class Rollout:
         done = self.requests.get(pool, 0) + self.errors.get(pool, 0)
         return self.errors.get(pool, 0) / done if done else 0.0
 
-    def new_stage(self) -> None:
-        self.speeds.clear()
-        self.acceptance.clear()
-        self.requests.clear()
-        self.errors.clear()
+    def moved(self, decision: Decision) -> tuple[int, Status]:
+        """The stage and status a decision leads to."""
+        if decision == "rollback":
+            return self.stage, "rolled_back"
+        stage = self.stage + 1
+        # All of the traffic at the last stage: nothing left to compare.
+        return stage, "promoted" if stage == len(self.spec.stages) - 1 else "testing"
 
 
 def decide(rollout: Rollout, healthy: bool) -> tuple[Decision, Evidence]:
@@ -154,14 +227,21 @@ class Promotions:
     def __init__(
         self,
         rollouts: list[Rollout],
+        base_weights: dict[str, float],
         apply: Apply,
         healthy: Callable[[str], bool],
         count: Callable[[Decision], None],
     ) -> None:
         self.rollouts = {r.canary: r for r in rollouts}
+        self._base_weights = base_weights  # every pool's configured weight (pins fall back)
+        # With a shared store, a pin is written there too (every replica routes by it).
+        self.share_pin: Callable[[str, float | None], Awaitable[None]] | None = None
         self._by_pool = {pool: r for r in rollouts for pool in (r.canary, r.baseline)}
-        self._apply, self._healthy, self._count = apply, healthy, count
+        self._apply, self.healthy, self._count = apply, healthy, count
         self.pins: dict[str, float] = {}
+        # With a shared store: evidence not yet handed over, by canary; decisions are then
+        # taken at the store's sync (one replica takes each), not here on every request.
+        self.pending: dict[str, Tally] | None = None
         for rollout in rollouts:
             apply(rollout.weights())
 
@@ -170,57 +250,82 @@ class Promotions:
         rollout = self._by_pool.get(pool)
         if rollout is None or rollout.status != "testing":
             return
-        rollout.requests[pool] = rollout.requests.get(pool, 0) + 1
-        if speed is not None and speed > 0 and math.isfinite(speed):
-            rollout.speeds.setdefault(pool, {}).setdefault(klass, Moments()).add(math.log(speed))
-        if acceptance is not None and math.isfinite(acceptance):
-            rollout.acceptance.setdefault(pool, Moments()).add(acceptance)
-        self._step(rollout)
+        self._tally(rollout).record(pool, klass, speed, acceptance)
+        if self.pending is None:
+            self.step(rollout)
 
     def failed(self, pool: str) -> None:
         rollout = self._by_pool.get(pool)
         if rollout is not None and rollout.status == "testing":
-            rollout.errors[pool] = rollout.errors.get(pool, 0) + 1
-            self._step(rollout)
+            self._tally(rollout).fail(pool)
+            if self.pending is None:
+                self.step(rollout)
 
-    def _step(self, rollout: Rollout) -> None:
-        decision, evidence = decide(rollout, self._healthy(rollout.canary))
-        if decision == "hold":
-            return
-        before = rollout.canary_share
-        if decision == "rollback":
-            rollout.status = "rolled_back"
-        else:
-            rollout.stage += 1
-            if rollout.stage == len(rollout.spec.stages) - 1:
-                rollout.status = "promoted"  # all of the traffic: nothing left to compare
-        record = {
+    def _tally(self, rollout: Rollout) -> Tally:
+        """Where a request's evidence goes: the rollout's own, or with a shared store
+        (service/routing/promotion_store.py) what this process has not handed over yet."""
+        if self.pending is None:
+            return rollout.tally
+        return self.pending.setdefault(rollout.canary, Tally())
+
+    def step(self, rollout: Rollout) -> None:
+        """Decide on the rollout's evidence, and act on a promotion or rollback."""
+        decision, evidence = decide(rollout, self.healthy(rollout.canary))
+        if decision != "hold":
+            self.move(rollout, decision, evidence, *rollout.moved(decision))
+
+    def record(
+        self, rollout: Rollout, decision: Decision, evidence: Evidence, stage: int, status: Status
+    ) -> dict[str, Any]:
+        """A decision as logged, counted and shown in /admin/pools, with its evidence."""
+        after = 0.0 if status == "rolled_back" else rollout.spec.stages[stage]
+        card = evidence_card(evidence, rollout)
+        return {
             "time": time.time(),
             "decision": decision,
-            "from": before,
-            "to": rollout.canary_share,
-            **evidence_card(evidence, rollout),
+            "from": rollout.canary_share,
+            "to": after,
+            **card,
         }
-        rollout.decisions = [*rollout.decisions, record][-self.KEEP_DECISIONS :]
+
+    def move(
+        self,
+        rollout: Rollout,
+        decision: Decision,
+        evidence: Evidence,
+        stage: int,
+        status: Status,
+        record: dict[str, Any] | None = None,
+    ) -> None:
+        """Take a decision: log it with its evidence, count it, apply its weights."""
+        record = record or self.record(rollout, decision, evidence, stage, status)
         log.warning(
             "promotion: %s canary %s of %s against %s: %g%% -> %g%% (%s)",
             decision,
             rollout.canary,
             rollout.model,
             rollout.baseline,
-            before,
-            rollout.canary_share,
+            record["from"],
+            record["to"],
             ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("time", "decision")),
         )
         self._count(decision)
-        rollout.new_stage()
+        rollout.stage, rollout.status = stage, status
+        rollout.decisions = [*rollout.decisions, record][-self.KEEP_DECISIONS :]
+        rollout.tally = Tally()
         self._publish(rollout)
+
+    def adopt(self, rollout: Rollout, stage: int, status: Status) -> None:
+        """Another replica's decision (read from the shared store): its stage and weights."""
+        if (stage, status) != (rollout.stage, rollout.status):
+            rollout.stage, rollout.status = stage, status
+            self._publish(rollout)
 
     def _publish(self, rollout: Rollout) -> None:
         weights = rollout.weights()
         self._apply({pool: self.pins.get(pool, weight) for pool, weight in weights.items()})
 
-    def pin(self, pool: str, weight: float | None) -> Rollout | None:
+    def pin(self, pool: str, weight: float | None) -> None:
         """An operator's weight for a pool (None: unpinned); it wins over the decisions."""
         if weight is None:
             self.pins.pop(pool, None)
@@ -229,7 +334,14 @@ class Promotions:
         rollout = self._by_pool.get(pool)
         if rollout is not None:
             self._publish(rollout)
-        return rollout
+        else:
+            self._apply({pool: self._base_weights[pool] if weight is None else weight})
+
+    async def set_pin(self, pool: str, weight: float | None) -> None:
+        """`pin`, and with a shared store, for every replica."""
+        if self.share_pin is not None:
+            await self.share_pin(pool, weight)
+        self.pin(pool, weight)
 
 
 def evidence_card(evidence: Evidence, rollout: Rollout) -> dict[str, Any]:

@@ -14,7 +14,14 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from service.routing.promotion import Promotions, PromotionSpec, Rollout, decide, request_class
+from service.routing.promotion import (
+    Promotions,
+    PromotionSpec,
+    Rollout,
+    Tally,
+    decide,
+    request_class,
+)
 from service.routing.sequential import Moments
 from service.settings import GatewaySettings
 
@@ -25,6 +32,7 @@ CLASSES = {  # class: (share of requests, baseline tokens/s)
     "sampled/long": (0.1, 45.0),
 }
 SPREAD = 0.25
+BASE = {"canary": 100.0, "base": 100.0}  # the pools' configured weights
 
 
 @dataclass
@@ -42,7 +50,7 @@ def replay(factor: float, seed: int, requests: int, **spec: Any) -> tuple[Replay
     weights: dict[str, float] = {}
     decisions: list[str] = []
     rollout = Rollout("m", "canary", "base", PromotionSpec(baseline="base", **spec))
-    promotions = Promotions([rollout], weights.update, lambda pool: True, decisions.append)
+    promotions = Promotions([rollout], BASE, weights.update, lambda pool: True, decisions.append)
     shares = []
     classes, shares_of = list(CLASSES), [share for share, _ in CLASSES.values()]
     for _ in range(requests):
@@ -109,7 +117,7 @@ def test_a_failing_or_unhealthy_canary_is_never_promoted() -> None:
 def test_a_pin_wins_over_the_decisions() -> None:
     weights: dict[str, float] = {}
     rollout = trace_rollout()
-    promotions = Promotions([rollout], weights.update, lambda p: True, lambda d: None)
+    promotions = Promotions([rollout], BASE, weights.update, lambda p: True, lambda d: None)
     promotions.pin("canary", 3.0)
     assert weights == {"canary": 3.0, "base": 90.0}
     rng = random.Random(2)
@@ -159,3 +167,22 @@ def test_a_weight_beside_a_promotion_is_refused() -> None:
     with pytest.raises(ValidationError, match="weight is set by the promotion"):
         GatewaySettings(pools=[{**POOLS[0], "weight": 90}, POOLS[1]])
     GatewaySettings(pools=POOLS)  # without: accepted
+
+
+def test_a_tally_survives_its_flat_fields_as_summed_across_replicas() -> None:
+    one, two = Tally(), Tally()
+    one.record("canary", "greedy/short", 100.0, 4.0)
+    two.record("canary", "greedy/short", 120.0, 5.0)
+    two.record("base", "sampled/long", 50.0, None)
+    two.fail("base")
+    summed = {
+        k: one.fields().get(k, 0.0) + two.fields().get(k, 0.0)
+        for k in {*one.fields(), *two.fields()}
+    }
+    back = Tally.from_fields(summed)
+    assert back.requests == {"canary": 2, "base": 1} and back.errors == {"base": 1}
+    assert back.speeds["canary"]["greedy/short"].n == 2
+    assert back.speeds["canary"]["greedy/short"].mean == pytest.approx(
+        (math.log(100) + math.log(120)) / 2
+    )
+    assert back.acceptance["canary"].mean == 4.5 and "base" not in back.acceptance
