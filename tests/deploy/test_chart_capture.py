@@ -153,3 +153,22 @@ def test_the_ci_examples_capture_on_gke_and_eks() -> None:
         "eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/dflash-capture"
     }
     find(eks, "Job", "-adapt-1")
+
+
+def test_a_pools_promotion_reaches_the_gateway_and_the_gateway_takes_it() -> None:
+    from service.settings import GatewaySettings
+
+    pools = json.dumps(
+        [
+            {"name": "base"},
+            {"name": "canary", "promotion": {"baseline": "base", "stages": [5, 50, 100]}},
+        ]
+    )
+    docs = render(set_json=(f"pools={pools}",))
+    raw = settings(docs)["DFLASH_GATEWAY_POOLS"]
+    specs = {p["name"]: p for p in json.loads(raw)}
+    assert specs["canary"]["promotion"] == {"baseline": "base", "stages": [5, 50, 100]}
+    assert "weight" not in specs["canary"] and "weight" not in specs["base"]
+    parsed = GatewaySettings(pools=json.loads(raw))  # what the gateway reads from its env
+    assert parsed.pools[1].promotion is not None
+    assert parsed.pools[1].promotion.stages == (5.0, 50.0, 100.0)

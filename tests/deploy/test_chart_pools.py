@@ -139,10 +139,11 @@ def test_pool_values_merge_over_the_release_values() -> None:
     assert coder["spec"]["replicas"] == 3
     env = named(docs, "ConfigMap", "rel-dflash-serving-gateway")["data"]
     pools = json.loads(env["DFLASH_GATEWAY_POOLS"])
-    assert [(p["model"], p["weight"]) for p in pools] == [
+    # A weight the values leave out stays out: the gateway's default, 100.
+    assert [(p["model"], p.get("weight")) for p in pools] == [
         ("qwen3-8b-dflash", 90),
         ("qwen3-8b-dflash", 10),
-        ("qwen3-coder", 100),
+        ("qwen3-coder", None),
     ]
 
 

@@ -30,8 +30,9 @@
 {{- $model := include "dflash.servedModelName" $ctx -}}
 {{- $weight := 100.0 -}}
 {{- if hasKey $pool "weight" }}{{ $weight = float64 $pool.weight }}{{ end -}}
-{{- $_ := set $ctx "pool" (dict "name" $pool.name "weight" $weight "model" $model) -}}
+{{- $_ := set $ctx "pool" (dict "name" $pool.name "weight" $weight "model" $model "weightGiven" (hasKey $pool "weight")) -}}
 {{- if hasKey $pool "capture" }}{{ $_ := set $ctx.pool "capture" $pool.capture }}{{ end -}}
+{{- with $pool.promotion }}{{ $_ := set $ctx.pool "promotion" . }}{{ end -}}
 {{- $contexts = append $contexts $ctx -}}
 {{- end -}}
 {{- include "dflash.poolGuards" (dict "contexts" $contexts "pools" $root.Values.pools) -}}
@@ -72,8 +73,12 @@
 {{- $gpus := include "dflash.worker.gpusPerWorker" $ctx | int -}}
 {{- /* No pools list (one engine for the release): the gateway's "default" pool. */ -}}
 {{- $pool := (index $ctx "pool") | default (dict "name" "default" "weight" 100.0 "model" (include "dflash.servedModelName" $ctx)) -}}
-{{- $spec := dict "name" $pool.name "model" $pool.model "weight" $pool.weight "engine" $ctx.Values.mode "worker_dns" (include "dflash.worker.dns" $ctx) "gpus_per_worker" $gpus -}}
+{{- $spec := dict "name" $pool.name "model" $pool.model "engine" $ctx.Values.mode "worker_dns" (include "dflash.worker.dns" $ctx) "gpus_per_worker" $gpus -}}
+{{- /* A weight the values leave out stays out (the gateway's default is the same 100): a
+       promotion refuses one that is set. */ -}}
+{{- if or (not (hasKey $pool "weightGiven")) $pool.weightGiven }}{{ $_ := set $spec "weight" $pool.weight }}{{ end -}}
 {{- if hasKey $pool "capture" }}{{ $_ := set $spec "capture" $pool.capture }}{{ end -}}
+{{- with $pool.promotion }}{{ $_ := set $spec "promotion" . }}{{ end -}}
 {{- $out = append $out $spec -}}
 {{- end -}}
 {{- toJson $out -}}
