@@ -17,7 +17,7 @@ from service.metrics import GatewayMetrics, code_label
 from service.proxy import Proxy, ProxyCall
 from service.responses import affinity_text, load, prepare
 from service.routing.fleet import WorkerFleet
-from service.routing.promotion import evidence_card
+from service.routing.promotion import evidence_card, request_class
 from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
 from service.tenancy.auth import ApiKeyAuth
@@ -116,7 +116,7 @@ async def proxy_endpoint(request: Request, schema: type[Any], endpoint: str) -> 
     if endpoint == RESPONSES_PATH:
         return await responses_call(request, state, parsed, payload)
     affinity = None
-    if state.settings.routing == "prefix_affinity":
+    if state.settings.routing != "least_outstanding":
         affinity = prompt_text(parsed, state.settings.affinity_prefix_chars)
     options = parsed.stream_options
     return await forward(
@@ -149,7 +149,7 @@ async def responses_call(
         state.settings.responses_max_bytes,
     )
     affinity = None
-    if state.settings.routing == "prefix_affinity":
+    if state.settings.routing != "least_outstanding":
         affinity = affinity_text(hook.conversation, state.settings.affinity_prefix_chars)
     return await forward(
         request,
@@ -209,7 +209,8 @@ async def forward(
         trace=trace,
         trace_headers=request.scope.get(TRACEPARENT_KEY, b""),
         capture_share=1.0 if tenant is None else tenant.capture,
-        temperature=temperature_of(payload),
+        # The prompt's tokens are not known yet: about 4 bytes of body each.
+        klass=request_class(temperature_of(payload), len(call.get("body", b"")) // 4),
         **call,
     )
     return runtime.proxy.response(proxied)

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="YAML (or JSON) list of pools: name, model, weight, workers and/or worker_dns "
         "(instead of --worker/--worker-dns; env: DFLASH_GATEWAY_POOLS as JSON)",
     )
-    p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity"])
+    p.add_argument("--routing", choices=["least_outstanding", "prefix_affinity", "fastest"])
     p.add_argument(
         "--api-key-file",
         metavar="PATH",

@@ -16,10 +16,10 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.capture.policy import Capture
 from service.metrics import NO_POOL, GatewayMetrics, code_label
-from service.reports import SpecStats, Usage, decode_speed, parse_usage, unwrap
+from service.reports import SpecStats, decode_speed, parse_usage, unwrap
 from service.responses import StoreHook
+from service.routing.fastest import pool_levels
 from service.routing.fleet import Worker, WorkerFleet
-from service.routing.promotion import Promotions, request_class
 from service.routing.upstream import Body, ConnectFailed, ConnectionPool, Target, UpstreamIOError
 from service.routing.upstream import Response as UpstreamResponse
 from service.settings import GatewaySettings
@@ -64,7 +64,9 @@ class ProxyCall:
     # The share of this caller's requests captured for drafter training (the tenant's
     # `capture:`; 1.0 without tenants); the pool's share multiplies it (service/capture/).
     capture_share: float = 0.0
-    temperature: float | None = None  # the request's, for promotion's request classes
+    # The request's class (temperature band, prompt size): promotion compares pools within
+    # it, ROUTING=fastest learns speeds by it (service/routing/promotion.py).
+    klass: str = "sampled/short"
 
     @property
     def rate_headers(self) -> Headers:
@@ -174,9 +176,9 @@ class Outcome:
 def pick(fleet: WorkerFleet, call: ProxyCall, tried: set[str]) -> Worker | None:
     """The fleet's choice; traced, under a routing span naming the pool and worker."""
     if call.trace is None:
-        return fleet.pick(call.model, call.affinity_key, tried)
+        return fleet.pick(call.model, call.affinity_key, tried, call.klass)
     started = time.time_ns()
-    worker = fleet.pick(call.model, call.affinity_key, tried)
+    worker = fleet.pick(call.model, call.affinity_key, tried, call.klass)
     call.trace.routed(started, worker)
     return worker
 
@@ -341,7 +343,7 @@ class Proxy:
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
             stats = worker.wire.spec_stats(parsed, usage)
             self.metrics.observe_spec(call.label, worker.pool, stats)
-            promote(self.fleet.promotions, call, worker, usage, decode_speed(parsed), stats)
+            learn(self.fleet, call, worker, decode_speed(parsed), stats)
             if call.trace is not None:
                 call.trace.replied(parsed, usage, stats)
             body = worker.wire.strip(body, parsed, call.spec_details)
@@ -445,7 +447,7 @@ class Proxy:
             # the request succeeded, and its tokens count like any other.
             if outcome.delivered:
                 self.fleet.report_success(worker)
-                observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet.promotions)
+                observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet)
             raise
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
@@ -462,26 +464,29 @@ class Proxy:
         elif not drained:
             self.fleet.report_success(worker)
         # Counted before the last send, which a client that already left may interrupt.
-        observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet.promotions)
+        observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet)
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return failure is None and not drained
 
 
-def promote(
-    promotions: Promotions | None,
+def learn(
+    fleet: WorkerFleet,
     call: ProxyCall,
     worker: Worker,
-    usage: Usage | None,
     speed: float | None,
     stats: list[SpecStats] | None,
 ) -> None:
-    """One served request's evidence for its pool's rollout (service/routing/promotion.py)."""
-    if promotions is None or not promotions.rollouts or usage is None:
-        return
-    acceptance = stats[0].acceptance_length if stats else None
-    klass = request_class(call.temperature, usage.prompt_tokens)
-    promotions.observe(worker.pool, klass, speed, acceptance)
+    """One served request's decode speed (tokens/s), for its pool's rollout (promotion) and
+    for ROUTING=fastest's estimates at the pool's load."""
+    if fleet.speeds is not None and speed is not None:
+        # Its load as it ran (this request among those in flight: no extra one).
+        level = pool_levels((w for w in fleet.workers.values() if w.pool == worker.pool), 0)
+        fleet.speeds.observe(worker.pool, call.klass, level.get(worker.pool, 0), speed)
+    promotions = fleet.promotions
+    if promotions is not None and promotions.rollouts:
+        acceptance = stats[0].acceptance_length if stats else None
+        promotions.observe(worker.pool, call.klass, speed, acceptance)
 
 
 def capturing(capture: Capture | None, call: ProxyCall, worker: Worker) -> bool:
@@ -575,7 +580,7 @@ def observe_stream(
     worker: Worker,
     tap: SseTap,
     capture: Capture | None = None,
-    promotions: Promotions | None = None,
+    fleet: WorkerFleet | None = None,
 ) -> None:
     """A relayed stream's usage, speculation summary, TTFT and TPOT; its capture, when its tap
     recorded it and it ended whole; its speed for its pool's rollout."""
@@ -605,8 +610,8 @@ def observe_stream(
         tpot = (end - first) / (tokens - 1)
         metrics.child(metrics.tpot, call.label, pool).observe(tpot, exemplar)
         speed = 1.0 / tpot if tpot > 0 else None
-    if tap.done and not tap.errored:
-        promote(promotions, call, worker, usage, speed or decode_speed(final), stats)
+    if fleet is not None and tap.done and not tap.errored:
+        learn(fleet, call, worker, speed or decode_speed(final), stats)
 
 
 def not_sse(response: UpstreamResponse) -> UpstreamFailure | None:

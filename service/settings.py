@@ -16,7 +16,9 @@ from service.tenancy.redis_client import MAX_BULK, RedisAddress, TlsFiles
 from service.tenancy.tenants import KeyRing, parse_key_file
 from wire.tracing import TracingSettings
 
-RoutingPolicy = Literal["least_outstanding", "prefix_affinity"]
+# fastest: each request to the pool expected fastest for it (service/routing/fastest.py),
+# the worker within it by prefix affinity.
+RoutingPolicy = Literal["least_outstanding", "prefix_affinity", "fastest"]
 # What serves a pool: its wire is adapted by service/routing/engines.py (embedded speaks vLLM's).
 Engine = Literal["vllm", "embedded", "sglang", "trtllm"]
 # The name of the one pool of a gateway configured with plain `workers`/`worker_dns`.
@@ -196,6 +198,9 @@ class GatewaySettings(BaseSettings):
     affinity_prefix_chars: int = Field(default=256, ge=1)
     affinity_load_factor: float = Field(default=1.25, ge=1.0)
     affinity_replicas: int = Field(default=64, ge=1)
+    # ROUTING=fastest: the share of requests routed by weights, to keep every pool's speed
+    # estimate current.
+    fastest_exploration: float = Field(default=0.05, ge=0, le=1)
     # Health: active checks of /health, passive ejection after consecutive failures.
     health_interval_s: float = Field(default=2.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)

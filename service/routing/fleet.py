@@ -18,6 +18,7 @@ import httpx
 
 from service.metrics import GatewayMetrics
 from service.routing.engines import WIRES, Wire
+from service.routing.fastest import SpeedMap, drawn_by_weight, pool_levels
 from service.routing.promotion import Promotions
 from service.routing.split import SmoothWeighted, pool_of
 from service.settings import DEFAULT_POOL, GatewaySettings, PoolSpec
@@ -147,6 +148,14 @@ async def lookup(target: str) -> set[str] | None:
     return found
 
 
+def least_outstanding(candidates: list[Worker], turn: int) -> Worker:
+    """The worker with the fewest requests in flight (then waiting); the start rotates with
+    `turn`, so that exact ties (an idle pool) still spread requests."""
+    start = turn % len(candidates)
+    rotated = candidates[start:] + candidates[:start]
+    return min(rotated, key=lambda w: (w.outstanding, w.waiting))
+
+
 class WorkerFleet:
     """Tracks workers and picks one per attempt; background tasks keep membership and health."""
 
@@ -168,6 +177,9 @@ class WorkerFleet:
         self._rings: dict[str, HashRing] = {}  # per pool
         self._turns: dict[str, SmoothWeighted] = {}  # per model: the weighted split's state
         self.promotions: Promotions | None = None  # canaries' rollouts (routing/promotion.py)
+        self.speeds = (
+            SpeedMap(settings.fastest_exploration) if settings.routing == "fastest" else None
+        )
         self._turn = 0
         # routable() runs several times per request: cached until health changes
         # (`invalidate`) or the earliest ejection ends.
@@ -348,32 +360,36 @@ class WorkerFleet:
         """A routable worker names the model in its /v1/models (a bounded metrics label)."""
         return any(model in w.model_ids for w in self.routable())
 
-    def pick(self, model: str, key: str | None, exclude: set[str]) -> Worker | None:
-        """The worker for the next attempt, or None when no routable one is left."""
+    def pick(
+        self, model: str, key: str | None, exclude: set[str], klass: str = ""
+    ) -> Worker | None:
+        """The worker for the next attempt, or None when no routable one is left (`fastest`:
+        the pool expected fastest for `klass`, then prefix affinity within it)."""
         candidates = [w for w in self.routable() if w.url not in exclude and w.serves(model)]
         if not candidates:
             return None
         if len(self.specs) > 1:
-            candidates = self._one_pool(model, candidates, key)
-        if self._settings.routing == "prefix_affinity" and key is not None:
+            candidates = self._one_pool(model, candidates, key, klass)
+        if self._settings.routing != "least_outstanding" and key is not None:
             return self._by_affinity(candidates, key)
-        return self._least_outstanding(candidates)
+        self._turn += 1
+        return least_outstanding(candidates, self._turn)
 
-    def _one_pool(self, model: str, candidates: list[Worker], key: str | None) -> list[Worker]:
-        """The candidates of the pool the weighted split picks among those offered."""
+    def _one_pool(
+        self, model: str, candidates: list[Worker], key: str | None, klass: str
+    ) -> list[Worker]:
+        """The candidates of the pool the weighted split (or `fastest`) picks."""
         offered = list(dict.fromkeys(w.pool for w in candidates))
         if len(offered) == 1:
             return candidates
         affinity = key if self._settings.routing == "prefix_affinity" else None
-        chosen = pool_of(model, offered, self.weights, affinity, self._turns)
+        if self.speeds is None:
+            chosen = pool_of(model, offered, self.weights, affinity, self._turns)
+        else:
+            chosen = self.speeds.choose(klass, pool_levels(candidates)) or drawn_by_weight(
+                {pool: self.weights[pool] for pool in offered}, self.speeds.draw
+            )
         return [w for w in candidates if w.pool == chosen]
-
-    def _least_outstanding(self, candidates: list[Worker]) -> Worker:
-        # Rotate the start so that exact ties (an idle pool) still spread requests.
-        self._turn += 1
-        start = self._turn % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda w: (w.outstanding, w.waiting))
 
     def _by_affinity(self, candidates: list[Worker], key: str) -> Worker:
         """First worker clockwise from the key whose load stays under the bound:
