@@ -9,9 +9,9 @@ observed here once per finished request. Each app owns its CollectorRegistry.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -212,12 +212,47 @@ class EngineCollector(Collector):
         yield self._gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", kv)
 
 
+def describe_adaptation(
+    registry: CollectorRegistry, model_name: str, manifest: dict[str, Any]
+) -> None:
+    """The served drafter's `dflash-train adapt` run (its manifest.json, docs/capture.md): the
+    mean acceptance length it measured before and after, on held-out traffic and on the
+    recipe's prompts, and the run's size. A dashboard shows what the canary was adapted to
+    reach beside what it reaches live."""
+    tau = Gauge(
+        "dflash:drafter_adaptation_tau",
+        "Acceptance length (tau at T=0) the served drafter's adaptation measured",
+        ["model_name", "data", "when"],
+        registry=registry,
+    )
+    measured = manifest.get("tau")
+    for data in ("traffic", "recipe"):
+        values = measured.get(data) if isinstance(measured, dict) else None
+        for when in ("before", "after"):
+            value = values.get(when) if isinstance(values, dict) else None
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                tau.labels(model_name, data, when).set(float(value))
+    runs = Gauge(
+        "dflash:drafter_adaptation_steps",
+        "Training steps of the served drafter's adaptation (absent: not an adapted drafter)",
+        ["model_name"],
+        registry=registry,
+    )
+    steps = manifest.get("steps")
+    if isinstance(steps, int) and not isinstance(steps, bool):
+        runs.labels(model_name).set(steps)
+
+
 class WorkerMetrics:
     """The app's registry: the engine collector plus per-request histograms."""
 
-    def __init__(self, model_name: str, source: StatsSource) -> None:
+    def __init__(
+        self, model_name: str, source: StatsSource, adaptation: dict[str, Any] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(EngineCollector(source, model_name))
+        if adaptation is not None:
+            describe_adaptation(self.registry, model_name, adaptation)
         labels = ["model_name"]
         self._model = model_name
         self.ttft = Histogram(

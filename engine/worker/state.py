@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.worker.metrics import EngineStatsView, WorkerMetrics
 from engine.worker.settings import WorkerSettings
@@ -50,6 +51,20 @@ def build_engine(settings: WorkerSettings) -> AsyncEngine:
     return AsyncEngine(Engine(engine_config(settings)))
 
 
+def adaptation(settings: WorkerSettings) -> dict[str, Any] | None:
+    """The manifest `dflash-train adapt` wrote beside the drafter, when it is an adapted one."""
+    spec = settings.speculative_config
+    path = Path(spec.model) / "manifest.json" if spec is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("the drafter's %s cannot be read (%s): no adaptation metrics", path, exc)
+        return None
+    return manifest if isinstance(manifest, dict) else None
+
+
 class WorkerState:
     """What the routes share: settings, the engine once loaded, drain flag, metrics."""
 
@@ -65,7 +80,7 @@ class WorkerState:
         self.load_error: str | None = None
         self.on_fatal: Callable[[], None] | None = None
         self.on_ready: Callable[[], None] | None = None  # the engine loaded and started
-        self.metrics = WorkerMetrics(settings.model_name, self._stats)
+        self.metrics = WorkerMetrics(settings.model_name, self._stats, adaptation(settings))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Task[None] | None = None
 

@@ -243,3 +243,36 @@ def test_model_server_protocol_series_follow_the_engine_under_load(
     )
     assert metric(done, "vllm:kv_cache_usage_perc") == 0
     assert cache_info(done) == info
+
+
+def test_an_adapted_drafter_exports_what_its_adaptation_measured(
+    tmp_path: Any, tiny_checkpoint: TinyCheckpoint
+) -> None:
+    """dflash-train adapt's manifest.json beside the drafter becomes two gauges; a drafter
+    without one exports neither (docs/capture.md)."""
+    import json
+
+    from engine.worker.metrics import WorkerMetrics
+    from engine.worker.state import adaptation
+
+    manifest = {
+        "steps": 120,
+        "tau": {"traffic": {"before": 3.2, "after": 5.1}, "recipe": {"before": 4.2, "after": 4.1}},
+    }
+    from tests.service.conftest import sample
+
+    text = WorkerMetrics(NAME, lambda: None, manifest).exposition().decode()
+    assert sample(text, "dflash:drafter_adaptation_tau", data="traffic", when="after") == 5.1
+    assert sample(text, "dflash:drafter_adaptation_tau", data="recipe", when="before") == 4.2
+    assert sample(text, "dflash:drafter_adaptation_steps") == 120
+    plain = WorkerMetrics(NAME, lambda: None).exposition().decode()
+    assert "dflash:drafter_adaptation" not in plain
+
+    drafter = tmp_path / "adapted"
+    shutil.copytree(tiny_checkpoint.drafter_dir, drafter)
+    (drafter / "manifest.json").write_text(json.dumps(manifest))
+    spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 3}
+    settings = load_settings(model=str(tiny_checkpoint.target_dir), speculative_config=spec)
+    assert adaptation(settings) == manifest
+    (drafter / "manifest.json").write_text("{truncated")
+    assert adaptation(settings) is None  # unreadable: warned, no gauges, the worker serves
