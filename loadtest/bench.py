@@ -17,6 +17,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "backends": ("loadtest.backends_bench", "embedded worker vs real vLLM, plain and DFlash"),
     "speedup": ("loadtest.speedup_bench", "DFlash worker vs plain worker through HTTP, c=1..32"),
     "gpu": ("loadtest.gpu_bench", "make gpu-bench: engine + step benches on CUDA, one table"),
+    "fleet": (
+        "loadtest.fleet_bench",
+        "mixed stream, DFlash + plain pools: splits vs fastest",
+    ),
 }
 
 # Variants of a benchmark that live in modules of their own, chosen by a flag (they import

@@ -1,0 +1,311 @@
+"""`dflash-bench fleet`: a mixed stream over a DFlash pool and a plain pool, routed by every
+static split and by the gateway's `ROUTING=fastest` (docs/gateway.md), side by side.
+
+Two embedded `dflash-worker`s serve the bundled tiny-coder as a user starts them: one with
+DFlash (its default, adaptive speculation), one plain (`--no-speculation`). Two gateways front
+them, as pools `dflash` and `plain` of one model:
+- `weights`: the static splits, each set through the admin API's pins (`PUT /admin/pools`):
+  everything to DFlash, everything to plain, 25/50/75 % to DFlash;
+- `fastest`: `--routing fastest`, warmed up on the same stream before each concurrency is
+  measured (its estimates form online, as they would in production).
+The split by class (greedy requests to DFlash, sampled ones to plain) is the client's: it
+sends each class straight to its pool's worker (the gateway adds about a millisecond of the
+seconds a request takes here).
+
+The stream: requests from loadtest/prompts/mix.jsonl, greedy and temperature 1.0 interleaved,
+`--max-tokens` new tokens each, a closed loop of c clients for each c in `--concurrency`. Per
+(c, routing): the stream's decode tokens/s (completion tokens over wall time), and each class's
+mean per-request tokens/s. Goals (issue: speculation-aware fleet): `fastest` at least the best
+static split at every c, and no class below 0.9x its speed under that split. Prints a table and
+writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from launcher.processes import free_port, stop, wait_healthy
+from loadtest.backends_bench import (
+    MODEL_NAME,
+    RunningWorker,
+    WorkerSpec,
+    running_workers,
+    worker_env,
+)
+from loadtest.gateway_peers import start_gateway
+from loadtest.harness import aligned, closed_loop, git_commit, int_list
+from loadtest.speedup_bench import worker_argv
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = REPO / "loadtest" / "prompts" / "mix.jsonl"
+STATIC = {"dflash": 100.0, "plain": 0.0, "75/25": 75.0, "50/50": 50.0, "25/75": 25.0}
+CLASSES = ("greedy", "sampled")
+
+
+def stream_prompts() -> list[str]:
+    prompts = []
+    for line in PROMPTS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            item = json.loads(line)
+            if "prompt" in item:
+                prompts.append(str(item["prompt"]))
+    return prompts
+
+
+def request_body(i: int, prompts: Sequence[str], max_tokens: int) -> dict[str, Any]:
+    """Request i of the stream: greedy and temperature 1.0 interleaved."""
+    return {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0 if i % 2 == 0 else 1.0,
+    }
+
+
+def klass(i: int) -> str:
+    return CLASSES[i % 2]
+
+
+@dataclass
+class Served:
+    tokens: int
+    seconds: float
+    klass: str
+    pool: str
+
+
+@dataclass
+class Cell:
+    """One routing at one concurrency."""
+
+    wall_s: float = 0.0
+    served: list[Served] = field(default_factory=list)
+    errors: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(s.tokens for s in self.served) / self.wall_s if self.wall_s else 0.0
+
+    def class_speed(self, name: str) -> float | None:
+        speeds = [s.tokens / s.seconds for s in self.served if s.klass == name and s.seconds]
+        return sum(speeds) / len(speeds) if speeds else None
+
+    def shares(self) -> dict[str, float]:
+        total = len(self.served) or 1
+        pools = {s.pool for s in self.served}
+        return {pool: sum(s.pool == pool for s in self.served) / total for pool in sorted(pools)}
+
+    def row(self) -> dict[str, Any]:
+        speeds = {name: self.class_speed(name) for name in CLASSES}
+        return {
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "class_tokens_per_s": {k: round(v, 1) if v else None for k, v in speeds.items()},
+            "pool_shares": {k: round(v, 3) for k, v in self.shares().items()},
+            "requests": len(self.served),
+            "errors": self.errors,
+        }
+
+
+FAILED = "failed"  # the `pool` of a request that got no answer
+
+
+async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any], i: int) -> Served:
+    started = time.perf_counter()
+    try:
+        reply = await client.post(url + "/v1/chat/completions", json=body)
+    except httpx.HTTPError:
+        return Served(0, 0.0, klass(i), FAILED)
+    if reply.status_code != 200:
+        return Served(0, 0.0, klass(i), FAILED)
+    tokens = int(reply.json()["usage"]["completion_tokens"])
+    pool = reply.headers.get("x-dflash-pool", "direct")
+    return Served(tokens, time.perf_counter() - started, klass(i), pool)
+
+
+async def run_cell(
+    urls: Sequence[str], n: int, c: int, prompts: Sequence[str], max_tokens: int, offset: int
+) -> Cell:
+    """n requests of the stream at concurrency c; request i goes to urls[i % len(urls)] when
+    several (the client's split by class: greedy to the first, sampled to the second)."""
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
+
+        async def send(i: int) -> Served:
+            j = i + offset
+            return await one(client, urls[j % len(urls)], request_body(j, prompts, max_tokens), j)
+
+        results, wall = await closed_loop(n, c, send)
+    cell = Cell(wall_s=wall)
+    for result in results:
+        if result is None or result.pool == FAILED:
+            cell.errors += 1
+        else:
+            cell.served.append(result)
+    return cell
+
+
+def pin(base_url: str, dflash_share: float) -> None:
+    for pool, weight in (("dflash", dflash_share), ("plain", 100.0 - dflash_share)):
+        reply = httpx.put(f"{base_url}/admin/pools/{pool}", json={"weight": weight}, timeout=10)
+        reply.raise_for_status()
+
+
+@contextlib.contextmanager
+def gateways(workers: Sequence[RunningWorker], workdir: Path) -> Iterator[dict[str, str]]:
+    """The `weights` and `fastest` gateways over the two workers, as pools of one model."""
+    pools = workdir / "pools.json"
+    by_mode = {w.spec.mode: w for w in workers}
+    pools.write_text(
+        json.dumps(
+            [
+                {"name": mode, "model": MODEL_NAME, "engine": "embedded", "workers": [w.url]}
+                for mode, w in by_mode.items()
+            ]
+        )
+    )
+    started = []
+    urls = {}
+    try:
+        for name, extra in (("weights", []), ("fastest", ["--routing", "fastest"])):
+            port = free_port()
+            process = start_gateway(port, 0, extra, None, REPO, pools)
+            started.append(process)
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_healthy(urls[name] + "/ready", process, 60, interval=0.2)
+        yield urls
+    finally:
+        for process in started:
+            stop(process)
+
+
+async def measure(
+    workers: Sequence[RunningWorker], urls: dict[str, str], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    prompts = stream_prompts()
+    by_mode = {w.spec.mode: w.url for w in workers}
+    rows = []
+    offset = 0
+    for c in args.concurrency:
+        n = max(args.min_requests, args.requests_per_client * c)
+        cells: dict[str, Cell] = {}
+        for name, share in STATIC.items():
+            pin(urls["weights"], share)
+            cells[name] = await run_cell([urls["weights"]], n, c, prompts, args.max_tokens, offset)
+        split = [by_mode["dflash"], by_mode["plain"]]  # greedy (even i) to DFlash
+        cells["by class"] = await run_cell(split, n, c, prompts, args.max_tokens, offset)
+        warm = await run_cell([urls["fastest"]], n // 2, c, prompts, args.max_tokens, offset + n)
+        del warm  # the estimates at this load form; not measured
+        cells["fastest"] = await run_cell([urls["fastest"]], n, c, prompts, args.max_tokens, offset)
+        offset += 2 * n
+        rows.append(judge(c, cells))
+        print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def judge(c: int, cells: dict[str, Cell]) -> dict[str, Any]:
+    static = {name: cell for name, cell in cells.items() if name != "fastest"}
+    best = max(static, key=lambda name: static[name].tokens_per_s)
+    fastest = cells["fastest"]
+    ratio = fastest.tokens_per_s / static[best].tokens_per_s if static[best].tokens_per_s else None
+    class_ratios = {}
+    for name in CLASSES:
+        ours, theirs = fastest.class_speed(name), static[best].class_speed(name)
+        class_ratios[name] = round(ours / theirs, 3) if ours and theirs else None
+    met = (
+        ratio is not None
+        and ratio >= 1.0
+        and all(r is None or r >= 0.9 for r in class_ratios.values())
+    )
+    return {
+        "concurrency": c,
+        "cells": {name: cell.row() for name, cell in cells.items()},
+        "best_static": best,
+        "fastest_over_best": round(ratio, 3) if ratio else None,
+        "class_over_best": class_ratios,
+        "met": met,
+    }
+
+
+def format_row(row: dict[str, Any]) -> str:
+    cells = row["cells"]
+    parts = [f"c={row['concurrency']}"]
+    parts += [f"{name} {cell['tokens_per_s']}" for name, cell in cells.items()]
+    parts.append(f"best static: {row['best_static']}, fastest/best {row['fastest_over_best']}")
+    return " | ".join(parts)
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    names = list(rows[0]["cells"]) if rows else []
+    header = ["c", *names, "best static", "fastest/best", "greedy", "sampled", "goal"]
+    lines = [header]
+    for row in rows:
+        lines.append(
+            [
+                str(row["concurrency"]),
+                *(f"{row['cells'][n]['tokens_per_s']:.0f}" for n in names),
+                row["best_static"],
+                str(row["fastest_over_best"]),
+                str(row["class_over_best"]["greedy"]),
+                str(row["class_over_best"]["sampled"]),
+                "met" if row["met"] else "NOT met",
+            ]
+        )
+    return aligned(lines, " | ")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-bench fleet", description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16, 32])
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--port-base", type=int, default=0)
+    p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument("--quick", action="store_true", help="c=2, a few short requests (CI)")
+    p.add_argument("--out", type=Path, default=Path("bench-results/fleet.json"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.concurrency, args.requests_per_client, args.min_requests = [2], 2, 4
+        args.max_tokens = 8
+    specs = [WorkerSpec("embedded", "dflash"), WorkerSpec("embedded", "plain")]
+    with tempfile.TemporaryDirectory(prefix="dflash-fleet-") as tmp:
+        workdir = Path(tmp)
+        with (
+            running_workers(specs, args, workdir, worker_argv, worker_env) as workers,
+            gateways(workers, workdir) as urls,
+        ):
+            rows = asyncio.run(measure(workers, urls, args))
+    print(table(rows))
+    report = {
+        "benchmark": "fleet",
+        "commit": git_commit(),
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "rows": rows,
+        "met": all(row["met"] for row in rows),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
