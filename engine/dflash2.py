@@ -9,9 +9,9 @@ share a per-token delta predicted from the normed input:
 Only the block's own tokens pass through it: the context K/V injected from the target are
 projected as in DFlash, unconvolved.
 
-Selector: the lm_head's top-K tokens at each mask row are its candidates, their (scaled,
-soft-capped) logits the unary scores; an edge from candidate p at row l-1 (the anchor,
-the block's first token, for l = 0) to candidate c at row l adds
+Selector: the lm_head's top-K tokens at each mask row are its candidates, their logits
+(times output_multiplier, then soft-capped) the unary scores; an edge from candidate p at
+row l-1 (the anchor, the block's first token, for l = 0) to candidate c at row l adds
     sum_r P[prev, r] * h[l, r] * S[cand c, r],   h = hidden_projection(hidden[l]).
 A greedy walk from the anchor takes the best edge at each row: ONE linear draft, verified
 by the usual rule (engine/speculative.py), so outputs stay the target's exactly.
@@ -155,13 +155,15 @@ class DFlash2Layer(DecoderLayer):
 def top_candidates(
     logits: Tensor, top_k: int, multiplier: float = 1.0, softcap: float = 0.0
 ) -> tuple[Tensor, Tensor]:
-    """logits [.., V] -> (candidate ids [.., K], unary scores [.., K]). The cap and the
-    multiplier are monotone, so they touch only the K values (as vLLM's top-k head)."""
+    """logits [.., V] -> (candidate ids [.., K], unary scores [.., K]). The multiplier and
+    the cap are monotone, so they touch only the K values; multiplier first, then cap, as
+    vLLM's top-k head (`LogitsProcessor.get_top_k_tokens`; its full-vocabulary path caps
+    first, but the selector reads the top-k one)."""
     values, ids = logits.float().topk(top_k, dim=-1)
-    if softcap > 0:
-        values = torch.tanh(values / softcap) * softcap
     if multiplier != 1.0:
         values = values * multiplier
+    if softcap > 0:
+        values = torch.tanh(values / softcap) * softcap
     return ids, values
 
 

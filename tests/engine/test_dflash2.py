@@ -74,11 +74,10 @@ def reference_path(
         before = anchor if previous is None else previous
         best, best_score = -1, float("-inf")
         for c in ids:
-            unary = float(logits[c])
+            unary = float(logits[c]) * extra.output_multiplier  # then the cap (vLLM's order)
             if extra.final_logit_softcapping > 0:
                 cap = extra.final_logit_softcapping
                 unary = cap * float(torch.tanh(torch.tensor(unary / cap, dtype=torch.float64)))
-            unary *= extra.output_multiplier
             pair = sum(float(pred[before, r]) * hp[r] * float(succ[c, r]) for r in range(len(hp)))
             if unary + pair > best_score:
                 best, best_score = c, unary + pair
