@@ -29,6 +29,7 @@ from engine.layers import (
     use_int8_matmuls,
 )
 from engine.model import rope_theta_of
+from engine.sampling import greedy
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -182,6 +183,11 @@ class DFlashDrafter(nn.Module):
         if self._int8_head is not None:
             return self._int8_head.linear(hidden, [self._borrowed[1].weight])
         return linear(self._borrowed[1], hidden)
+
+    def propose(self, anchors: Tensor, hidden: Tensor) -> Tensor:
+        """Draft ids [b, B-1]: the argmax at each mask row of hidden [b, B, hidden]. The
+        anchors [b] (the blocks' first tokens) matter to DFlash2's selector, not here."""
+        return greedy(self.logits(hidden[:, 1:]))
 
     def context(self, features: Tensor) -> Tensor:
         """Concatenated target hidden states [b, c, n*hidden] -> context [b, c, hidden]."""

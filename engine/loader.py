@@ -1,4 +1,7 @@
-"""Reading and writing checkpoints: HF Qwen3 targets and DFlash drafters.
+"""Reading and writing checkpoints: HF Qwen3 targets and DFlash / DFlash2 drafters.
+
+A drafter's kind comes from its config's `architectures` (as vLLM decides it):
+`DFlashDraftModel` or `DFlash2DraftModel` (engine/dflash2.py).
 
 Every problem with a checkpoint surfaces as `CheckpointError` with a one-line message.
 """
@@ -13,6 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from engine.dflash2 import ARCHITECTURE as DFLASH2_ARCHITECTURE
+from engine.dflash2 import DFlash2Config, DFlash2Drafter
 from engine.drafter import DFlashDrafter, DrafterConfig
 from engine.jsonfile import read_json_object
 from engine.model import Qwen3Target, TargetConfig
@@ -102,18 +107,73 @@ def load_drafter(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> DFlashDrafter:
+    """A DFlash or DFlash2 drafter (by `architectures`) fitted to `target`."""
     path = Path(path)
     raw = read_config(path)
-    if "DFlashDraftModel" not in (raw.get("architectures") or []):
-        raise CheckpointError(f"{path}: architectures must include DFlashDraftModel")
+    architectures = raw.get("architectures") or []
+    if not {"DFlashDraftModel", DFLASH2_ARCHITECTURE} & set(architectures):
+        raise CheckpointError(
+            f"{path}: architectures must include DFlashDraftModel or {DFLASH2_ARCHITECTURE}"
+        )
     try:
         config = DrafterConfig.from_dict(raw)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"{path}/config.json: bad or missing field {exc}") from exc
     _check_pair(config, target, path)
-    drafter = DFlashDrafter(config, target.model.embed_tokens, target.lm_head)
-    _load_state(drafter, _read_weights(path), path)
+    weights = _read_weights(path)
+    drafter: DFlashDrafter
+    if DFLASH2_ARCHITECTURE in architectures:
+        extra = _dflash2_config(raw, config, path)
+        _check_dflash2_weights(weights, config, extra, path)
+        drafter = DFlash2Drafter(config, extra, target.model.embed_tokens, target.lm_head)
+    else:
+        drafter = DFlashDrafter(config, target.model.embed_tokens, target.lm_head)
+    _load_state(drafter, weights, path)
     return drafter.to(device=device, dtype=dtype).eval()
+
+
+def _dflash2_config(raw: dict[str, Any], config: DrafterConfig, path: Path) -> DFlash2Config:
+    where = f"{path}/config.json"
+    try:
+        extra = DFlash2Config.from_dict(raw.get("dflash_config") or {})
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: missing dflash_config.{exc.args[0]}") from exc
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: bad dflash_config field ({exc})") from exc
+    problems = extra.problems(config.hidden_size, config.vocab_size)
+    # One block token and at least one mask row for the selector to score.
+    if config.block_size < 2:
+        problems.append(f"block_size {config.block_size} must be >= 2")
+    if problems:
+        raise CheckpointError(f"{where}: {'; '.join(problems)}")
+    return extra
+
+
+def _check_dflash2_weights(
+    weights: dict[str, torch.Tensor], config: DrafterConfig, extra: DFlash2Config, path: Path
+) -> None:
+    """Shapes that follow from dflash_config, checked before loading so that the message
+    names the key and the setting it contradicts (vLLM would load them unchecked)."""
+    hidden, taps = config.hidden_size, extra.conv_kernel_size
+    groups = hidden // extra.conv_group_size
+    expected: dict[str, tuple[int, ...]] = {
+        "candidate_selector.predecessor_codebook": (config.vocab_size, extra.selector_rank),
+        "candidate_selector.successor_codebook": (config.vocab_size, extra.selector_rank),
+        "candidate_selector.hidden_projection.weight": (extra.selector_rank, hidden),
+    }
+    for i in range(config.num_hidden_layers):
+        for conv in ("attention_conv", "mlp_conv"):
+            expected[f"layers.{i}.{conv}.base_kernel"] = (2, taps, hidden)
+            expected[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * taps * groups, hidden)
+    for key, shape in expected.items():
+        if key not in weights:
+            raise CheckpointError(f"{path}: missing DFlash2 weight {key}")
+        if tuple(weights[key].shape) != shape:
+            raise CheckpointError(
+                f"{path}: {key} has shape {list(weights[key].shape)}, expected {list(shape)} "
+                f"(conv_kernel_size {taps}, conv_group_size {extra.conv_group_size}, "
+                f"selector_rank {extra.selector_rank}, hidden_size {hidden})"
+            )
 
 
 def _save(
@@ -131,7 +191,11 @@ def _save(
 
 
 def save_drafter(drafter: DFlashDrafter, path: Path | str) -> None:
-    """Write config.json + model.safetensors (layers.N.*, fc, hidden_norm, norm only)."""
+    """Write config.json + model.safetensors (layers.N.*, fc, hidden_norm, norm only; a
+    DFlash2 drafter adds its convolutions and candidate_selector.*)."""
+    if isinstance(drafter, DFlash2Drafter):
+        _save(drafter, drafter.to_hf_dict(), path)
+        return
     _save(drafter, drafter.config.to_hf_dict(), path)
 
 

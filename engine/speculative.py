@@ -2,7 +2,8 @@
 
 A step over rows (one running request each, in its own cache slot):
 1. ONE drafter forward over every row's block [last, MASK, ...] gives block_size - 1
-   deterministic (argmax) draft tokens per row.
+   deterministic draft tokens per row (DFlash: the argmax at each position; DFlash2: the
+   candidate selector's greedy path, engine/dflash2.py).
 2. ONE target forward verifies every block on top of the rows' target caches.
 3. Per row: the row's logits processors (penalties, logit bias, bad words, ...) run
    position by position, each position seeing the history it extends
@@ -321,14 +322,15 @@ def _propose(
     slots: Tensor,
     index: CacheIndex | None = None,
 ) -> None:
-    """Fill block[:, 1:] with the drafter's argmax proposals (one forward for all rows)."""
+    """Fill block[:, 1:] with the drafter's proposals (one forward for all rows): DFlash's
+    argmax per position, DFlash2's selector path (both deterministic)."""
     assert state.drafter is not None and state.caches.drafter is not None
     hosts = [r.position for r in rows]
     lengths = torch.tensor(hosts, device=state.device)
     hidden = state.drafter.draft_hidden(
         block, positions, state.caches.drafter, slots, lengths, index=index, lengths=hosts
     )
-    block[:, 1:] = greedy(state.drafter.logits(hidden[:, 1:]))  # [b, B-1]
+    block[:, 1:] = state.drafter.propose(block[:, 0], hidden)  # [b, B-1]
 
 
 def accept_greedy(target_choice: list[int], drafts: list[int]) -> tuple[int, int]:

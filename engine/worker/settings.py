@@ -38,6 +38,12 @@ Backend = Literal["embedded", "vllm", "sglang", "trtllm"]
 SERVER_BACKENDS = ("vllm", "sglang", "trtllm")
 SpecMetricsLevel = Literal["none", "summary", "detailed"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float"]
+# "dflash2" names a DFlash2 drafter outright; under "dflash" its config.json says which (as
+# in vLLM, whose architecture decides: DFlash2DraftModel).
+DFLASH_METHODS = ("dflash", "dflash2")
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+# Backends that serve DFlash2 drafters (SGLang's and TensorRT-LLM's DFlash have no selector).
+DFLASH2_BACKENDS = ("embedded", "vllm")
 
 
 class ConfigError(ValueError):
@@ -55,6 +61,8 @@ class SpeculativeConfig(BaseModel):
 
     def as_json(self, num_speculative_tokens: int | None) -> str:
         data = self.model_dump(exclude_none=True)
+        if data["method"] == "dflash2":  # vLLM knows no such method: the drafter's config decides
+            data["method"] = "dflash"
         if num_speculative_tokens is not None:
             data["num_speculative_tokens"] = num_speculative_tokens
         return json.dumps(data, separators=(",", ":"))
@@ -192,6 +200,12 @@ class WorkerSettings(BaseModel):
 
 
 def _check_backend_fields(s: WorkerSettings) -> None:
+    spec = s.speculative_config
+    if spec is not None and spec.method == "dflash2" and s.backend not in DFLASH2_BACKENDS:
+        raise ValueError(
+            f"speculative_config.method: 'dflash2' is served by the "
+            f"{' and '.join(DFLASH2_BACKENDS)} backends, not {s.backend}"
+        )
     if s.backend != "embedded":
         if s.spec_cost_model is not None and s.backend != "vllm":
             raise ValueError("spec_cost_model: the vllm backend's (vLLM's batch-size table)")
@@ -212,13 +226,12 @@ def _check_backend_fields(s: WorkerSettings) -> None:
                 "its device from its build"
             )
         return
-    spec = s.speculative_config
     if s.drafter_int8 and (spec is None or s.device != "cpu"):
         raise ValueError("drafter_int8: needs a drafter (speculative_config) on the CPU")
-    if spec is not None and spec.method != "dflash":
+    if spec is not None and spec.method not in DFLASH_METHODS:
         raise ValueError(
             f"speculative_config.method: {spec.method!r} is not supported by the embedded "
-            "backend (only 'dflash')"
+            "backend (only 'dflash' and 'dflash2')"
         )
     if s.tensor_parallel_size != 1:
         raise ValueError("tensor_parallel_size: the embedded backend runs on one device (use 1)")
@@ -258,8 +271,8 @@ def _check_checkpoints(s: WorkerSettings) -> None:
     if spec is None:
         return
     drafter = _load_checked(spec.model, "speculative_config.model", must_be_local)
-    if drafter is not None and spec.method == "dflash":
-        _check_drafter(drafter, target, spec)
+    if drafter is not None and spec.method in DFLASH_METHODS:
+        _check_drafter(drafter, target, spec, s.backend)
         why = unportable(s.backend, drafter, target)
         if why is not None:
             raise ValueError(why)
@@ -278,11 +291,23 @@ def _load_checked(path: str, field: str, must_be_local: bool) -> dict[str, Any] 
 
 
 def _check_drafter(
-    drafter: dict[str, Any], target: dict[str, Any] | None, spec: SpeculativeConfig
+    drafter: dict[str, Any], target: dict[str, Any] | None, spec: SpeculativeConfig, backend: str
 ) -> None:
     field = "speculative_config.model"
-    if "DFlashDraftModel" not in (drafter.get("architectures") or []):
+    architectures = drafter.get("architectures") or []
+    dflash2 = DFLASH2_ARCHITECTURE in architectures
+    if spec.method == "dflash2" and not dflash2:
+        raise ValueError(
+            f"{field}: {spec.model} is not a DFlash2 drafter (architectures: "
+            f"{DFLASH2_ARCHITECTURE}), as method 'dflash2' asks"
+        )
+    if not dflash2 and "DFlashDraftModel" not in architectures:
         raise ValueError(f"{field}: {spec.model} is not a DFlash drafter (architectures)")
+    if dflash2 and backend not in DFLASH2_BACKENDS:
+        raise ValueError(
+            f"{field}: {spec.model} is a DFlash2 drafter, which the {backend} backend does "
+            f"not serve (use {' or '.join(DFLASH2_BACKENDS)})"
+        )
     block = drafter.get("block_size")
     if not isinstance(block, int) or block < 2:
         raise ValueError(f"{field}: drafter block_size must be an integer >= 2, got {block!r}")

@@ -208,3 +208,46 @@ def test_speculation_is_adaptive_on_the_embedded_backend_unless_fixed(
     assert not load_settings(**dflash, backend="vllm").adaptive_speculation  # vLLM's own
     message = error_of(**dflash, backend="vllm", speculation="adaptive")
     assert message.startswith("invalid worker setting speculation:")
+
+
+@pytest.fixture(scope="module")
+def dflash2(tmp_path_factory: pytest.TempPathFactory) -> TinyCheckpoint:
+    from tests.fixtures.tiny_dflash2 import build_tiny_dflash2_checkpoint
+
+    return build_tiny_dflash2_checkpoint(tmp_path_factory.mktemp("dflash2"))
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash2"])
+def test_a_dflash2_drafter_under_either_method(dflash2: TinyCheckpoint, method: str) -> None:
+    """vLLM decides by the drafter's architecture under "dflash"; "dflash2" says it."""
+    s = load_settings(
+        model=str(dflash2.target_dir),
+        speculative_config={"method": method, "model": str(dflash2.drafter_dir)},
+    )
+    assert s.num_speculative_tokens() == 7  # block_size 8 - 1
+    from engine.worker.state import engine_config
+
+    assert engine_config(s).drafter_path == dflash2.drafter_dir
+
+
+def test_method_dflash2_needs_a_dflash2_drafter(ckpt: TinyCheckpoint) -> None:
+    message = error_of(
+        model=str(ckpt.target_dir),
+        speculative_config={"method": "dflash2", "model": str(ckpt.drafter_dir)},
+    )
+    assert "speculative_config.model" in message and "DFlash2DraftModel" in message
+
+
+def test_dflash2_is_the_embedded_and_vllm_backends(dflash2: TinyCheckpoint) -> None:
+    from engine.worker.vllm_backend import build_vllm_argv
+
+    for method in ("dflash", "dflash2"):
+        config = {"method": method, "model": str(dflash2.drafter_dir)}
+        message = error_of(
+            backend="sglang", model=str(dflash2.target_dir), speculative_config=config
+        )
+        assert "DFlash2" in message or "dflash2" in message
+        s = load_settings(backend="vllm", model=str(dflash2.target_dir), speculative_config=config)
+        argv = build_vllm_argv(s)
+        sent = json.loads(argv[argv.index("--speculative-config") + 1])
+        assert sent["method"] == "dflash"  # vLLM refuses "dflash2": the architecture decides
