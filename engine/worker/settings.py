@@ -42,8 +42,11 @@ Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float"]
 # in vLLM, whose architecture decides: DFlash2DraftModel).
 DFLASH_METHODS = ("dflash", "dflash2")
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
-# Backends that serve DFlash2 drafters (SGLang's and TensorRT-LLM's DFlash have no selector).
-DFLASH2_BACKENDS = ("embedded", "vllm")
+# Backends that serve DFlash2 drafters: vLLM >= 0.28 (qwen3_dflash2.py) and SGLang 0.5.23
+# (`DFlash2DraftModel` in sglang/srt/models/dflash.py, under --speculative-algorithm DFLASH:
+# the drafter's architecture decides, as in vLLM). TensorRT-LLM's DFlash has no selector at
+# any release we can name (its public source at 2fc4bbb knows DFlash only).
+DFLASH2_BACKENDS = ("embedded", "vllm", "sglang")
 
 
 class ConfigError(ValueError):

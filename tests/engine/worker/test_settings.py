@@ -238,15 +238,25 @@ def test_method_dflash2_needs_a_dflash2_drafter(ckpt: TinyCheckpoint) -> None:
     assert "speculative_config.model" in message and "DFlash2DraftModel" in message
 
 
-def test_dflash2_is_the_embedded_and_vllm_backends(dflash2: TinyCheckpoint) -> None:
+def test_dflash2_is_the_embedded_vllm_and_sglang_backends(dflash2: TinyCheckpoint) -> None:
+    from engine.worker.sglang_backend import build_sglang_argv
     from engine.worker.vllm_backend import build_vllm_argv
 
     for method in ("dflash", "dflash2"):
         config = {"method": method, "model": str(dflash2.drafter_dir)}
         message = error_of(
-            backend="sglang", model=str(dflash2.target_dir), speculative_config=config
+            backend="trtllm", model=str(dflash2.target_dir), speculative_config=config
         )
         assert "DFlash2" in message or "dflash2" in message
+        sglang = build_sglang_argv(
+            load_settings(
+                backend="sglang", model=str(dflash2.target_dir), speculative_config=config
+            )
+        )
+        assert sglang[sglang.index("--speculative-algorithm") + 1] == "DFLASH"
+        assert sglang[sglang.index("--speculative-draft-model-path") + 1] == str(
+            dflash2.drafter_dir
+        )
         s = load_settings(backend="vllm", model=str(dflash2.target_dir), speculative_config=config)
         argv = build_vllm_argv(s)
         sent = json.loads(argv[argv.index("--speculative-config") + 1])

@@ -132,6 +132,14 @@ def test_sglangs_own_parser_accepts_the_argv(
             "16",
         ),
     }
+    # A DFlash2 drafter: the same flags (SGLang 0.5.23 picks DFlash2DraftModel from its config).
+    from tests.fixtures.tiny_dflash2 import build_tiny_dflash2_checkpoint
+
+    d2 = build_tiny_dflash2_checkpoint(tmp_path / "d2")
+    d2_spec = json.dumps({"method": "dflash2", "model": str(d2.drafter_dir)})
+    cases["dflash2"] = dry_run(
+        capsys, str(d2.target_dir), "--max-model-len", "1024", "--speculative-config", d2_spec
+    )
     # Tracing (docs/tracing.md): OTEL_* become SGLang's own flags.
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://collector:4317")
     monkeypatch.setenv("OTEL_SERVICE_NAME", "pool-a")
@@ -147,6 +155,9 @@ def test_sglangs_own_parser_accepts_the_argv(
     assert results["dflash"]["speculative_num_draft_tokens"] == 16  # the drafter's block_size
     assert results["k7"]["speculative_num_draft_tokens"] == 8
     assert results["plain"]["speculative_algorithm"] in (None, "NONE")
+    assert "error" not in results["dflash2"], results["dflash2"]
+    assert results["dflash2"]["speculative_algorithm"] == "DFLASH"
+    assert results["dflash2"]["speculative_num_draft_tokens"] == 8  # its block_size
     assert "must match" in results["mismatch"]["error"], results["mismatch"]
     traced = results["traced"]
     assert "error" not in traced, traced

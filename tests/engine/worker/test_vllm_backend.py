@@ -81,6 +81,23 @@ def _argv(*args: str) -> list[str]:
     return build_vllm_argv(settings)
 
 
+def dflash2_case(tmp: Path) -> dict[str, Any]:
+    """A DFlash2 drafter as `dflash-worker --backend vllm` hands it over: method "dflash" (vLLM
+    refuses "dflash2"; the drafter's architecture decides)."""
+    from tests.fixtures.tiny_dflash2 import build_tiny_dflash2_checkpoint
+
+    d2 = build_tiny_dflash2_checkpoint(tmp / "dflash2")
+    argv = _argv(
+        "--backend",
+        "vllm",
+        str(d2.target_dir),
+        "--speculative-config",
+        json.dumps({"method": "dflash2", "model": str(d2.drafter_dir)}),
+    )
+    spec = json.loads(argv[argv.index("--speculative-config") + 1])
+    return {"target": str(d2.target_dir), "spec": spec, "max_model_len": 1024}
+
+
 def _cases(ckpt: TinyCheckpoint, tmp: Path) -> dict[str, Any]:
     spec = json.dumps({"method": "dflash", "model": str(ckpt.drafter_dir)})
     good = _argv(
@@ -137,6 +154,7 @@ def _cases(ckpt: TinyCheckpoint, tmp: Path) -> dict[str, Any]:
         "tiny": engine_case(ckpt.target_dir, ckpt.drafter_dir, 3),
         "schedule": {"target": str(ckpt.target_dir), "spec": scheduled_spec, "max_model_len": 1024},
         "wrong_arch": engine_case(ckpt.target_dir, wrong_arch, 3),
+        "dflash2": dflash2_case(tmp),
         "broken_json": engine_case(ckpt.target_dir, broken, 3),
     }
     if BUNDLED:
@@ -165,6 +183,9 @@ def contract(
         "TRANSFORMERS_OFFLINE": "1",
         "OMP_NUM_THREADS": "1",
         "VLLM_LOGGING_LEVEL": "ERROR",
+        # DFlash2's selector runs on Model Runner V2 only (V1 refuses "DFlash candidate-head
+        # drafts"); the config resolution checked here needs no runner.
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
     }
     proc = subprocess.run(
         [str(VLLM_PYTHON), str(tmp / "probe.py"), str(tmp / "cases.json")],
@@ -212,6 +233,15 @@ def test_vllm_resolves_our_drafter_as_dflash(contract: dict[str, Any]) -> None:
     assert tiny["method"] == "dflash" and tiny["k"] == 3
     assert tiny["draft_arch"] == ["DFlashDraftModel"]
     assert tiny["target_arch"] == ["Qwen3ForCausalLM"]
+
+
+def test_vllm_resolves_a_dflash2_drafter_from_our_argv(contract: dict[str, Any]) -> None:
+    """vLLM 0.33's config resolution (no engine: its DFlash2 runs on Model Runner V2 only,
+    which needs Triton, absent from any CPU build: docs/worker.md) takes the argv's
+    speculative config and picks DFlash2DraftModel from the drafter's architecture."""
+    d2 = contract["results"]["engine"]["dflash2"]
+    assert d2["ok"], d2
+    assert d2["method"] == "dflash" and d2["draft_arch"] == ["DFlash2DraftModel"]
 
 
 def test_vllm_rejects_malformed_drafters(contract: dict[str, Any]) -> None:
