@@ -267,3 +267,33 @@ def test_tracing_reaches_the_gateway_and_every_engine(
     options = yaml.safe_load(find(docs, "ConfigMap", "-trtllm")["data"]["llm-api-options.yaml"])
     assert options == yaml.safe_load(translated("trtllm", NO_KEY).split("\n---\n", 1)[1])
     assert options["otlp_traces_endpoint"] == url
+
+
+def test_a_dflash2_drafter_on_every_engine_that_serves_it() -> None:
+    """model.speculative.method dflash2 (docs/worker.md, DFlash2 drafters): dflash-worker gets
+    it as given; `vllm serve` itself and SGLang get DFlash's flags (they read the kind from
+    the drafter's architecture); TensorRT-LLM refuses it, naming the value."""
+    import json as _json
+
+    from tests.deploy.chart import find, helm, render, template_args
+
+    docs = render(("ci/dflash2-b200-values.yaml",))
+    args = find(docs, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0]["args"]
+    spec = _json.loads(args[args.index("--speculative-config") + 1])
+    assert spec == {
+        "method": "dflash2",
+        "model": "z-lab/Qwen3.8-27B-DFlash2",
+        "num_speculative_tokens": 7,
+    }
+    direct = render(("ci/dflash2-b200-values.yaml",), ("worker.launcher=vllm",))
+    args = find(direct, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert _json.loads(args[args.index("--speculative-config") + 1])["method"] == "dflash"
+    sglang = render(("ci/dflash2-b200-values.yaml",), ("mode=sglang",))
+    args = find(sglang, "Deployment", "-worker")["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert args[args.index("--speculative-algorithm") + 1] == "DFLASH"
+    refused = helm(*template_args(("ci/dflash2-b200-values.yaml",), ("mode=trtllm",)))
+    assert refused.returncode != 0 and "model.speculative.method: dflash2" in refused.stderr

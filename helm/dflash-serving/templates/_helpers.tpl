@@ -164,6 +164,13 @@ dflash-serving/pool: {{ $pool }}
 {{/* The speculative config JSON exactly as `vllm serve --speculative-config` takes it. */}}
 {{- define "dflash.speculativeConfig" -}}
 {{- $spec := .Values.model.speculative -}}
+{{- dict "method" ($spec.method | default "dflash") "model" $spec.drafter "num_speculative_tokens" (int $spec.numSpeculativeTokens) | toJson -}}
+{{- end -}}
+
+{{/* The same for `vllm serve` itself (worker.launcher vllm): vLLM 0.33 knows no method
+     "dflash2"; a DFlash2 drafter's architecture (DFlash2DraftModel) decides under "dflash". */}}
+{{- define "dflash.vllmSpeculativeConfig" -}}
+{{- $spec := .Values.model.speculative -}}
 {{- dict "method" "dflash" "model" $spec.drafter "num_speculative_tokens" (int $spec.numSpeculativeTokens) | toJson -}}
 {{- end -}}
 

@@ -130,7 +130,7 @@
 {{- end }}
 {{- if $.Values.model.speculative.enabled }}
 - --speculative-config
-- {{ include "dflash.speculativeConfig" $ | quote }}
+- {{ include "dflash.vllmSpeculativeConfig" $ | quote }}
 - --per-request-spec-decode-metrics
 - {{ $w.perRequestSpecDecodeMetrics | quote }}
 {{- end }}
@@ -212,6 +212,9 @@
 {{- $_ := set $options "otlp_traces_endpoint" (include "dflash.tracing.url" .) -}}
 {{- end -}}
 {{- if $spec.enabled -}}
+{{- if eq ($spec.method | default "dflash") "dflash2" -}}
+{{- fail "model.speculative.method: dflash2 is not served by TensorRT-LLM (its DFlash has no candidate selector at any release we can name); use engine vllm or sglang" -}}
+{{- end -}}
 {{- $_ := set $options "speculative_config" (dict "decoding_type" "DFlash" "max_draft_len" (int $spec.numSpeculativeTokens) "speculative_model" $spec.drafter) -}}
 {{- end -}}
 {{- toYaml (mergeOverwrite $options (deepCopy .Values.trtllm.extraLlmApiOptions)) -}}
