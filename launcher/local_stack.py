@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +33,11 @@ from service.cli import GatewayServer, configure_logging, describe_invalid, key_
 from service.routing.promotion import PromotionSpec
 from service.settings import POOL_NAME, GatewaySettings, PoolSpec, check_pools
 from wire.http import run_servers
+
+# The bundled drafters (`--drafter`): the speculative method and their folder. A path, not an
+# import: dflash-serve runs in the gateway's install, without the engine.
+ASSETS = Path(__file__).resolve().parents[1] / "engine" / "assets" / "tiny-coder"
+BUNDLED_DRAFTERS = {"dflash": ("dflash", "dflash"), "dflash2": ("dflash2", "dflash2")}
 
 
 class LocalPool(BaseModel):
@@ -111,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-speculation", action="store_true", help="plain decoding (no drafter)")
     p.add_argument(
+        "--drafter",
+        choices=sorted(BUNDLED_DRAFTERS),
+        default=None,
+        help="which bundled drafter the embedded workers use: dflash (the default) or dflash2 "
+        "(DFlash2: a grouped convolution and a candidate selector; docs/worker.md)",
+    )
+    p.add_argument(
         "--compare",
         action="store_true",
         help="also serve a plain-decoding pool on --compare-port, beside the DFlash one",
@@ -157,10 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def drafter_args(name: str | None) -> tuple[str, ...]:
+    """--drafter NAME as the worker's --speculative-config (none: the worker's default, the
+    bundled DFlash drafter)."""
+    if name is None:
+        return ()
+    method, folder = BUNDLED_DRAFTERS[name]
+    config = {"method": method, "model": str(ASSETS / folder)}
+    return (f"--speculative-config={json.dumps(config)}",)
+
+
 def plan(args: argparse.Namespace) -> list[LocalGateway]:
     """The gateways to start: one over one pool, one over the pools of --pools FILE, or a
     DFlash and a plain one side by side with --compare. --worker-arg applies to every pool."""
-    extra = tuple(args.worker_arg)
+    extra = (*drafter_args(args.drafter), *args.worker_arg)
 
     def pool(name: str, speculation: bool) -> LocalPool:
         return LocalPool(
@@ -177,6 +200,7 @@ def plan(args: argparse.Namespace) -> list[LocalGateway]:
             "--backend": args.backend is not None,
             "--compare": args.compare,
             "--no-speculation": args.no_speculation,
+            "--drafter": args.drafter is not None,
         }
         clash = [flag for flag, set_ in given.items() if set_]
         if clash:

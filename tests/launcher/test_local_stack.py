@@ -303,3 +303,18 @@ def test_the_tracing_page_s_dflash_serve_command_gives_one_trace(tiny_checkpoint
 
 def code_blocks_of(doc: Path) -> list[str]:
     return re.findall(r"^```bash\n(.*?)^```", doc.read_text(), flags=re.M | re.S)
+
+
+def test_drafter_names_a_bundled_drafter_for_every_worker() -> None:
+    from launcher.local_stack import ASSETS, build_parser, plan
+
+    (gateway,) = plan(build_parser().parse_args(["--drafter", "dflash2"]))
+    (pool,) = gateway.pools
+    (arg,) = [a for a in pool.worker_args if a.startswith("--speculative-config=")]
+    config = json.loads(arg.removeprefix("--speculative-config="))
+    assert config == {"method": "dflash2", "model": str(ASSETS / "dflash2")}
+    dflash, plain = plan(build_parser().parse_args(["--drafter", "dflash", "--compare"]))
+    assert any("tiny-coder/dflash\"" in a for a in dflash.pools[0].worker_args)
+    assert plain.pools[0].speculation is False  # the plain pool drops the drafter at start
+    with pytest.raises(ValueError, match="--drafter"):
+        plan(build_parser().parse_args(["--drafter", "dflash2", "--pools", "x.yaml"]))
