@@ -3,8 +3,6 @@ requests each sent to the pool that serves their class fastest."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import math
 from collections import Counter
 
@@ -14,7 +12,8 @@ import pytest
 from service.routing.fastest import MIN_SAMPLES, SpeedMap, load_level, pool_levels
 from service.routing.fleet import Worker
 from tests.service.conftest import running_gateway
-from tests.service.fake_upstream import MODEL, Request, fake_worker, reply
+from tests.service.fake_upstream import MODEL, Handler, fake_worker
+from tests.service.routing.test_promotion_gateway import reporting
 
 
 def trained(**speeds: float) -> SpeedMap:
@@ -54,28 +53,9 @@ def test_load_levels_double() -> None:
     assert pool_levels([a, b, c]) == {"x": load_level(2.5), "y": 0}
 
 
-def class_worker(greedy: float, sampled: float):  # type: ignore[no-untyped-def]
+def class_worker(greedy: float, sampled: float) -> Handler:
     """A fake worker whose decode speed depends on the request's temperature."""
-
-    async def handler(request: Request, writer: asyncio.StreamWriter) -> None:
-        temperature = json.loads(request.body).get("temperature", 1.0)
-        body = {
-            "id": "c",
-            "object": "chat.completion",
-            "model": MODEL,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "x"},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
-            "metrics": {"tokens_per_second": greedy if temperature == 0 else sampled},
-        }
-        writer.write(reply("200 OK", json.dumps(body).encode()))
-
-    return handler
+    return reporting(lambda request: greedy if request.get("temperature", 1.0) == 0 else sampled)
 
 
 def test_each_class_goes_where_it_is_served_fastest() -> None:

@@ -8,18 +8,20 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
 from tests.service.conftest import running_gateway
-from tests.service.fake_upstream import MODEL, Request, fake_worker, reply
+from tests.service.fake_upstream import MODEL, Handler, Request, fake_worker, reply
 
 
-def speed_worker(tokens_per_second: float, seed: int):  # type: ignore[no-untyped-def]
-    rng = random.Random(seed)
+def reporting(speed: Callable[[dict[str, Any]], float]) -> Handler:
+    """A fake worker answering every chat request with the decode speed `speed(request)`
+    in vLLM's per-request `metrics.tokens_per_second` (promotion and fastest routing read it)."""
 
     async def handler(request: Request, writer: asyncio.StreamWriter) -> None:
-        speed = tokens_per_second * rng.lognormvariate(0, 0.1)
         body = {
             "id": "c",
             "object": "chat.completion",
@@ -32,24 +34,35 @@ def speed_worker(tokens_per_second: float, seed: int):  # type: ignore[no-untype
                 }
             ],
             "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
-            "metrics": {"tokens_per_second": speed},
+            "metrics": {"tokens_per_second": speed(json.loads(request.body))},
         }
         writer.write(reply("200 OK", json.dumps(body).encode()))
 
     return handler
 
 
+def speed_worker(tokens_per_second: float, seed: int) -> Handler:
+    """Decode speed around `tokens_per_second`, 10 % spread."""
+    rng = random.Random(seed)
+    return reporting(lambda _: tokens_per_second * rng.lognormvariate(0, 0.1))
+
+
+def canary_pools(base: str, canary: str) -> list[dict[str, Any]]:
+    """A baseline pool and a canary promoted against it (20 samples a stage)."""
+    return [
+        {"name": "base", "model": MODEL, "workers": [base]},
+        {
+            "name": "canary",
+            "model": MODEL,
+            "workers": [canary],
+            "promotion": {"baseline": "base", "min_samples": 20},
+        },
+    ]
+
+
 def test_a_faster_canary_is_promoted_to_all_the_traffic() -> None:
     with fake_worker(speed_worker(100.0, 1)) as base, fake_worker(speed_worker(130.0, 2)) as canary:
-        pools = [
-            {"name": "base", "model": MODEL, "workers": [base.url]},
-            {
-                "name": "canary",
-                "model": MODEL,
-                "workers": [canary.url],
-                "promotion": {"baseline": "base", "min_samples": 20},
-            },
-        ]
+        pools = canary_pools(base.url, canary.url)
         with (
             running_gateway(pools=pools, engine_check=None)
             if False

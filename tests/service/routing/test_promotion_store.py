@@ -15,7 +15,7 @@ import pytest
 from tests.fixtures.redis import RedisServer, running_redis
 from tests.service.conftest import running_gateway, wait_until
 from tests.service.fake_upstream import MODEL, fake_worker
-from tests.service.routing.test_promotion_gateway import speed_worker
+from tests.service.routing.test_promotion_gateway import canary_pools, speed_worker
 
 SYNC_S = 0.1
 
@@ -33,15 +33,7 @@ def weights(client: httpx.Client, base_url: str) -> dict[str, Any]:
 
 def test_two_replicas_route_by_the_same_weights(redis_server: RedisServer) -> None:
     with fake_worker(speed_worker(100.0, 1)) as base, fake_worker(speed_worker(130.0, 2)) as canary:
-        pools = [
-            {"name": "base", "model": MODEL, "workers": [base.url]},
-            {
-                "name": "canary",
-                "model": MODEL,
-                "workers": [canary.url],
-                "promotion": {"baseline": "base", "min_samples": 20},
-            },
-        ]
+        pools = canary_pools(base.url, canary.url)
         shared = {"pools": pools, "redis_url": redis_server.url, "promotion_sync_s": SYNC_S}
         with running_gateway(**shared) as one, running_gateway(**shared) as two:
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
