@@ -314,7 +314,7 @@ def test_drafter_names_a_bundled_drafter_for_every_worker() -> None:
     config = json.loads(arg.removeprefix("--speculative-config="))
     assert config == {"method": "dflash2", "model": str(ASSETS / "dflash2")}
     dflash, plain = plan(build_parser().parse_args(["--drafter", "dflash", "--compare"]))
-    assert any("tiny-coder/dflash\"" in a for a in dflash.pools[0].worker_args)
+    assert any('tiny-coder/dflash"' in a for a in dflash.pools[0].worker_args)
     assert plain.pools[0].speculation is False  # the plain pool drops the drafter at start
     with pytest.raises(ValueError, match="--drafter"):
         plan(build_parser().parse_args(["--drafter", "dflash2", "--pools", "x.yaml"]))
