@@ -35,3 +35,15 @@ def gateway(worker):  # type: ignore[no-untyped-def]
 
     with running_gateway(workers=[worker.base_url]) as gw:
         yield gw
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():  # type: ignore[no-untyped-def]
+    """Tiny ops on a shared 2-core CPU: intra-op threads only add contention. A module uses it
+    with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -10,7 +10,6 @@ import errno
 import io
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,12 +29,7 @@ TOPICS = ["the sea", "a red fox", "winter", "coffee", "mountains", "trains", "th
 TOPICS += ["bread", "snow", "bees", "a river", "the desert", "a garden"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _sample(
