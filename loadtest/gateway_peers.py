@@ -186,7 +186,7 @@ def start_gateway(
     pools: Path | None = None,
     settings: dict[str, str] | None = None,
     module: str = "service.cli",
-    otel: dict[str, str] | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """`dflash-gateway` from source tree `src` in front of the stub, without API keys (unless
     `settings`, DFLASH_GATEWAY_* values, give some); with `pools`, configured by that pools
@@ -206,7 +206,7 @@ def start_gateway(
         "PYTHONPATH": str(src),
     }
     env.pop("DFLASH_GATEWAY_API_KEY_FILE", None)
-    env.update(otel or {})  # OpenTelemetry's own variables (--tracing)
+    env.update(env_extra or {})  # OTEL_* (--tracing), a store's client (--capture)
     for name, value in (settings or {}).items():
         env[f"DFLASH_GATEWAY_{name.upper()}"] = value
     argv = [sys.executable, "-m", module, "--port", str(port)]
@@ -236,7 +236,7 @@ def start_peers(
     if args.tracing:
         peers += tracing_peers(args, upstream)
     if args.capture:
-        peers.append(capture_peer(args, upstream, workdir))
+        peers += capture_peers(args, upstream, workdir)
     if "nginx" not in missing:
         port = free_port()
         conf = workdir / "nginx.conf"
@@ -333,18 +333,45 @@ def tracing_peers(args: argparse.Namespace, upstream: int) -> list[Peer]:
             "OTEL_TRACES_SAMPLER_ARG": ratio,
         }
         port = free_port()
-        process = start_gateway(port, upstream, [], args.proxy_cpu, otel=otel)
+        process = start_gateway(port, upstream, [], args.proxy_cpu, env_extra=otel)
         peers.append(Peer(f"dflash-gateway (tracing {name})", port, process, "/ready"))
     peers[-1].companions.append(sink)
     return peers
 
 
-def capture_peer(args: argparse.Namespace, upstream: int, workdir: Path) -> Peer:
-    """The gateway capturing every request into a local folder (docs/capture.md)."""
+def capture_peers(args: argparse.Namespace, upstream: int, workdir: Path) -> list[Peer]:
+    """The gateway capturing every request into a local folder (docs/capture.md); and one
+    capturing into an S3 store that is down for the whole run (nothing listens at its
+    endpoint): it must serve every request with its memory bounded, counting the drops."""
+    # A shard a second (the default is a minute): the run's samples are written, and counted,
+    # before it ends; more writes than production makes, so the cost is not understated.
     port = free_port()
-    settings = {"capture_uri": str(workdir / "capture")}
+    settings = {"capture_uri": str(workdir / "capture"), "capture_flush_s": "1"}
     process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings)
-    return Peer("dflash-gateway (capture)", port, process, "/ready")
+    peers = [Peer("dflash-gateway (capture)", port, process, "/ready")]
+    down = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}",
+    }
+    port = free_port()
+    settings = {"capture_uri": "s3://bench/capture", "capture_flush_s": "1"}
+    process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings, env_extra=down)
+    peers.append(Peer("dflash-gateway (capture, store down)", port, process, "/ready"))
+    return peers
+
+
+def capture_outcomes(port: int) -> dict[str, float]:
+    """dflash_capture_samples_total by outcome, after the run."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        text = answer.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("dflash_capture_samples_total{"):
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            found[outcome] = float(line.rsplit(" ", 1)[1])
+    return found
 
 
 # The variants of the gateway whose CPU cost is compared with the plain gateway's, and the
@@ -683,6 +710,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             rows = asyncio.run(run(args, stub, peers))
             versions = peer_versions(peers)
+            captured = {p.name: capture_outcomes(p.port) for p in peers if "capture" in p.name}
         finally:
             for peer in peers:
                 for process in (peer.process, *peer.companions):
@@ -691,9 +719,17 @@ def main(argv: list[str] | None = None) -> int:
     costs = cost_over_plain(rows)
     if costs:
         print(f"cost (x of the plain gateway's CPU): {json.dumps(costs)}")
+    for name, outcomes in captured.items():
+        print(f"{name}: samples {json.dumps(outcomes)}")
     for name, why in missing.items():
         print(f"missing {name}: {why}")
     write_report(
-        "gateway-peers", args, versions=versions, missing=missing, results=rows, costs=costs
+        "gateway-peers",
+        args,
+        versions=versions,
+        missing=missing,
+        results=rows,
+        costs=costs,
+        capture=captured,
     )
     return 0
