@@ -108,6 +108,10 @@ class CaptureWriter:
                 break
             for raw in batch:
                 self._add(raw)
+                # Hand the GIL to the event loop between samples: a burst's samples would
+                # otherwise hold it for up to a switch interval (5 ms) at a time while
+                # streams wait to open.
+                time.sleep(0)
             if self._due():
                 self._flush()
         self._flush()
