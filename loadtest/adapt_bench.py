@@ -154,8 +154,8 @@ def parse_adapt(stdout: str) -> dict[str, float | None]:
     recipe = re.search(r"recipe held-out \((\d+) prompts\)" + ROW, stdout)
     if traffic is None:
         raise RuntimeError(f"dflash-train adapt printed no tau table:\n{stdout[-2000:]}")
-    out = {
-        "heldout_requests": float(traffic[1]),
+    out: dict[str, float | None] = {
+        "heldout_requests": int(traffic[1]),
         "traffic_before": _number(traffic[2]),
         "traffic_after": _number(traffic[3]),
     }
