@@ -20,22 +20,26 @@ from tests.fixtures.worker import ROOT, free_port, metric, scrape
 
 TOPICS = ["the sea", "a red fox", "winter", "coffee", "mountains", "trains", "the moon", "rain"]
 TOPICS += ["bread", "snow", "bees", "a river", "the desert", "a garden", "autumn", "a cat"]
+TOPICS += ["a violin", "the stars", "a market", "a bicycle"]
 ASKS = ["Write a short poem about {}.", "Tell me a story about {}."]
-PROSE = [ask.format(topic) for topic in TOPICS for ask in ASKS]  # 32 requests
+PROSE = [ask.format(topic) for topic in TOPICS for ask in ASKS]  # 40 requests
 
 
 def send(port: int, prompts: list[str]) -> list[str]:
-    """Greedy chat requests through the gateway; the pool that served each one."""
+    """Greedy chat requests through the gateway; the pool that served each one. Each has its
+    own X-Request-Id (the gateway keeps a client's): adapt splits train and held-out by
+    request id, so the same ids make the same split on every run."""
     pools = []
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             body = {
                 "model": "tiny-coder",
                 "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": 32,
+                "max_tokens": 48,
                 "temperature": 0,
             }
-            reply = client.post("/v1/chat/completions", json=body)
+            headers = {"X-Request-Id": f"loop-{i}"}
+            reply = client.post("/v1/chat/completions", json=body, headers=headers)
             assert reply.status_code == 200, reply.text
             pools.append(reply.headers["x-dflash-pool"])
     return pools
@@ -62,7 +66,7 @@ def test_captured_traffic_adapts_a_canary_whose_acceptance_beats_the_bundled_dra
 
     # 3. Adapt (a few steps; the recipe set is made small, as no distillation data exists).
     argv = [sys.executable, "-m", "engine.train.cli", "adapt", "--data", str(capture)]
-    argv += ["--out", str(adapted), "--steps", "60", "--batch-seqs", "4", "--device", "cpu"]
+    argv += ["--out", str(adapted), "--steps", "80", "--batch-seqs", "4", "--device", "cpu"]
     argv += ["--recipe-data", str(tmp_path / "no-distill"), "--recipe-samples", "8"]
     argv += ["--eval-prompts", "2", "--eval-tokens", "24"]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
