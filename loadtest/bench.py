@@ -16,6 +16,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("loadtest.sweep", "throughput at fixed interactivity: Locust over concurrencies"),
     "backends": ("loadtest.backends_bench", "embedded worker vs real vLLM, plain and DFlash"),
     "speedup": ("loadtest.speedup_bench", "DFlash worker vs plain worker through HTTP, c=1..32"),
+    "adapt": (
+        "loadtest.adapt_bench",
+        "capture a new domain, dflash-train adapt, old vs new drafter",
+    ),
     "gpu": ("loadtest.gpu_bench", "make gpu-bench: engine + step benches on CUDA, one table"),
     "fleet": (
         "loadtest.fleet_bench",

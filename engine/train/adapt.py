@@ -21,7 +21,8 @@ verification rejects).
 Recipe data (`recipe_data`, the `distill` stage's chunks) mixed into each batch keeps the
 drafter's recipe skill: traffic only, recipe tau fell 4.20 -> 3.21; with 25 % recipe rows
 it fell to 3.75, with 50 % (the default) to 4.00, for a small cost on traffic (8.17 and
-7.84 against 8.53).
+7.84 against 8.53). Without distillation chunks (a fresh clone), adapt makes a small set of
+the same kind itself (engine/train/adapt_recipe.py).
 
 Exit status (engine/train/cli.py): 0 written; 3 tau did not rise, nothing written; 1 bad
 input or a failed write (nothing half-written in --out).
@@ -49,6 +50,7 @@ from engine.loader import CheckpointError, load_drafter, load_target
 from engine.model import Qwen3Target
 from engine.tokenizer import Tokenizer
 from engine.train.adapt_data import TrafficSequence, load_traffic, split_ids
+from engine.train.adapt_recipe import ensure_recipe_set, has_chunks
 from engine.train.blocks import BlockConfig, build_blocks, sample_anchors
 from engine.train.corpus import CorpusConfig, heldout_prompts
 from engine.train.distill import DistillConfig, generate_with_features, load_distill
@@ -79,8 +81,11 @@ class AdaptConfig:
     seed: int = 0
     train_on: TrainOn = "greedy"
     # The recipe's own distillation chunks (`dflash-train distill`), mixed into each batch
-    # so the drafter keeps its recipe skill; None or a missing folder: traffic only.
+    # so the drafter keeps its recipe skill. None or a missing folder: a set of
+    # `recipe_samples` is made from the recipe's corpus (engine/train/adapt_recipe.py) and
+    # cached under runs_dir; recipe_samples=0 then means traffic only.
     recipe_data: Path | None = None
+    recipe_samples: int = 256
     recipe_mix: float = 0.5  # fraction of each batch's rows from recipe_data (measured)
     heldout_fraction: float = 0.15
     batch_seqs: int = 8
@@ -194,7 +199,7 @@ def traffic_example(
 
 def recipe_examples(path: Path | None, stops: list[int], layer_ids: list[int]) -> list[Example]:
     """The recipe's distillation rows, as examples; none when `path` is None or missing."""
-    if path is None or not path.is_dir() or not any(path.glob("chunk_*.pt")):
+    if path is None or not has_chunks(path):
         return []
     data = load_distill(path, DistillConfig().prompt_len, stops, layer_ids)
     return [
@@ -356,6 +361,23 @@ def report(before: Tau, after: Tau, block: int, n_traffic: int, n_recipe: int) -
         print(f"  {name:<36} {_fmt(old):>8} {_fmt(new):>8}")
 
 
+def recipe_folder(cfg: AdaptConfig, layer_ids: list[int]) -> Path | None:
+    """cfg.recipe_data when it holds distillation chunks; else a small set made from the
+    recipe's corpus (cached under cfg.runs_dir), so a fresh clone does not forget; None for
+    traffic only (no mixing asked, no samples asked, or no corpus on this Python)."""
+    if not cfg.recipe_mix or has_chunks(cfg.recipe_data):
+        return cfg.recipe_data
+    if cfg.recipe_samples < 1:
+        return None
+    try:
+        folder = ensure_recipe_set(cfg.runs_dir, cfg.target, layer_ids, cfg.recipe_samples)
+    except ValueError as exc:
+        print(f"dflash-train: warning: cannot make recipe data ({exc})", file=sys.stderr)
+        return None
+    print(f"adapt: no recipe distillation data in {cfg.recipe_data}: using {folder}")
+    return folder
+
+
 def run_adapt(cfg: AdaptConfig) -> AdaptResult:
     check_out(cfg.out)
     tok, target, drafter = load_pair(cfg)
@@ -379,6 +401,8 @@ def run_adapt(cfg: AdaptConfig) -> AdaptResult:
         traffic_example(target, s, layer_ids, cfg.train_on, stops)
         for s in tqdm(train_seqs, desc="features")
     ]
+    # The run key below names the recipe folder actually mixed in.
+    cfg = dataclasses.replace(cfg, recipe_data=recipe_folder(cfg, layer_ids))
     recipe = recipe_examples(cfg.recipe_data, sorted(stops), layer_ids) if cfg.recipe_mix else []
     print(
         f"adapt: {len(recipe)} recipe sequences mixed in ({cfg.recipe_mix:.0%} of each batch)"
@@ -407,6 +431,7 @@ def run_adapt(cfg: AdaptConfig) -> AdaptResult:
         "sequences": {"train": len(examples), "recipe": len(recipe)},
         "train_on": cfg.train_on,
         "recipe_mix": cfg.recipe_mix if recipe else 0.0,
+        "recipe_data": str(cfg.recipe_data) if recipe else None,
         "steps": steps,
         "minutes": round(seconds / 60.0, 3),
         "block_size": drafter.block_size,

@@ -105,7 +105,15 @@ def build_adapt_parser() -> argparse.ArgumentParser:
         "--recipe-data",
         type=Path,
         default=Path("runs/train/distill"),
-        help="the recipe's distillation chunks to mix in (skipped when absent)",
+        help="the recipe's distillation chunks to mix in; when absent, --recipe-samples of "
+        "them are made from the recipe's corpus and cached under --runs-dir",
+    )
+    parser.add_argument(
+        "--recipe-samples",
+        type=int,
+        default=256,
+        help="sequences to make when --recipe-data is absent (about 30 s on one CPU core); "
+        "0: traffic only",
     )
     parser.add_argument("--recipe-mix", type=float, default=0.5, help="batch fraction of them")
     parser.add_argument("--batch-seqs", type=int, default=8, help="sequences per step")
@@ -122,6 +130,8 @@ def adapt_main(argv: list[str]) -> int:
         parser.error("--steps, --batch-seqs, --eval-prompts and --eval-tokens must be positive")
     if args.minutes is not None and args.minutes <= 0:
         parser.error("--minutes must be positive")
+    if args.recipe_samples < 0:
+        parser.error("--recipe-samples must be >= 0")
     if not 0.0 <= args.recipe_mix < 1.0:
         parser.error("--recipe-mix must be in [0, 1)")
     print("== dflash-train: adapt", file=sys.stderr, flush=True)
@@ -145,6 +155,7 @@ def adapt_main(argv: list[str]) -> int:
             train_on=args.train_on,
             recipe_data=args.recipe_data,
             recipe_mix=args.recipe_mix,
+            recipe_samples=args.recipe_samples,
             batch_seqs=args.batch_seqs,
             eval_prompts=args.eval_prompts,
             eval_tokens=args.eval_tokens,

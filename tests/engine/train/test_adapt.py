@@ -102,6 +102,7 @@ def config(data: Path, root: Path, **kw: object) -> AdaptConfig:
         lr=1e-3,
         eval_prompts=3,
         eval_tokens=24,
+        recipe_samples=8,  # no distillation chunks given: adapt makes these (adapt_recipe.py)
     )
     return dataclasses.replace(base, **kw)  # type: ignore[arg-type]
 
@@ -132,6 +133,8 @@ def test_heldout_traffic_tau_rises_and_the_drafter_is_written_with_its_manifest(
     tau = manifest["tau"]
     assert tau["traffic"]["after"] > tau["traffic"]["before"]
     assert tau["recipe"]["before"] >= 1.0 and tau["recipe"]["after"] >= 1.0
+    assert manifest["sequences"]["recipe"] == 8 and manifest["recipe_mix"] == 0.5
+    assert Path(manifest["recipe_data"]).parent == cfg.runs_dir
     assert sorted(p.name for p in cfg.out.iterdir()) == [
         "config.json",
         "manifest.json",
@@ -175,7 +178,7 @@ def test_a_rerun_resumes_and_a_full_disk_leaves_out_untouched(
     assert "No space left on device" in str(exc.value) and str(cfg.out) in str(exc.value)
     assert {p.name: p.read_bytes() for p in cfg.out.iterdir()} == before
     assert [p.name for p in cfg.out.parent.iterdir() if p.name.startswith(".")] == []
-    (run_dir,) = cfg.runs_dir.iterdir()
+    (run_dir,) = [p for p in cfg.runs_dir.iterdir() if not p.name.startswith("recipe-")]
     steps = [json.loads(line)["step"] for line in (run_dir / "log.jsonl").open()]
     assert steps == sorted(set(steps)) and steps[-1] == 29  # logged once: nothing re-ran
 
@@ -190,6 +193,7 @@ def test_no_rise_writes_nothing_and_exits_3(
     out = tmp_path / "out"
     argv = ["adapt", "--data", str(traffic), "--out", str(out), "--runs-dir", str(tmp_path)]
     argv += ["--eval-prompts", "2", "--eval-tokens", "16", "--recipe-data", str(tmp_path / "none")]
+    argv += ["--recipe-samples", "0"]  # traffic only: nothing trains here anyway
     assert main(argv) == 3
     assert "did not rise" in capsys.readouterr().out
     assert not out.exists()
