@@ -47,7 +47,7 @@ from loadtest.backends_bench import (
     worker_env,
 )
 from loadtest.gateway_peers import start_gateway
-from loadtest.harness import aligned, closed_loop, git_commit, int_list
+from loadtest.harness import aligned, closed_loop, git_commit, int_list, pinned
 from loadtest.speedup_bench import worker_argv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,8 +207,10 @@ async def measure(
             cells[name] = await run_cell([urls["weights"]], n, c, prompts, args.max_tokens, offset)
         split = [by_mode["dflash"], by_mode["plain"]]  # greedy (even i) to DFlash
         cells["by class"] = await run_cell(split, n, c, prompts, args.max_tokens, offset)
-        warm = await run_cell([urls["fastest"]], n // 2, c, prompts, args.max_tokens, offset + n)
-        del warm  # the estimates at this load form; not measured
+        # Not measured: the estimates at this load form (each pool, class and load level
+        # needs a few samples before it is used: service/routing/fastest.py MIN_SAMPLES).
+        warm_n = max(n // 2, args.warmup_requests)
+        await run_cell([urls["fastest"]], warm_n, c, prompts, args.max_tokens, offset + n)
         cells["fastest"] = await run_cell([urls["fastest"]], n, c, prompts, args.max_tokens, offset)
         offset += 2 * n
         rows.append(judge(c, cells))
@@ -267,17 +269,36 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
     return aligned(lines, " | ")
 
 
+def pool_cores(pin: bool) -> dict[str, str]:
+    """Each pool's worker on a core of its own (`--pin`, the default with two or more cores):
+    in production a pool has GPUs of its own, and two workers sharing this machine's cores
+    would slow each other whenever traffic is split, which no GPU fleet sees."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not pin or len(cpus) < 2:
+        return {}
+    return {"dflash": str(cpus[0]), "plain": str(cpus[1])}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dflash-bench fleet", description=__doc__.split("\n")[0])
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16, 32])
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--warmup-requests", type=int, default=48, help="fastest's warm-up at each concurrency"
+    )
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--port-base", type=int, default=0)
     p.add_argument("--startup-timeout", type=float, default=300.0)
+    p.add_argument(
+        "--pin",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="each pool's worker on a core of its own, as pools have their own GPUs",
+    )
     p.add_argument("--quick", action="store_true", help="c=2, a few short requests (CI)")
     p.add_argument("--out", type=Path, default=Path("bench-results/fleet.json"))
     return p
@@ -287,12 +308,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.quick:
         args.concurrency, args.requests_per_client, args.min_requests = [2], 2, 4
+        args.warmup_requests = 4
         args.max_tokens = 8
     specs = [WorkerSpec("embedded", "dflash"), WorkerSpec("embedded", "plain")]
+    cores = pool_cores(args.pin)
+
+    def pinned_argv(spec: WorkerSpec, port: int, options: argparse.Namespace) -> list[str]:
+        return pinned(cores.get(spec.mode), worker_argv(spec, port, options))
+
     with tempfile.TemporaryDirectory(prefix="dflash-fleet-") as tmp:
         workdir = Path(tmp)
         with (
-            running_workers(specs, args, workdir, worker_argv, worker_env) as workers,
+            running_workers(specs, args, workdir, pinned_argv, worker_env) as workers,
             gateways(workers, workdir) as urls,
         ):
             rows = asyncio.run(measure(workers, urls, args))
