@@ -73,9 +73,12 @@ def test_peers_bench_runs_every_installed_peer_and_says_why_others_are_missing(
 def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path) -> None:
     """--limits: the same load through the gateway with the load's key, then with a tenant's
     limits counted in the process and in a Redis the bench starts (none reached: no error),
-    reached over TCP and TLS by the gateway's client and by redis-py's."""
+    reached over TCP and TLS by the gateway's client and by redis-py's. --capture in the same
+    run (one set of peers started once): the gateway capturing into a folder, and into an S3
+    store that is down the whole run; both serve every request, the first writes, the second
+    counts its drops."""
     out = tmp_path / "limits.json"
-    argv = ["gateway", "--peers", "--limits", "--duration", "0.3", "--warmup", "0.1"]
+    argv = ["gateway", "--peers", "--limits", "--capture", "--duration", "0.3", "--warmup", "0.1"]
     argv += ["--rounds", "1", "--concurrency", "4", "--events", "3", "--burst", "5"]
     assert bench_main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -90,6 +93,14 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
         assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
         assert row["unary_cpu_us_per_request"] > 0
         assert row["store_errors"] == 0 or "limits" not in name, row  # checked, not served open
+    for name in ("dflash-gateway (capture)", "dflash-gateway (capture, store down)"):
+        row = rows[name]
+        assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
+    assert set(report["costs"]["capture"]) >= {"unary_cpu_us_per_request", "goal", "met"}
+    down = report["capture"]["dflash-gateway (capture, store down)"]
+    assert down.get("written", 0) == 0
+    captured = report["capture"]["dflash-gateway (capture)"]
+    assert sum(captured.values()) > 0 and captured.get("unusable", 0) == 0
 
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
@@ -128,22 +139,3 @@ def test_timed_slices_run_without_the_collector() -> None:
     assert gc.isenabled()
     assert asyncio.run(without_collector(slice_())) is False
     assert gc.isenabled()
-
-
-def test_peers_bench_capture_measures_its_cost_and_a_store_that_is_down(tmp_path: Path) -> None:
-    """--capture: the gateway capturing into a folder, and into an S3 store that is down the
-    whole run; both serve every request; the first writes, the second counts its drops."""
-    out = tmp_path / "capture.json"
-    argv = ["gateway", "--peers", "--capture", "--duration", "0.3", "--warmup", "0.1"]
-    argv += ["--rounds", "1", "--concurrency", "4", "--events", "3", "--burst", "5"]
-    assert bench_main([*argv, "--out", str(out)]) == 0
-    report = json.loads(out.read_text())
-    rows = {row["proxy"]: row for row in report["results"]}
-    for name in ("dflash-gateway (capture)", "dflash-gateway (capture, store down)"):
-        row = rows[name]
-        assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
-    assert set(report["costs"]["capture"]) >= {"unary_cpu_us_per_request", "goal", "met"}
-    down = report["capture"]["dflash-gateway (capture, store down)"]
-    assert down.get("written", 0) == 0
-    captured = report["capture"]["dflash-gateway (capture)"]
-    assert sum(captured.values()) > 0 and captured.get("unusable", 0) == 0
