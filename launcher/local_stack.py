@@ -342,13 +342,13 @@ def gateway_settings(
     """The gateway over `gateway.pools`, whose workers are `urls[pool name]`."""
     # The pool's own fields as it gave them: a weight left out stays unset (a promotion
     # refuses one that is set).
-    shared = ("name", "model", "weight", "engine", "capture", "promotion")
+    shared = ("model", "weight", "capture", "promotion")
     pools = [
         PoolSpec(
-            **{
-                key: getattr(p, key) for key in shared if key in p.model_fields_set or key == "name"
-            },
+            name=p.name,
+            engine=p.engine,  # always: a local pool's default (embedded) is not the gateway's
             workers=urls[p.name],
+            **{key: getattr(p, key) for key in shared if key in p.model_fields_set},
         )
         for p in gateway.pools
     ]

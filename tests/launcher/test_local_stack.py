@@ -318,3 +318,17 @@ def test_drafter_names_a_bundled_drafter_for_every_worker() -> None:
     assert plain.pools[0].speculation is False  # the plain pool drops the drafter at start
     with pytest.raises(ValueError, match="--drafter"):
         plan(build_parser().parse_args(["--drafter", "dflash2", "--pools", "x.yaml"]))
+
+
+def test_a_local_pools_capture_and_promotion_reach_the_gateway() -> None:
+    from launcher.local_stack import LocalGateway, LocalPool, gateway_settings
+
+    pools = (
+        LocalPool(name="base", model="m"),
+        LocalPool(name="canary", model="m", capture=0.5, promotion={"baseline": "base"}),
+    )
+    urls = {"base": ["http://127.0.0.1:9001"], "canary": ["http://127.0.0.1:9002"]}
+    base, canary = gateway_settings(LocalGateway(8000, pools), urls, "info", {}).pool_specs()
+    assert canary.promotion is not None and canary.promotion.baseline == "base"
+    assert canary.capture == 0.5 and base.capture == 1.0
+    assert "weight" not in canary.model_fields_set  # left to the promotion
