@@ -122,14 +122,24 @@ class GroupedConv(nn.Module):
         self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.num_groups, bias=False)
         nn.init.zeros_(self.kernel_projection.weight)
 
-    def prepare(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [b, B, H] (normed) -> (convolved x, the finish side's delta [b, B, T, G])."""
-        b, size, _ = x.shape
-        deltas = linear(self.kernel_projection, x).view(b, size, 2, self.taps, self.num_groups)
-        return grouped_conv(x, deltas[:, :, 0], self.base_kernel[0]), deltas[:, :, 1]
+    def prepare(self, x: Tensor, block: int | None = None) -> tuple[Tensor, Tensor]:
+        """x [b, B, H] (normed) -> (convolved x, the finish side's delta [b, B, T, G]).
+        With `block`, each row holds consecutive blocks of that size side by side (the
+        recipe trains many blocks per forward) and each is convolved on its own; the
+        delta is then per block, [b * B / block, block, T, G]."""
+        b, size, hidden = x.shape
+        blocks = x.reshape(-1, block, hidden) if block else x
+        n, length = blocks.shape[:2]
+        deltas = linear(self.kernel_projection, blocks).view(
+            n, length, 2, self.taps, self.num_groups
+        )
+        out = grouped_conv(blocks, deltas[:, :, 0], self.base_kernel[0])
+        return out.view(b, size, hidden), deltas[:, :, 1]
 
     def finish(self, x: Tensor, delta: Tensor) -> Tensor:
-        return grouped_conv(x, delta, self.base_kernel[1])
+        """x [b, B, H]; delta from `prepare` (its shape says how x splits into blocks)."""
+        blocks = x.reshape(*delta.shape[:2], x.shape[-1])
+        return grouped_conv(blocks, delta, self.base_kernel[1]).view_as(x)
 
 
 class DFlash2Layer(DecoderLayer):
@@ -141,14 +151,17 @@ class DFlash2Layer(DecoderLayer):
         self.attention_conv = GroupedConv(*args)
         self.mlp_conv = GroupedConv(*args)
 
-    def attention_block(self, x: Tensor, attend: Callable[[Tensor], Tensor]) -> Tensor:
+    def attention_block(
+        self, x: Tensor, attend: Callable[[Tensor], Tensor], block: int | None = None
+    ) -> Tensor:
         """x + finish(attend(prepare(norm(x)))): `attend` maps the block's (convolved)
-        normed input to the attention output; it owns the keys and values."""
-        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        normed input to the attention output; it owns the keys and values. `block`: as
+        GroupedConv.prepare."""
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x), block)
         return x + self.attention_conv.finish(attend(h), delta)
 
-    def feed_forward(self, x: Tensor) -> Tensor:
-        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+    def feed_forward(self, x: Tensor, block: int | None = None) -> Tensor:
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x), block)
         return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 
@@ -274,12 +287,28 @@ class DFlash2Drafter(DFlashDrafter):
         )
         return ids, self.candidate_selector.scores(ids, unary, rows, anchors)
 
+    def forward(
+        self,
+        block_ids: Tensor,
+        block_positions: Tensor,
+        features: Tensor,
+        context_positions: Tensor,
+        attn_mask: Tensor | None = None,
+        block_size: int | None = None,
+    ) -> Tensor:
+        """As DFlashDrafter.forward. `block_size`: each row holds consecutive blocks of
+        this size side by side (the recipe's training batches), each convolved on its own
+        (default: the row is one block)."""
+        context_kv = self.context_kv(features, context_positions)
+        return self._blocks(block_ids, block_positions, context_kv, attn_mask, block_size)
+
     def _blocks(
         self,
         block_ids: Tensor,
         block_positions: Tensor,
         context_kv: ContextKV,
         mask: Tensor | None,
+        block_size: int | None = None,
     ) -> Tensor:
         """The cache-free forward's layers (training, tests)."""
         x = self.embed(block_ids)
@@ -294,7 +323,7 @@ class DFlash2Drafter(DFlashDrafter):
                 v = torch.cat([ctx_v, v], dim=2)
                 return layer.self_attn.attend(q, k, v, mask)
 
-            x = layer.feed_forward(layer.attention_block(x, attend))
+            x = layer.feed_forward(layer.attention_block(x, attend, block_size), block_size)
         return self.norm(x)  # type: ignore[no-any-return]
 
     def draft_hidden(

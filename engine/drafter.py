@@ -204,13 +204,18 @@ class DFlashDrafter(nn.Module):
         """Cache-free forward (training, tests). block_ids/positions [b, B], features
         [b, c, n*hidden], context_positions [b, c]; attn_mask bool [b, 1, B, c + B]
         (default: everything visible). Returns hidden states after `norm`, [b, B, hidden]."""
+        context_kv = self.context_kv(features, context_positions)
+        return self._blocks(block_ids, block_positions, context_kv, attn_mask)
+
+    def context_kv(self, features: Tensor, context_positions: Tensor) -> ContextKV:
+        """Every layer's context K/V from features [b, c, n*hidden] (cache-free forward)."""
         ctx = self.context(features)
         cos, sin = self.rotary.cos_sin(context_positions, ctx.dtype)
 
         def context_kv(_: int, layer: DecoderLayer) -> tuple[Tensor, Tensor]:
             return layer.self_attn.key_value(ctx, cos, sin)
 
-        return self._blocks(block_ids, block_positions, context_kv, attn_mask)
+        return context_kv
 
     def _blocks(
         self, block_ids: Tensor, block_positions: Tensor, context_kv: ContextKV, mask: Tensor | None

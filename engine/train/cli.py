@@ -48,9 +48,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="the drafter's context layers, e.g. 1,3,4 (default: the recipe's 1,3,5)",
     )
     parser.add_argument(
-        "--drafter-dir",
+        "--arch",
+        choices=("dflash", "dflash2"),
         default="dflash",
-        help="the drafter's folder under --out-dir (another name keeps the bundled drafter)",
+        help="drafter stage: the drafter's architecture (dflash2: DFlash plus grouped "
+        "convolutions and a candidate selector, engine/dflash2.py)",
+    )
+    parser.add_argument(
+        "--drafter-dir",
+        default=None,
+        help="the drafter's folder under --out-dir (default: the --arch name; another name "
+        "keeps the bundled drafter)",
+    )
+    parser.add_argument(
+        "--eval-temperature",
+        type=float,
+        action="append",
+        default=[],
+        help="eval stage: also measure through the engine with seeded sampling at this "
+        "temperature (repeatable)",
     )
     # One thread: on a shared CPU, extra intra-op threads mostly spin (measured: 2 threads
     # ran 3-6x slower per step than 1 while other jobs were busy).

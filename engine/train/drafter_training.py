@@ -1,4 +1,5 @@
-"""Stage `drafter`: train the DFlash drafter on the self-distillation data.
+"""Stage `drafter`: train the DFlash (or, with `dflash2` settings, DFlash2) drafter on the
+self-distillation data.
 
 The drafter is the engine's own `engine.drafter.DFlashDrafter` (its cache-free forward),
 borrowing the frozen target's `embed_tokens` and `lm_head`, so the saved checkpoint is
@@ -16,10 +17,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from engine.dflash2 import DFlash2Config, DFlash2Drafter
 from engine.drafter import DFlashDrafter, DrafterConfig
 from engine.loader import load_target, save_drafter
 from engine.model import Qwen3Target
 from engine.train.blocks import BlockBatch, BlockConfig, build_blocks, sample_anchors
+from engine.train.dflash2_training import dflash2_loss, to_dflash2
 from engine.train.distill import DistillData
 from engine.train.loop import LoopConfig, train_loop
 from engine.train.target import SERVING_DTYPE
@@ -35,6 +38,8 @@ class DrafterTrainConfig:
     loop: LoopConfig = field(
         default_factory=lambda: LoopConfig(steps=3000, lr=2e-3, warmup=100, weight_decay=0.01)
     )
+    dflash2: DFlash2Config | None = None  # None: DFlash; else DFlash2 with these settings
+    selector_weight: float = 1.0  # DFlash2: weight of the selector loss (dflash2_training)
 
     @classmethod
     def smoke(cls, num_target_layers: int, steps: int = 3) -> DrafterTrainConfig:
@@ -109,6 +114,8 @@ def train_drafter(
     target = load_target(target_dir).requires_grad_(False)
     torch.manual_seed(cfg.loop.seed)
     drafter = build_drafter(target, token_id(tok, MASK), cfg)
+    if cfg.dflash2 is not None:
+        drafter = to_dflash2(drafter, target, cfg.dflash2, cfg.loop.seed)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(f"drafter: {n_params / 1e6:.2f} M params, {data.tokens.shape[0]} sequences")
     features = data.features
@@ -118,9 +125,16 @@ def train_drafter(
         tokens, lengths = data.tokens[rows], data.lengths[rows]
         anchors = sample_anchors(lengths, data.prompt_len, cfg.blocks, gen)
         batch = build_blocks(tokens, lengths, anchors, drafter.mask_token_id, cfg.blocks, gen)
-        loss, hits = block_loss(drafter, features[rows].float(), batch)
+        metrics: dict[str, float] = {}
+        if isinstance(drafter, DFlash2Drafter):
+            size = cfg.blocks.block_size
+            loss, hits, metrics = dflash2_loss(
+                drafter, features[rows].float(), batch, size, cfg.selector_weight
+            )
+        else:
+            loss, hits = block_loss(drafter, features[rows].float(), batch)
         tau = acceptance_estimate(hits, batch.weights, cfg.blocks.block_size)
-        return loss, {"loss": float(loss.detach()), "tau": tau}
+        return loss, {"loss": float(loss.detach()), "tau": tau, **metrics}
 
     train_loop(drafter, step_fn, cfg.loop, run_dir, "drafter")
     save_compact(drafter, out_dir)

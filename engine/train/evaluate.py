@@ -1,4 +1,5 @@
-"""Stage `eval`: mean acceptance length on held-out prompts at temperature 0.
+"""Stage `eval`: mean acceptance length on held-out prompts at temperature 0 (DFlash or
+DFlash2: the drafts are the drafter's own `propose`, as the engine drafts).
 
 Greedy speculative decoding commits exactly the target's greedy output, so acceptance can
 be measured against that output directly: generate the target's greedy continuation once
@@ -21,6 +22,7 @@ from tqdm import tqdm
 from engine.drafter import DFlashDrafter
 from engine.loader import load_drafter, load_target
 from engine.model import Qwen3Target
+from engine.speculative import DecodeRow, PrefillRow, RowSampling, SpecState, prefill, spec_step
 from engine.train.corpus import CorpusConfig, heldout_prompts
 from engine.train.distill import generate_with_features
 from engine.train.tokenizer_recipe import load_tokenizer
@@ -31,6 +33,8 @@ class EvalConfig:
     num_prompts: int = 32
     max_new_tokens: int = 128
     block_sizes: tuple[int, ...] = (4, 8, 16)
+    # Also measured through the engine's speculative step with seeded sampling (empty: not).
+    temperatures: tuple[float, ...] = ()
 
 
 @torch.no_grad()
@@ -47,7 +51,8 @@ def acceptance_lengths(
         positions = torch.arange(p, p + block, device=device)[None]
         context = torch.arange(p, device=device)[None]
         hidden = drafter(block_ids, positions, features[:, :p].float(), context)
-        drafts = drafter.logits(hidden)[0, 1:].argmax(-1).tolist()
+        # what the engine drafts: DFlash's argmax, DFlash2's selector walk
+        drafts = drafter.propose(block_ids[:, 0], hidden)[0].tolist()
         accepted = 0
         for k, token in enumerate(drafts, start=1):
             if p + k >= len(seq) or token != seq[p + k]:
@@ -88,6 +93,34 @@ def mean_acceptance(
     return (sum(steps) / len(steps) if steps else float("nan")), len(steps)
 
 
+@torch.no_grad()
+def sampled_acceptance(
+    target: Qwen3Target,
+    drafter: DFlashDrafter,
+    prompts: list[list[int]],
+    block: int,
+    temperature: float,
+    max_new_tokens: int,
+) -> tuple[float, int]:
+    """Mean tokens committed per verify step decoding each prompt with the engine's
+    speculative step (engine/speculative.py) at `temperature`, seeded per prompt (seed =
+    prompt index): above 0 acceptance is a draw, so it cannot be replayed against one
+    reference. Returns the mean and the number of steps."""
+    device = target.model.embed_tokens.weight.device
+    capacity = max(len(p) for p in prompts) + max_new_tokens + block + 1
+    steps: list[int] = []
+    for seed, prompt in enumerate(prompts):
+        state = SpecState.create(target, drafter, 1, capacity, block, device, torch.float32)
+        sampling = RowSampling(temperature=temperature, seed=seed)
+        out = prefill(state, [PrefillRow(0, prompt)], [sampling])[0].token_ids
+        while len(out) < max_new_tokens:
+            row = DecodeRow(slot=0, last_token=out[-1], position=len(prompt) + len(out) - 1)
+            result = spec_step(state, [row], [sampling])[0]
+            out.extend(result.token_ids)
+            steps.append(len(result.token_ids))
+    return (sum(steps) / len(steps) if steps else float("nan")), len(steps)
+
+
 def run_eval(
     corpus: CorpusConfig, out_dir: Path, drafter_dir: str, report: Path, cfg: EvalConfig
 ) -> dict[str, object]:
@@ -101,16 +134,32 @@ def run_eval(
     for block in cfg.block_sizes:
         mean, count = mean_acceptance(drafter, prompts, refs, block)
         rows.append({"block_size": block, "mean_acceptance_length": mean, "verify_steps": count})
-    result = {
+    sampled: list[dict[str, float | int]] = []
+    for temperature in cfg.temperatures:
+        for block in cfg.block_sizes:
+            mean, count = sampled_acceptance(
+                target, drafter, prompts, block, temperature, cfg.max_new_tokens
+            )
+            sampled.append(
+                {
+                    "temperature": temperature,
+                    "block_size": block,
+                    "mean_acceptance_length": mean,
+                    "verify_steps": count,
+                }
+            )
+    result: dict[str, object] = {
         "num_prompts": len(prompts),
         "max_new_tokens": cfg.max_new_tokens,
         "temperature": 0.0,
         "results": rows,
     }
-    print(f"{'block':>6} {'mean acceptance length':>24} {'steps':>7}")
-    for row in rows:
+    if sampled:
+        result["sampled_results"] = sampled
+    print(f"{'T':>4} {'block':>6} {'mean acceptance length':>24} {'steps':>7}")
+    for row in [{"temperature": 0.0, **r} for r in rows] + sampled:
         tau, n_steps = row["mean_acceptance_length"], row["verify_steps"]
-        print(f"{row['block_size']:>6} {tau:>24.3f} {n_steps:>7}")
+        print(f"{row['temperature']:>4} {row['block_size']:>6} {tau:>24.3f} {n_steps:>7}")
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -40,7 +40,16 @@ def _drafter_config(args: argparse.Namespace) -> DrafterTrainConfig:
         cfg = DrafterTrainConfig.smoke(int(json.loads(config.read_text())["num_hidden_layers"]))
     if args.target_layer_ids is not None:
         cfg = dataclasses.replace(cfg, target_layer_ids=args.target_layer_ids)
+    if args.arch == "dflash2":
+        from engine.train.dflash2_training import RECIPE_DFLASH2, SMOKE_DFLASH2
+
+        cfg = dataclasses.replace(cfg, dflash2=SMOKE_DFLASH2 if args.smoke else RECIPE_DFLASH2)
     return cfg
+
+
+def drafter_dir(args: argparse.Namespace) -> str:
+    """--drafter-dir, or the architecture's own folder (dflash, dflash2)."""
+    return str(args.drafter_dir or args.arch)
 
 
 def _distill(corpus: CorpusConfig, args: argparse.Namespace) -> None:
@@ -64,15 +73,18 @@ def _drafter(args: argparse.Namespace) -> None:
     layer_ids = list(cfg.target_layer_ids)
     data = load_distill(args.runs_dir / "distill", distill.prompt_len, stops, layer_ids)
     cfg = dataclasses.replace(cfg, loop=_with_steps(cfg.loop, args.steps))
-    drafter_dir = args.out_dir / args.drafter_dir
-    train_drafter(target_dir, data, drafter_dir, args.runs_dir / "drafter", cfg)
+    # DFlash keeps the recipe's original run folder; DFlash2 gets its own (no cross-resume).
+    run_dir = args.runs_dir / ("drafter" if args.arch == "dflash" else f"drafter-{args.arch}")
+    train_drafter(target_dir, data, args.out_dir / drafter_dir(args), run_dir, cfg)
 
 
 def _eval(corpus: CorpusConfig, args: argparse.Namespace) -> None:
     from engine.train.evaluate import EvalConfig, run_eval
 
     cfg = EvalConfig(num_prompts=2, max_new_tokens=8) if args.smoke else EvalConfig()
-    run_eval(corpus, args.out_dir, args.drafter_dir, args.runs_dir / "eval.json", cfg)
+    cfg = dataclasses.replace(cfg, temperatures=tuple(args.eval_temperature))
+    report = args.runs_dir / ("eval.json" if args.arch == "dflash" else f"eval-{args.arch}.json")
+    run_eval(corpus, args.out_dir, drafter_dir(args), report, cfg)
 
 
 def run_torch_stage(stage: str, corpus: CorpusConfig, args: argparse.Namespace) -> None:

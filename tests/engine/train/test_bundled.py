@@ -57,7 +57,7 @@ def _decode(
 
 def test_sizes_and_layout() -> None:
     total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
-    assert total <= 20 * 1024 * 1024
+    assert total <= 24 * 1024 * 1024  # target 11.8 MB, two DFlash 3.5 MB, DFlash2 4.2 MB
     config = json.loads((ASSETS / "dflash" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"]
     assert config["dflash_config"]["mask_token_id"] == 3

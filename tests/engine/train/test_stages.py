@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.dflash2 import DFlash2Drafter
 from engine.loader import load_drafter, load_target
 from engine.train.cli import main
 
@@ -107,6 +108,29 @@ def test_a_second_drafter_on_other_layers_keeps_the_first(
     assert json.loads((runs / "eval.json").read_text())["results"]
     # Features made for other layers are refused, not silently reused.
     assert main(["drafter", *common, "--drafter-dir", "dflash-other"]) == 1
+
+
+def test_a_dflash2_drafter_beside_the_dflash_one(smoke_run: tuple[Path, Path]) -> None:
+    """`--arch dflash2`: its own folder, run folder and eval report; the DFlash2 layout,
+    loadable by the engine; the DFlash drafter untouched."""
+    out, runs = smoke_run
+    first = (out / "dflash" / "model.safetensors").read_bytes()
+    common = ["--smoke", "--max-files", "3", "--out-dir", str(out), "--runs-dir", str(runs)]
+    assert main(["drafter", *common, "--arch", "dflash2"]) == 0
+    assert main(["eval", *common, "--arch", "dflash2", "--eval-temperature", "0.7"]) == 0
+    config = json.loads((out / "dflash2" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert config["dflash_config"]["selector_top_k"] == 4
+    drafter = load_drafter(out / "dflash2", load_target(out / "target"))
+    assert isinstance(drafter, DFlash2Drafter)
+    assert (out / "dflash" / "model.safetensors").read_bytes() == first
+    rows = [json.loads(line) for line in (runs / "drafter-dflash2" / "log.jsonl").open()]
+    assert rows and all(r["selector_loss"] >= 0 and r["block_loss"] > 0 for r in rows)
+    report = json.loads((runs / "eval-dflash2.json").read_text())
+    assert all(r["mean_acceptance_length"] >= 1.0 for r in report["results"])
+    sampled = report["sampled_results"]
+    assert [(r["temperature"], r["block_size"]) for r in sampled] == [(0.7, 4), (0.7, 8), (0.7, 16)]
+    assert all(r["mean_acceptance_length"] >= 1.0 for r in sampled)
 
 
 @pytest.mark.parametrize("layers", ["3,1", "1,1", "-1", "a,b", ""])
