@@ -332,3 +332,29 @@ def test_a_local_pools_capture_and_promotion_reach_the_gateway() -> None:
     assert canary.promotion is not None and canary.promotion.baseline == "base"
     assert canary.capture == 0.5 and base.capture == 1.0
     assert "weight" not in canary.model_fields_set  # left to the promotion
+
+
+def test_dflash_serve_drafter_dflash2_serves_the_bundled_dflash2_drafter() -> None:
+    """`make serve SERVE_ARGS='--drafter dflash2'` (docs/worker.md): the bundled target with
+    the bundled DFlash2 drafter behind the gateway, greedy text as plain decoding's."""
+    from launcher.local_stack import ASSETS
+
+    if not (ASSETS / "dflash2" / "model.safetensors").exists():
+        pytest.fail("the bundled DFlash2 drafter is missing (engine/assets/tiny-coder/dflash2)")
+    port, plain_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "launcher.local_stack", "--port", str(port), "--compare"]
+    argv += ["--compare-port", str(plain_port), "--drafter", "dflash2", "--log-level", "warning"]
+    with dflash_serve(argv, {**os.environ, "OMP_NUM_THREADS": "1"}) as proc:
+        lines = announced(proc, 2)
+        answers, metrics = [], []
+        for url in map(base_url, lines):
+            sdk = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+            model = sdk.models.list().data[0].id
+            reply = sdk.completions.create(
+                model=model, prompt="def fibonacci(n):", max_tokens=24, temperature=0
+            )
+            answers.append(reply.choices[0].text)
+            metrics.append((reply.model_extra or {})["metrics"])
+        assert answers[0] == answers[1]  # lossless: DFlash2 drafts, the target decides
+        assert metrics[0]["speculative_decoding"]["num_spec_steps"] >= 1
+        assert interrupt(proc) == 0
