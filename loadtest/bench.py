@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "capture a new domain, dflash-train adapt, old vs new drafter",
     ),
     "gpu": ("loadtest.gpu_bench", "make gpu-bench: engine + step benches on CUDA, one table"),
+    "drafters": ("loadtest.drafters_bench", "bundled DFlash vs DFlash2 drafter, c=1 through HTTP"),
     "fleet": (
         "loadtest.fleet_bench",
         "mixed stream, DFlash + plain pools: splits vs fastest",
