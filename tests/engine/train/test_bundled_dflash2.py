@@ -5,19 +5,17 @@ drafts), and `dflash-worker --speculative-config '{"method": "dflash2", ...}'` s
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from transformers import AutoTokenizer
 
 from engine.dflash2 import DFlash2Drafter
 from engine.loader import load_drafter, load_target
 from engine.model import Qwen3Target
-from engine.speculative import DecodeRow, PrefillRow, RowSampling, SpecState, prefill, spec_step
+from engine.speculative import RowSampling
 from engine.train.corpus import heldout_prompts
+from tests.engine.train.test_bundled import assert_lossless_on_heldout
 from tests.fixtures.worker import running_worker
 
 ASSETS = Path(__file__).resolve().parents[3] / "engine" / "assets" / "tiny-coder"
@@ -25,16 +23,11 @@ DRAFTER = ASSETS / "dflash2"
 TRAINED = (ASSETS / "target" / "model.safetensors").exists() and (
     DRAFTER / "model.safetensors"
 ).exists()
-pytestmark = pytest.mark.skipif(not TRAINED, reason="bundled DFlash2 drafter not trained yet")
+pytestmark = [
+    pytest.mark.skipif(not TRAINED, reason="bundled DFlash2 drafter not trained yet"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 GREEDY = RowSampling(temperature=0.0)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +36,6 @@ def models() -> tuple[Qwen3Target, DFlash2Drafter]:
     drafter = load_drafter(DRAFTER, target)
     assert isinstance(drafter, DFlash2Drafter)
     return target, drafter
-
-
-def _decode(
-    target: Qwen3Target, drafter: DFlash2Drafter, block: int, prompt: list[int], n: int
-) -> tuple[list[int], list[int]]:
-    """Greedy tokens and per-step accepted drafts through the engine's speculative step."""
-    state = SpecState.create(target, drafter, 1, 512, block, "cpu", torch.float32)
-    out = prefill(state, [PrefillRow(0, prompt)], [GREEDY])[0].token_ids
-    accepted: list[int] = []
-    while len(out) < n:
-        row = DecodeRow(slot=0, last_token=out[-1], position=len(prompt) + len(out) - 1)
-        result = spec_step(state, [row], [GREEDY])[0]
-        out.extend(result.token_ids)
-        accepted.append(result.num_accepted)
-    return out[:n], accepted
 
 
 def test_layout_and_size() -> None:
@@ -72,17 +50,7 @@ def test_greedy_speculative_equals_plain_on_heldout(
     models: tuple[Qwen3Target, DFlash2Drafter],
 ) -> None:
     target, drafter = models
-    tok = AutoTokenizer.from_pretrained(ASSETS / "target")
-    accepted: list[int] = []
-    for prompt in heldout_prompts(3):
-        ids = tok.encode(prompt, add_special_tokens=False)
-        plain, _ = _decode(target, drafter, 1, ids, 40)
-        for block in (8, drafter.block_size):
-            spec, steps = _decode(target, drafter, block, ids, 40)
-            assert spec == plain, f"block {block} diverged from plain decoding"
-            accepted.extend(steps)
-    # Trained: clearly better than "always wrong" (1 token per step).
-    assert 1 + sum(accepted) / len(accepted) > 1.5
+    assert_lossless_on_heldout(target, drafter, (8, drafter.block_size))
 
 
 def test_dflash_worker_serves_it() -> None:
