@@ -266,11 +266,12 @@ def train(
         ckpt_every=max(1, min(50, cfg.steps // 4)),
         log_every=max(1, min(10, cfg.steps // 10)),
         seed=cfg.seed,
+        # --minutes bounds the run's training over its resumptions, and the cosine spans it.
+        seconds=None if cfg.minutes is None else 60.0 * cfg.minutes,
     )
     torch.manual_seed(cfg.seed)
-    deadline = None if cfg.minutes is None else time.monotonic() + 60.0 * cfg.minutes
     t0 = time.monotonic()
-    done = train_loop(drafter, step_fn, loop, run_dir, "adapt", deadline)
+    done = train_loop(drafter, step_fn, loop, run_dir, "adapt")
     return done, ran[0], time.monotonic() - t0
 
 
