@@ -21,11 +21,13 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence as Seq
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from loadtest.harness import BUNDLED, bench_prompts, int_list, percentile
+from loadtest.step_parts import PARTS, timing_parts
 
 PHASES = ("prepare", "draft", "verify", "accept", "context", "commit")
 
@@ -41,6 +43,7 @@ class Column:
     step_ms: list[float] = field(default_factory=list)  # wall time of each spec_step call
     cpu_ms: list[float] = field(default_factory=list)  # thread CPU time of each call
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    part_s: dict[str, float] = field(default_factory=dict)  # --parts: DFlash2's own parts
     steps: int = 0
     tokens: int = 0  # committed tokens, all rows
 
@@ -55,6 +58,7 @@ class Column:
         # each phase's share of the median step, from the phases' share of all the time
         phases = {p: median * s / wall for p, s in self.phase_s.items()} if wall else {}
         phases["other"] = median * max(0.0, 1.0 - total_phase / wall) if wall else 0.0
+        parts = {p: median * s / wall for p, s in self.part_s.items()} if wall else {}
         tokens_per_step = self.tokens / (self.steps * self.batch_size) if self.steps else 0.0
         cost = median / unit if unit else 0.0
         return {
@@ -72,6 +76,8 @@ class Column:
             "phases_ms": phases,
             "cost_plain_steps": cost,
             "phases_plain_steps": {p: v / unit for p, v in phases.items()} if unit else {},
+            # --parts: shares of the step inside the draft phase (DFlash2's conv, selector)
+            "parts_plain_steps": {p: v / unit for p, v in parts.items()} if unit else {},
             "tokens_per_row_step": tokens_per_step,
             "speedup_bound": tokens_per_step / cost if cost else 0.0,
         }
@@ -118,6 +124,11 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
         "matmuls: EngineConfig.drafter_int8); drafts only propose, so a different one keeps "
         "greedy outputs exact",
     )
+    p.add_argument(
+        "--parts",
+        action="store_true",
+        help="also time a DFlash2 drafter's convolution and candidate selector (inside draft)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     return p.parse_args(list(argv))
 
@@ -155,6 +166,7 @@ def format_table(report: dict[str, Any]) -> str:
         f"{'batch':>5} {'w':>3} {'ms':>7} {'wall p10-p90':>12} {'plain':>6} "
         + " ".join(f"{p[:7]:>7}" for p in (*PHASES, "other"))
         + f" {'tok/step':>8} {'bound':>6}"
+        + ("".join(f" {p[:8]:>8}" for p in PARTS) if report.get("parts") else "")
     )
     lines = [
         f"step benchmark: {report['model']} + {report['drafter']} "
@@ -173,6 +185,11 @@ def format_table(report: dict[str, Any]) -> str:
                 f"{r['cost_plain_steps']:>6.2f} "
                 + " ".join(f"{ph.get(p, 0.0):>7.2f}" for p in (*PHASES, "other"))
                 + f" {r['tokens_per_row_step']:>8.2f} {r['speedup_bound']:>5.2f}x"
+                + (
+                    "".join(f" {r['parts_plain_steps'].get(p, 0.0):>8.2f}" for p in PARTS)
+                    if report.get("parts")
+                    else ""
+                )
             )
     return "\n".join(lines)
 
@@ -213,6 +230,7 @@ class StepBench:
             "widths": self.widths,
             "batch_sizes": list(self.args.batch_sizes),
             "prompt_tokens": self.args.prompt_tokens,
+            "parts": self.args.parts,
         }
 
     def run(self) -> dict[str, Any]:
@@ -269,9 +287,12 @@ class StepBench:
             ):
                 rows = self._restart(state, len(rows))
             timings = StepTimings()
+            parts: dict[str, float] = {}
+            timed = self.args.parts and cell is not None
             synchronize(state)  # on a GPU: the last step's kernels are not this one's
             wall, cpu = time.perf_counter(), time.thread_time()
-            results = spec_step(state, rows, greedy, num_draft=k, timings=timings)
+            with timing_parts(parts, self.device.startswith("cuda")) if timed else nullcontext():
+                results = spec_step(state, rows, greedy, num_draft=k, timings=timings)
             synchronize(state)
             cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
             if cell is not None:
@@ -279,6 +300,8 @@ class StepBench:
                 cell.cpu_ms.append(cpu * 1000.0)
                 for p in PHASES:
                     cell.phase_s[p] += getattr(timings, p)
+                for p, seconds in parts.items():
+                    cell.part_s[p] = cell.part_s.get(p, 0.0) + seconds
                 cell.steps += 1
                 cell.tokens += sum(len(r.token_ids) for r in results)
             rows = [
