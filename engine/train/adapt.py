@@ -76,7 +76,7 @@ class AdaptConfig:
     drafter: Path
     runs_dir: Path  # checkpoints go to runs_dir/<hash of the inputs>
     steps: int = 300
-    minutes: float | None = None  # wall-time bound on training (None: steps only)
+    minutes: float | None = None  # training-time budget, resumptions included (None: steps)
     device: str = "cpu"
     seed: int = 0
     train_on: TrainOn = "greedy"

@@ -98,7 +98,12 @@ def build_adapt_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="folder for the new drafter")
     parser.add_argument("--target", type=Path, default=DEFAULT_OUT / "target")
     parser.add_argument("--drafter", type=Path, default=DEFAULT_OUT / "dflash")
-    parser.add_argument("--minutes", type=float, default=None, help="bound on training time")
+    parser.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="training time budget (resumed runs included); the learning rate decays over it",
+    )
     parser.add_argument("--steps", type=int, default=300, help="training steps")
     parser.add_argument(
         "--device", choices=("cuda", "cpu"), default=None, help="default: cuda if any"
