@@ -134,15 +134,22 @@ def hostport(url: str) -> str:
 
 
 def wait_for_scrapes(
-    prometheus: str, job: str, after: float, targets: int = 1, count: int = 2
+    prometheus: str,
+    job: str,
+    after: float,
+    targets: int = 1,
+    count: int = 2,
+    instance: str | None = None,
 ) -> None:
-    """Bounded wait until each of `job`'s `targets` has been scraped SUCCESSFULLY (up == 1)
-    at least `count` times after `after` (unix time). A scrape that timed out on a busy
-    machine also moves `up`'s timestamp, but leaves the target's own series out."""
+    """Bounded wait until each of `job`'s `targets` (or its one `instance`) has been scraped
+    SUCCESSFULLY (up == 1) at least `count` times after `after` (unix time). A scrape that
+    timed out on a busy machine also moves `up`'s timestamp, but leaves the target's own
+    series out."""
+    selector = f'job="{job}"' + ("" if instance is None else f',instance="{instance}"')
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        stamps = query(prometheus, f'timestamp(up{{job="{job}"}})')
-        ups = query(prometheus, f'up{{job="{job}"}}')
+        stamps = query(prometheus, f"timestamp(up{{{selector}}})")
+        ups = query(prometheus, f"up{{{selector}}}")
         if (
             len(stamps) == targets
             and all(float(r["value"][1]) == 1 for r in ups)
@@ -232,7 +239,11 @@ def stack(
             send(batch, stream=False)
         exported = exposition_names(httpx.get(f"{gateway}/metrics", timeout=10).text)
         exported |= exposition_names(httpx.get(f"{live.base_url}/metrics", timeout=10).text)
-        wait_for_scrapes(prometheus, "gateway", time.time())
+        # The panels read the workers' series too: the live worker's last requests must be
+        # scraped (on a busy machine a scrape can lag the traffic by seconds).
+        after = time.time()
+        wait_for_scrapes(prometheus, "gateway", after)
+        wait_for_scrapes(prometheus, "worker", after, instance=hostport(live.base_url))
         yield Stack(
             gateway, prometheus, [hostport(live.base_url), hostport(doomed.base_url)], exported
         )
