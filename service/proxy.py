@@ -18,7 +18,7 @@ from service.capture.policy import Capture
 from service.metrics import NO_POOL, GatewayMetrics, code_label
 from service.reports import SpecStats, decode_speed, parse_usage, unwrap
 from service.responses import StoreHook
-from service.routing.fastest import pool_levels
+from service.routing.fastest import pool_loads
 from service.routing.fleet import Worker, WorkerFleet
 from service.routing.upstream import Body, ConnectFailed, ConnectionPool, Target, UpstreamIOError
 from service.routing.upstream import Response as UpstreamResponse
@@ -481,8 +481,8 @@ def learn(
     for ROUTING=fastest's estimates at the pool's load."""
     if fleet.speeds is not None and speed is not None:
         # Its load as it ran (this request among those in flight: no extra one).
-        level = pool_levels((w for w in fleet.workers.values() if w.pool == worker.pool), 0)
-        fleet.speeds.observe(worker.pool, call.klass, level.get(worker.pool, 0), speed)
+        load = pool_loads(w for w in fleet.workers.values() if w.pool == worker.pool)
+        fleet.speeds.observe(worker.pool, call.klass, load[worker.pool].per_worker(), speed)
     promotions = fleet.promotions
     if promotions is not None and promotions.rollouts:
         acceptance = stats[0].acceptance_length if stats else None

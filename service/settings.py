@@ -198,9 +198,12 @@ class GatewaySettings(BaseSettings):
     affinity_prefix_chars: int = Field(default=256, ge=1)
     affinity_load_factor: float = Field(default=1.25, ge=1.0)
     affinity_replicas: int = Field(default=64, ge=1)
-    # ROUTING=fastest: the share of requests routed by weights, to keep every pool's speed
-    # estimate current.
+    # ROUTING=fastest: the share of requests drawn by weights, to keep every pool's speed
+    # estimate current (each goes to the drawn pool where a worker of it is idle), and how
+    # strongly a request leans to the pool its class has the comparative advantage on (0:
+    # each request to the pool fastest for itself) (service/routing/fastest.py).
     fastest_exploration: float = Field(default=0.05, ge=0, le=1)
+    fastest_home_bias: float = Field(default=0.5, ge=0)
     # Health: active checks of /health, passive ejection after consecutive failures.
     health_interval_s: float = Field(default=2.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)

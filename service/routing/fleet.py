@@ -18,7 +18,7 @@ import httpx
 
 from service.metrics import GatewayMetrics
 from service.routing.engines import WIRES, Wire
-from service.routing.fastest import SpeedMap, drawn_by_weight, pool_levels
+from service.routing.fastest import pool_loads, speed_map
 from service.routing.promotion import Promotions
 from service.routing.split import SmoothWeighted, pool_of
 from service.settings import DEFAULT_POOL, GatewaySettings, PoolSpec
@@ -177,9 +177,7 @@ class WorkerFleet:
         self._rings: dict[str, HashRing] = {}  # per pool
         self._turns: dict[str, SmoothWeighted] = {}  # per model: the weighted split's state
         self.promotions: Promotions | None = None  # canaries' rollouts (routing/promotion.py)
-        self.speeds = (
-            SpeedMap(settings.fastest_exploration) if settings.routing == "fastest" else None
-        )
+        self.speeds = speed_map(settings)  # ROUTING=fastest's (routing/fastest.py)
         self._turn = 0
         # routable() runs several times per request: cached until health changes
         # (`invalidate`) or the earliest ejection ends.
@@ -386,9 +384,8 @@ class WorkerFleet:
         if self.speeds is None:
             chosen = pool_of(model, offered, self.weights, affinity, self._turns)
         else:
-            chosen = self.speeds.choose(klass, pool_levels(candidates)) or drawn_by_weight(
-                {pool: self.weights[pool] for pool in offered}, self.speeds.draw
-            )
+            weights = {pool: self.weights[pool] for pool in offered}
+            chosen = self.speeds.choose(klass, pool_loads(candidates), weights)
         return [w for w in candidates if w.pool == chosen]
 
     def _by_affinity(self, candidates: list[Worker], key: str) -> Worker:

@@ -9,48 +9,108 @@ from collections import Counter
 import httpx
 import pytest
 
-from service.routing.fastest import MIN_SAMPLES, SpeedMap, load_level, pool_levels
+from service.routing.fastest import (
+    MIN_SAMPLES,
+    PoolLoad,
+    SpeedMap,
+    load_level,
+    pool_loads,
+    speed_map,
+)
 from service.routing.fleet import Worker
+from service.settings import GatewaySettings
 from tests.service.conftest import running_gateway
 from tests.service.fake_upstream import MODEL, Handler, fake_worker
 from tests.service.routing.test_promotion_gateway import reporting
 
+GREEDY, SAMPLED = "greedy/short", "sampled/short"
+EVEN = {"dflash": 1.0, "plain": 1.0}
 
-def trained(**speeds: float) -> SpeedMap:
-    """pool=tokens/s for class "greedy/short" at level 0."""
-    speed_map = SpeedMap(exploration=0.0)
+
+def taught(speed_map: SpeedMap, klass: str, load: float, **speeds: float) -> SpeedMap:
+    """pool=tokens/s for `klass` at `load` in flight per worker."""
     for pool, speed in speeds.items():
         for _ in range(MIN_SAMPLES):
-            speed_map.observe(pool, "greedy/short", 0, speed)
+            speed_map.observe(pool, klass, load, speed)
     return speed_map
 
 
-def test_the_pool_expected_fastest_at_its_level_is_chosen() -> None:
-    speed_map = trained(dflash=200.0, plain=100.0)
-    assert speed_map.choose("greedy/short", {"dflash": 0, "plain": 0}) == "dflash"
-    for _ in range(MIN_SAMPLES):  # at level 3 the DFlash pool is slower
-        speed_map.observe("dflash", "greedy/short", 3, 80.0)
-        speed_map.observe("plain", "greedy/short", 3, 95.0)
-    assert speed_map.choose("greedy/short", {"dflash": 3, "plain": 3}) == "plain"
-    # A level without evidence borrows the nearest one's (lower first).
-    assert speed_map.choose("greedy/short", {"dflash": 4, "plain": 4}) == "plain"
-    assert speed_map.expected("dflash", "greedy/short", 1) == pytest.approx(math.log(200.0))
+def busy(**in_flight: int) -> dict[str, PoolLoad]:
+    """pool=requests in flight on its one worker."""
+    return {pool: PoolLoad(1, n) for pool, n in in_flight.items()}
+
+
+def test_the_pool_expected_fastest_at_its_load_is_chosen() -> None:
+    speed_map = taught(SpeedMap(exploration=0.0), GREEDY, 1, dflash=200.0, plain=100.0)
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
+    taught(speed_map, GREEDY, 4, dflash=80.0, plain=95.0)  # at 4 in flight DFlash is slower
+    assert speed_map.choose(GREEDY, busy(dflash=3, plain=3), EVEN) == "plain"
+    # Between loads with evidence, log-log interpolated; beyond them, the nearest one's.
+    assert speed_map.log_speed("dflash", GREEDY, 2) == pytest.approx(math.log(200 * 80) / 2)
+    assert speed_map.log_speed("dflash", GREEDY, 16) == pytest.approx(math.log(80.0))
+    assert speed_map.choose(GREEDY, busy(dflash=1, plain=1), EVEN) == "dflash"  # 126 vs 97
+    assert speed_map.choose(GREEDY, busy(dflash=3, plain=0), EVEN) == "plain"  # 80 vs 100
+
+
+def test_a_class_leans_to_the_pool_of_its_comparative_advantage() -> None:
+    """Alone, greedy requests run 400 tokens/s on DFlash and 160 on plain, sampled ones 150
+    and 160: the greedy class's advantage on DFlash is half the log of 400/150, and a greedy
+    request leaves DFlash only for a pool faster for it by more than exp(0.5 * that), 1.28x.
+    The sampled class has none anywhere: its own speed decides."""
+    speed_map = SpeedMap(exploration=0.0)
+    taught(speed_map, GREEDY, 1, dflash=400.0, plain=160.0)
+    taught(speed_map, SAMPLED, 1, dflash=150.0, plain=160.0)
+    edge = speed_map.advantage(GREEDY, ["dflash", "plain"])
+    assert edge["dflash"] == pytest.approx(math.log(400 / 150) / 2)
+    assert edge["plain"] == pytest.approx(0.0)
+    assert speed_map.advantage(SAMPLED, ["dflash", "plain"])["dflash"] < 0
+    taught(speed_map, GREEDY, 3, dflash=140.0)  # DFlash with 2 in flight: 160 / 140 = 1.14
+    assert speed_map.choose(GREEDY, busy(dflash=2, plain=0), EVEN) == "dflash"
+    speed_map.home_bias = 0.0  # each request to the pool fastest for itself: the rule before
+    assert speed_map.choose(GREEDY, busy(dflash=2, plain=0), EVEN) == "plain"
+    speed_map.home_bias = 0.5
+    taught(speed_map, GREEDY, 6, dflash=110.0)  # DFlash with 5 in flight: 1.45x, it leaves
+    assert speed_map.choose(GREEDY, busy(dflash=5, plain=0), EVEN) == "plain"
+    # Never pushed away: a sampled request joins DFlash where it is faster for itself.
+    taught(speed_map, SAMPLED, 2, plain=130.0)
+    assert speed_map.choose(SAMPLED, busy(dflash=0, plain=1), EVEN) == "dflash"
+    # One class only: no advantage.
+    assert SpeedMap().advantage(GREEDY, ["dflash", "plain"]) == {"dflash": 0.0, "plain": 0.0}
 
 
 def test_no_estimate_or_exploring_routes_by_weights() -> None:
-    speed_map = trained(dflash=200.0)
-    assert speed_map.choose("greedy/short", {"dflash": 0, "plain": 0}) is None  # plain unknown
-    assert speed_map.choose("sampled/short", {"dflash": 0}) is None  # class unknown
-    exploring = trained(dflash=200.0, plain=100.0)
-    exploring.exploration, exploring.draw = 0.05, lambda: 0.01
-    assert exploring.choose("greedy/short", {"dflash": 0, "plain": 0}) is None
+    """Exploring (the first draw under the share) goes to the pool drawn by weight (the
+    second draw: 0.1 is dflash, 0.9 plain) where a worker of it is idle; else the rule."""
+    draws: list[float] = []
+    speed_map = taught(SpeedMap(draw=lambda: draws.pop(0)), GREEDY, 1, dflash=200.0)
+    draws[:] = [0.9, 0.9]  # not exploring, but plain has no estimate: by weights
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "plain"
+    taught(speed_map, GREEDY, 1, plain=100.0)
+    draws[:] = [0.01, 0.9]  # exploring, plain idle
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "plain"
+    draws[:] = [0.01, 0.9]  # exploring, plain busy: it would slow the request there
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=1), EVEN) == "dflash"
+    draws[:] = [0.9]
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
+    draws[:] = [0.9, 0.5]  # a class without estimates: by weights
+    assert speed_map.choose(SAMPLED, busy(dflash=0), {"dflash": 1.0}) == "dflash"
 
 
 def test_load_levels_double() -> None:
     assert [load_level(x) for x in (1, 2, 3, 4, 5, 64, 65, 1000)] == [0, 1, 2, 2, 3, 6, 7, 7]
     a, b, c = (Worker(f"http://{n}:1", pool=p) for n, p in (("a", "x"), ("b", "x"), ("c", "y")))
     a.outstanding, b.outstanding, c.outstanding = 3, 1, 0
-    assert pool_levels([a, b, c]) == {"x": load_level(2.5), "y": 0}
+    loads = pool_loads([a, b, c])
+    assert loads == {"x": PoolLoad(2, 4), "y": PoolLoad(1, 0)}
+    assert loads["x"].per_worker(1) == 2.5 and not loads["x"].idle and loads["y"].idle
+    a.outstanding = 0  # a's worker idle: least outstanding sends the next request there
+    assert pool_loads([a, b])["x"].idle
+
+
+def test_the_map_is_made_for_fastest_routing_only() -> None:
+    made = speed_map(GatewaySettings(routing="fastest", fastest_home_bias=1.5))
+    assert made is not None and made.home_bias == 1.5 and made.exploration == 0.05
+    assert speed_map(GatewaySettings(routing="prefix_affinity")) is None
 
 
 def class_worker(greedy: float, sampled: float) -> Handler:
