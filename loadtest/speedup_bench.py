@@ -332,6 +332,11 @@ def worker_argv(spec: WorkerSpec, port: int, args: argparse.Namespace) -> list[s
     argv += ["--max-model-len", str(args.max_model_len), "--seed", "0"]
     if spec.mode in ("plain", "control"):  # the control: a second plain worker
         return [*argv, "--no-speculation"]
+    if spec.mode == "dflash2":  # the bundled DFlash2 drafter, the worker's default speculation
+        from engine.worker.settings import BUNDLED_DFLASH2
+
+        second = {"method": "dflash2", "model": str(BUNDLED_DFLASH2)}
+        return [*argv, "--speculative-config", json.dumps(second)]
     if spec.mode.startswith("fixed-"):  # the same drafter, every step verifying K drafts
         from engine.worker.settings import BUNDLED_DRAFTER
 
@@ -457,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
         "workers, the resolution of every other ratio)",
     )
     p.add_argument(
+        "--dflash2",
+        action="store_true",
+        help="--matrix: also a worker with the bundled DFlash2 drafter in every cell (its "
+        "ratio over plain and over DFlash: issue 45's worst-cell goal)",
+    )
+    p.add_argument(
         "--starts",
         type=int,
         default=1,
@@ -496,8 +507,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (MATRIX_MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
-    if (args.fixed or args.tree or args.control or args.shapes) and not args.matrix:
-        parser.error("--fixed, --tree, --control and --shapes are --matrix options")
+    if (args.fixed or args.tree or args.control or args.shapes or args.dflash2) and not args.matrix:
+        parser.error("--fixed, --tree, --control, --dflash2 and --shapes are --matrix options")
     if args.tree is not None and not (args.tree / "engine" / "worker" / "cli.py").is_file():
         parser.error(f"--tree {args.tree}: not a dflash-serving checkout")
     for name in ("rounds", "num_requests", "requests_per_slot", "starts"):

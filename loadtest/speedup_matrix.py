@@ -165,14 +165,16 @@ def shapes_for(args: argparse.Namespace) -> tuple[Shape, ...]:
 
 
 def modes(args: argparse.Namespace) -> list[str]:
-    """The workers: DFlash (adaptive) and plain at every concurrency, and with --control a
-    second plain worker; at c=1 also DFlash verifying K drafts every step for each --fixed
-    K, and a --tree checkout's DFlash."""
+    """The workers: DFlash (adaptive) and plain at every concurrency, with --control a
+    second plain worker and with --dflash2 the bundled DFlash2 drafter's worker; at c=1 also
+    DFlash verifying K drafts every step for each --fixed K, and a --tree checkout's DFlash."""
     extra = [f"fixed-{k}" for k in args.fixed] + (["tree"] if args.tree is not None else [])
-    return ["dflash", "plain", *(["control"] if args.control else []), *extra]
+    base = ["dflash", "plain", *(["control"] if args.control else [])]
+    return [*base, *(["dflash2"] if args.dflash2 else []), *extra]
 
 
-BASE_MODES = ("dflash", "plain", "control")  # in every cell (the control if started)
+# In every cell (the control and DFlash2 if started).
+BASE_MODES = ("dflash", "plain", "control", "dflash2")
 
 
 # ---- cells ----------------------------------------------------------------------------------
@@ -372,6 +374,13 @@ def matrix_rows(
             control = cells.get(("control", shape.name, c))
             if control is not None:  # two identical plain workers: the bench's own scatter
                 row["control_ratio"] = _ratio(control.tokens_per_second, plain.tokens_per_second)
+            second = cells.get(("dflash2", shape.name, c))
+            if second is not None:  # the DFlash2 drafter, against plain and against DFlash
+                row["dflash2_tokens_per_second"] = second.tokens_per_second
+                row["dflash2_ratio"] = _ratio(second.tokens_per_second, plain.tokens_per_second)
+                row["dflash2_vs_dflash"] = _ratio(second.tokens_per_second, fast.tokens_per_second)
+                row["dflash2_mean_acceptance_length"] = _mean(second.acceptance_lengths)
+                row["errors"] += second.errors
             if shape.twin is not None:
                 row.update(_mixed(cells, shape, c))
             row.update(_against_others(cells, shape, c))
@@ -431,6 +440,8 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     worst = min(rated, key=lambda r: r["ratio"]) if rated else None
     mixed = [r for r in rows if "sampled_vs_plain" in r]
     controls = [r["control_ratio"] for r in rows if r.get("control_ratio") is not None]
+    second = [r for r in rows if r.get("dflash2_ratio") is not None]
+    worst2 = min(second, key=lambda r: r["dflash2_ratio"]) if second else None
     return {
         "worst_ratio": None if worst is None else worst["ratio"],
         "worst_cell": None if worst is None else f"{worst['shape']} c={worst['concurrency']}",
@@ -443,6 +454,18 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "worst_vs_tree_c1": _least(r.get("vs_tree") for r in rows),
         "control_range": [min(controls), max(controls)] if controls else None,
         "control_cells_below_0.98": sum(v < 0.98 for v in controls) if controls else None,
+        # --dflash2: its worst cell against DFlash's (issue 45: no worse), and per cell
+        "dflash2_worst_ratio": None if worst2 is None else worst2["dflash2_ratio"],
+        "dflash2_worst_cell": None
+        if worst2 is None
+        else f"{worst2['shape']} c={worst2['concurrency']}",
+        "dflash2_mean_ratio": _mean([r["dflash2_ratio"] for r in second]) if second else None,
+        "dflash2_vs_dflash_range": [
+            min(r["dflash2_vs_dflash"] for r in second),
+            max(r["dflash2_vs_dflash"] for r in second),
+        ]
+        if second
+        else None,
     }
 
 
@@ -487,6 +510,34 @@ def format_matrix(report: dict[str, Any]) -> str:
             f"A/A (a second plain worker over plain, every cell): {low:.2f}-{high:.2f}, "
             f"{s['control_cells_below_0.98']} of {s['cells']} cells below 0.98"
         )
+    if s.get("dflash2_vs_dflash_range"):
+        lines += ["", _dflash2_table(report["results"], s)]
+    return "\n".join(lines)
+
+
+def _dflash2_table(rows: Sequence[dict[str, Any]], s: dict[str, Any]) -> str:
+    """--dflash2: each cell's DFlash2 and DFlash over plain, and DFlash2 over DFlash."""
+    head = (
+        f"{'shape':<28} {'c':>3} {'DFlash2 tok/s':>13} {'DFlash2/plain':>13} "
+        f"{'DFlash/plain':>12} {'DFlash2/DFlash':>14} {'accept':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("dflash2_ratio") is None:
+            continue
+        lines.append(
+            f"{r['shape']:<28} {r['concurrency']:>3} {r['dflash2_tokens_per_second']:>13.1f} "
+            f"{_fmt(r['dflash2_ratio'], '.2f'):>13} {_fmt(r['ratio'], '.2f'):>12} "
+            f"{_fmt(r['dflash2_vs_dflash'], '.2f'):>14} "
+            f"{_fmt(r['dflash2_mean_acceptance_length'], '.2f'):>6}"
+        )
+    low, high = s["dflash2_vs_dflash_range"]
+    lines.append(
+        f"DFlash2 worst cell: {_fmt(s['dflash2_worst_ratio'], '.2f')} "
+        f"({s['dflash2_worst_cell']}) against DFlash's {_fmt(s['worst_ratio'], '.2f')} "
+        f"({s['worst_cell']}); mean {_fmt(s['dflash2_mean_ratio'], '.2f')} against "
+        f"{_fmt(s['mean_ratio'], '.2f')}; DFlash2 / DFlash per cell {low:.2f}-{high:.2f}"
+    )
     return "\n".join(lines)
 
 

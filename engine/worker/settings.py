@@ -28,6 +28,7 @@ from wire.tracing import TracingSettings
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets" / "tiny-coder"
 BUNDLED_TARGET = ASSETS_DIR / "target"
 BUNDLED_DRAFTER = ASSETS_DIR / "dflash"
+BUNDLED_DFLASH2 = ASSETS_DIR / "dflash2"
 # The same recipe on layers [1, 3, 4]: SGLang captures no last layer (engine/worker/portability.py).
 BUNDLED_PORTABLE_DRAFTER = ASSETS_DIR / "dflash-portable"
 BUNDLED_NAME = "tiny-coder"

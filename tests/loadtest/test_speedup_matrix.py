@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from engine.worker.settings import BUNDLED_DFLASH2
 from loadtest import backends_bench as bb
 from loadtest import bench
 from loadtest import speedup_bench as sb
@@ -123,6 +124,26 @@ def test_a_control_worker_reports_the_bench_own_scatter() -> None:
     assert sm.summary(rows[:0])["control_range"] is None
 
 
+def test_a_dflash2_worker_is_compared_with_plain_and_with_dflash_in_every_cell() -> None:
+    shape = sm.Shape("s", (8, 48), (32, 96), False, "closed", "0")
+    cells = {(m, "s", c): sm.MatrixCell() for m in ("dflash", "plain", "dflash2") for c in (1, 2)}
+    for c, (fast, second) in ((1, (30, 36)), (2, (24, 21))):
+        for mode, tokens in (("dflash", fast), ("plain", 20), ("dflash2", second)):
+            cells[(mode, "s", c)].add([_out(tokens, 1.0)], ["greedy"], 1.0)
+    rows = sm.matrix_rows(cells, [shape], [1, 2])
+    assert [r["dflash2_ratio"] for r in rows] == pytest.approx([1.8, 1.05])
+    assert [r["dflash2_vs_dflash"] for r in rows] == pytest.approx([1.2, 21 / 24])
+    assert all("vs_fixed" not in r for r in rows)  # DFlash2 runs in every cell: no c=1 rival
+    summary = sm.summary(rows)
+    assert summary["dflash2_worst_ratio"] == pytest.approx(1.05)
+    assert summary["dflash2_worst_cell"] == "s c=2" and summary["worst_ratio"] == pytest.approx(1.2)
+    assert summary["dflash2_vs_dflash_range"] == pytest.approx([21 / 24, 1.2])
+    table = sm.format_matrix({"results": rows, "summary": summary})
+    assert "DFlash2 worst cell: 1.05 (s c=2) against DFlash's 1.20 (s c=2)" in table
+    assert sm.summary(rows[:0])["dflash2_worst_ratio"] is None
+    assert "DFlash2 worst" not in sm.format_matrix({"results": [], "summary": sm.summary([])})
+
+
 def test_a_cell_interleaves_the_workers_batch_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each worker serves the same batches; the order rotates from batch to batch (and from
     round to round), so a slow spell of the machine is shared rather than one worker's."""
@@ -175,7 +196,14 @@ def test_matrix_options() -> None:
     assert sm.modes(with_control) == ["dflash", "plain", "control", "fixed-7"]
     control = sb.worker_argv(bb.WorkerSpec("embedded", "control"), 0, with_control)
     assert control[-1] == "--no-speculation"  # a second plain worker, as the first
-    for bad in (["--fixed", "7"], ["--control"], ["--matrix", "--tree", "/nonexistent"]):
+    with_dflash2 = sb.parse_args(["--matrix", "--control", "--dflash2", "--fixed", "7"])
+    assert sm.modes(with_dflash2) == ["dflash", "plain", "control", "dflash2", "fixed-7"]
+    second = sb.worker_argv(bb.WorkerSpec("embedded", "dflash2"), 0, with_dflash2)
+    config = json.loads(second[second.index("--speculative-config") + 1])
+    assert config == {"method": "dflash2", "model": str(BUNDLED_DFLASH2)}
+    assert "--speculation" not in second  # the worker's default (adaptive), as DFlash's
+    bad_ones = (["--fixed", "7"], ["--control"], ["--dflash2"], ["--matrix", "--tree", "/none"])
+    for bad in bad_ones:
         with pytest.raises(SystemExit):
             sb.parse_args(bad)
 
