@@ -26,6 +26,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "loadtest.fleet_bench",
         "mixed stream, DFlash + plain pools: splits vs fastest",
     ),
+    "promotion": (
+        "loadtest.promotion_bench",
+        "better, worse and identical canaries promoted or rolled back on live pools",
+    ),
 }
 
 # Variants of a benchmark that live in modules of their own, chosen by a flag (they import
