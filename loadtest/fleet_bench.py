@@ -279,16 +279,10 @@ def pool_cores(pin: bool) -> dict[str, str]:
     return {"dflash": str(cpus[0]), "plain": str(cpus[1])}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-bench fleet", description=__doc__.split("\n")[0])
-    p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16, 32])
-    p.add_argument("--requests-per-client", type=int, default=4)
-    p.add_argument("--min-requests", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument(
-        "--warmup-requests", type=int, default=48, help="fastest's warm-up at each concurrency"
-    )
-    p.add_argument("--max-num-seqs", type=int, default=32)
+def add_worker_options(p: argparse.ArgumentParser, max_num_seqs: int) -> None:
+    """The pools' embedded workers, as running_workers starts them (also dflash-bench
+    promotion's)."""
+    p.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--port-base", type=int, default=0)
@@ -299,6 +293,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="each pool's worker on a core of its own, as pools have their own GPUs",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash-bench fleet", description=__doc__.split("\n")[0])
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 8, 16, 32])
+    p.add_argument("--requests-per-client", type=int, default=4)
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--warmup-requests", type=int, default=48, help="fastest's warm-up at each concurrency"
+    )
+    add_worker_options(p, max_num_seqs=32)
     p.add_argument("--quick", action="store_true", help="c=2, a few short requests (CI)")
     p.add_argument("--out", type=Path, default=Path("bench-results/fleet.json"))
     return p

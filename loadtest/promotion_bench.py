@@ -46,7 +46,7 @@ from loadtest.backends_bench import (
     running_workers,
     worker_env,
 )
-from loadtest.fleet_bench import REPO, pool_cores, stream_prompts
+from loadtest.fleet_bench import REPO, add_worker_options, pool_cores, stream_prompts
 from loadtest.gateway_peers import start_gateway
 from loadtest.harness import aligned, git_commit, pinned
 from loadtest.speedup_bench import worker_argv
@@ -188,17 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=2000, help="per scenario, at most")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--poll-every", type=int, default=10, help="requests between /admin reads")
-    p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    p.add_argument("--port-base", type=int, default=0)
-    p.add_argument("--startup-timeout", type=float, default=300.0)
-    p.add_argument(
-        "--pin",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the baseline's worker on one core, the canaries' on another",
-    )
+    add_worker_options(p, max_num_seqs=4)  # --pin: the baseline on one core, canaries another
     p.add_argument("--quick", action="store_true", help="a few short requests (CI)")
     p.add_argument("--out", type=Path, default=Path("bench-results/promotion.json"))
     return p
