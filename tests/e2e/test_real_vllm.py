@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -242,6 +243,53 @@ def test_gateway_acceptance_histograms_fill_from_real_vllm(backends: Backends) -
         before, "dflash_spec_acceptance_length_sum"
     )
     assert 2.0 <= total <= 2 * 16.0  # two means, each in [1, 1 + 15]
+
+
+def test_real_vllm_is_a_pool_whose_per_request_acceptance_feeds_promotion_and_fastest(
+    backends: Backends, tmp_path: Path
+) -> None:
+    """Issue 47 with a real engine: vLLM as a canary pool beside the embedded worker's, the
+    gateway routing by ROUTING=fastest. vLLM's per-request speculative metrics reach the
+    rollout's evidence (its mean acceptance, per pool, in /admin/pools) as the embedded
+    worker's do, and every request is served."""
+    pools = tmp_path / "pools.json"
+    promotion = {"baseline": "embedded", "min_samples": 20}
+    pools.write_text(
+        json.dumps(
+            [
+                {"name": "embedded", "model": MODEL, "workers": [backends.embedded.base_url]},
+                {
+                    "name": "vllm",
+                    "model": MODEL,
+                    "workers": [backends.vllm.base_url],
+                    "promotion": promotion,
+                },
+            ]
+        )
+    )
+    with running_gateway([], tmp_path, "--pools", str(pools), "--routing", "fastest") as gateway:
+        client = sdk(gateway)
+
+        def evidence() -> dict[str, Any]:
+            cards = httpx.get(f"{gateway}/admin/pools", timeout=10).json()["data"]
+            card = next(c for c in cards if c["pool"] == "vllm")
+            assert card["weight"] == 10.0 and card["promotion"]["baseline"] == "embedded"
+            found: dict[str, Any] = card["promotion"]["evidence"]
+            return found
+
+        # The canary starts at 10 % of the traffic (by weight until fastest has estimates).
+        for i in range(120):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            client.chat.completions.create(**chat(prompt, max_tokens=12, temperature=0))
+            seen = evidence()
+            if seen["canary_samples"] >= 2 and seen["baseline_samples"] >= 2:
+                break
+        assert seen["canary_samples"] >= 2 and seen["baseline_samples"] >= 2, seen
+        # Means of per-request acceptance lengths, from each engine's own report.
+        assert 1.0 <= seen["canary_acceptance"] <= 16.0, seen
+        assert 1.0 <= seen["baseline_acceptance"] <= 16.0, seen
+        assert seen["canary_error_rate"] == 0.0 and seen["baseline_error_rate"] == 0.0
+        assert metric(scrape(gateway), "dflash_pool_weight", pool="vllm") == 10.0
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="run `make tools`")
