@@ -9,9 +9,9 @@ defaults: stages 10/25/50/100, 50 samples a stage, alpha 0.05):
 - worse: plain decoding (`--no-speculation`), slower on greedy code;
 - identical: a second worker with the baseline's own drafter.
 
-The traffic is greedy code prompts (loadtest/prompts/mix.jsonl), one request at a time
-(`--concurrency 1`): at c = 1 every request runs alone on its worker, so the two pools are
-compared at the same load. (Under a steady load, a canary at 10 % of the traffic runs in
+The traffic is greedy prompts (loadtest/prompts/mix.jsonl) in a seeded random order, sent
+one at a time: every request runs alone on its worker, so the two pools are compared at the
+same load. (Under a steady load, a canary at 10 % of the traffic runs in
 smaller batches than its baseline, and on an engine whose per-request speed falls with the
 batch, each of its requests is faster for that alone; docs/gateway.md says so.) A scenario
 ends when the canary is promoted to 100 % or rolled back, or after `--max-requests`. Reported:
@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -66,6 +67,7 @@ class Scenario:
     status: str = "testing"
     weights: dict[str, float] = field(default_factory=dict)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    evidence: dict[str, Any] = field(default_factory=dict)  # the rollout's, at the end
     # (requests sent, canary weight) each time the weight moved
     moves: list[tuple[int, float]] = field(default_factory=list)
 
@@ -85,6 +87,7 @@ class Scenario:
             "weights": self.weights,
             "moves": self.moves,
             "decisions": self.decisions,
+            "evidence": self.evidence,
             "goal": None if goal is None else f"{goal[0]} within {goal[1]}",
             "met": met,
         }
@@ -123,15 +126,19 @@ def canary_card(client: httpx.Client, url: str) -> dict[str, Any]:
 
 
 def run_scenario(name: str, url: str, prompts: Sequence[str], args: argparse.Namespace) -> Scenario:
-    """Greedy requests one at a time until the canary's rollout ends or max requests."""
+    """Greedy requests one at a time until the canary's rollout ends or max requests. The
+    prompts are drawn at random (seeded): the weighted split is a deterministic rotation, and
+    prompts in a fixed order would give the canary a fixed subset of them, whose acceptance
+    is not its baseline's."""
     out = Scenario(name)
+    draw = random.Random(args.seed)
     started = time.perf_counter()
     last_weight: float | None = None
     with httpx.Client(timeout=300, trust_env=False) as client:
         while out.requests < args.max_requests:
             body = {
                 "model": MODEL_NAME,
-                "messages": [{"role": "user", "content": prompts[out.requests % len(prompts)]}],
+                "messages": [{"role": "user", "content": draw.choice(prompts)}],
                 "max_tokens": args.max_tokens,
                 "temperature": 0.0,
             }
@@ -156,6 +163,7 @@ def run_scenario(name: str, url: str, prompts: Sequence[str], args: argparse.Nam
     out.status = cards["canary"]["promotion"]["status"]
     out.weights = {pool: card["weight"] for pool, card in cards.items()}
     out.decisions = cards["canary"]["promotion"]["decisions"]
+    out.evidence = cards["canary"]["promotion"]["evidence"]
     return out
 
 
@@ -188,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requests", type=int, default=2000, help="per scenario, at most")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--poll-every", type=int, default=10, help="requests between /admin reads")
+    p.add_argument("--seed", type=int, default=0, help="of the prompts' random order")
     add_worker_options(p, max_num_seqs=4)  # --pin: the baseline on one core, canaries another
     p.add_argument("--quick", action="store_true", help="a few short requests (CI)")
     p.add_argument("--out", type=Path, default=Path("bench-results/promotion.json"))
