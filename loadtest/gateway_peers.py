@@ -122,6 +122,8 @@ class PeerResult:
     burst: Sample = field(default_factory=Sample)
     first_burst: Sample = field(default_factory=Sample)  # opens the upstream connections
     rss_mb: float | None = None
+    # After each round: memory that plateaus (bounded) or climbs (a leak, an unbounded queue).
+    rss_mb_by_round: list[float] = field(default_factory=list)
     store_errors: float | None = None  # a gateway with a ledger: its calls that failed
 
 
@@ -503,6 +505,8 @@ async def one_round(
         result.stream_cpu_s += cpu_seconds(peer.process.pid) - before
         merge(result.stream, part)
     await bursts(args, peers, results, stub, first=False)
+    for peer in peers:
+        results[peer.name].rss_mb_by_round.append(rss_mib(peer.process.pid))
 
 
 async def bursts(
@@ -579,6 +583,7 @@ def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[
             if sample.error_kinds
         },
         "rss_mb": result.rss_mb,
+        "rss_mb_by_round": result.rss_mb_by_round,
         "store_errors": result.store_errors,
     }
 
@@ -593,7 +598,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
         "streams/s",
         f"burst {args.burst} added TTFT p50/p99 ms",
         "first burst added TTFT p50/p99 ms",
-        "RSS MB",
+        "RSS MB by round",
         "errors",
         "store errors",
     )
@@ -611,7 +616,7 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
                 str(r["streams_per_s"]),
                 f"{added['p50']} / {added['p99']}",
                 f"{first['p50']} / {first['p99']}",
-                str(r["rss_mb"]),
+                " / ".join(str(mb) for mb in r["rss_mb_by_round"] or [r["rss_mb"]]),
                 str(errors),
                 "-" if r["store_errors"] is None else str(int(r["store_errors"])),
             )

@@ -16,7 +16,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.capture.policy import Capture
 from service.metrics import NO_POOL, GatewayMetrics, code_label
-from service.reports import SpecStats, decode_speed, parse_usage, unwrap
+from service.reports import SpecStats, Usage, decode_speed, parse_usage, unwrap
 from service.responses import StoreHook
 from service.routing.fastest import pool_loads
 from service.routing.fleet import Worker, WorkerFleet
@@ -337,12 +337,12 @@ class Proxy:
                 raise malformed(f"HTTP {response.status} with a JSON body that is not an object")
         self.fleet.report_success(worker)
         if parsed is not None:
-            if self.capture is not None and capturing(self.capture, call, worker):
-                capture_reply(self.capture, call, worker, body, stream=False)
             usage = parse_usage(parsed)
             self.metrics.observe_usage(call.label, worker.pool, usage, call.tenant)
             stats = worker.wire.spec_stats(parsed, usage)
             self.metrics.observe_spec(call.label, worker.pool, stats)
+            if self.capture is not None and capturing(self.capture, call, worker):
+                capture_reply(self.capture, call, worker, body, usage, stats, stream=False)
             learn(self.fleet, call, worker, decode_speed(parsed), stats)
             if call.trace is not None:
                 call.trace.replied(parsed, usage, stats)
@@ -501,17 +501,32 @@ def record_limit(capture: Capture | None, call: ProxyCall, worker: Worker) -> in
     return capture.writer.config.sample_bytes
 
 
-def capture_stream(capture: Capture | None, tap: SseTap, call: ProxyCall, worker: Worker) -> None:
+def capture_stream(
+    capture: Capture | None,
+    tap: SseTap,
+    call: ProxyCall,
+    worker: Worker,
+    usage: Usage | None,
+    stats: list[SpecStats] | None,
+) -> None:
     """A stream the tap recorded, once it ended whole ([DONE] or the terminal event)."""
     recorded = tap.recorded
     if capture is not None and recorded is not None and tap.done and not tap.errored:
-        capture_reply(capture, call, worker, recorded, stream=True)
+        capture_reply(capture, call, worker, recorded, usage, stats, stream=True)
 
 
 def capture_reply(
-    capture: Capture, call: ProxyCall, worker: Worker, reply: bytes, *, stream: bool
+    capture: Capture,
+    call: ProxyCall,
+    worker: Worker,
+    reply: bytes,
+    usage: Usage | None,
+    stats: list[SpecStats] | None,
+    *,
+    stream: bool,
 ) -> None:
-    """The request and the worker's reply, handed to the capture writer unparsed."""
+    """The request and the worker's reply, handed to the capture writer unparsed, with the
+    usage and acceptance the proxy has already read from it."""
     capture.offer(
         endpoint=call.endpoint,
         request_body=call.body,
@@ -521,6 +536,8 @@ def capture_reply(
         pool=worker.pool,
         tenant=call.tenant,
         request_id=call.request_id,
+        usage=usage,
+        acceptance_length=stats[0].acceptance_length if stats else None,
     )
 
 
@@ -585,7 +602,6 @@ def observe_stream(
     """A relayed stream's usage, speculation summary, TTFT and TPOT; its capture, when its tap
     recorded it and it ended whole; its speed for its pool's rollout."""
     end = time.perf_counter()
-    capture_stream(capture, tap, call, worker)
     pool, final = worker.pool, tap.final
     usage = parse_usage(final)
     metrics.observe_usage(call.label, pool, usage, call.tenant)
@@ -593,6 +609,7 @@ def observe_stream(
     stats = worker.wire.spec_stats(spec, usage) if spec is not None else None
     if stats is not None:
         metrics.observe_spec(call.label, pool, stats)
+    capture_stream(capture, tap, call, worker, usage, stats)
     exemplar = None
     if call.trace is not None:
         call.trace.finish_reasons.extend(tap.finish_reasons or ())

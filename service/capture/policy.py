@@ -12,6 +12,7 @@ from pydantic import BeforeValidator
 
 from service.capture.record import RawCapture
 from service.capture.writer import CaptureWriter
+from service.reports import Usage
 
 
 def share(value: object) -> object:
@@ -55,9 +56,21 @@ class Capture:
         pool: str,
         tenant: str | None,
         request_id: str,
+        usage: Usage | None,
+        acceptance_length: float | None,
     ) -> None:
         self.writer.offer(
             RawCapture(
-                endpoint, request_body, reply, stream, model, pool, tenant, request_id, time.time()
+                endpoint,
+                request_body,
+                reply,
+                stream,
+                model,
+                pool,
+                tenant,
+                request_id,
+                time.time(),
+                usage,
+                acceptance_length,
             )
         )

@@ -6,14 +6,13 @@ it already had (the body it sent upstream, the worker's body or stream) and pars
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Any
 
-from service.reports import parse_spec, parse_usage, unwrap
+from service.reports import Usage, unwrap
 from service.sse import event_json
-from wire.capture import SAMPLING_FIELDS, CapturedCompletion, CapturedSample
+from wire.capture import SAMPLING_FIELDS, CapturedCompletion, CapturedSample, load_json
 from wire.responses import joined_text
 
 # The proxy's endpoint paths as the dataset names them.
@@ -37,6 +36,10 @@ class RawCapture:
     tenant: str | None
     request_id: str
     time: float  # wall clock at the end
+    # What the proxy already read from the reply, through the worker's adapter (so SGLang's
+    # and TensorRT-LLM's fields count too): not read again here.
+    usage: Usage | None = None
+    acceptance_length: float | None = None
 
     @property
     def size(self) -> int:
@@ -49,8 +52,8 @@ class Unusable(ValueError):
 
 def build_sample(raw: RawCapture) -> CapturedSample:
     """The dataset sample of one served request; Unusable when it has no text to learn."""
-    request = _object(json.loads(raw.request_body), "request body")
-    reply = _stream_reply(raw.reply) if raw.stream else _object(json.loads(raw.reply), "reply")
+    request = _object(load_json(raw.request_body), "request body")
+    reply = _stream_reply(raw.reply) if raw.stream else _object(load_json(raw.reply), "reply")
     endpoint = ENDPOINT_NAMES.get(raw.endpoint)
     if endpoint is None:
         raise Unusable(f"endpoint {raw.endpoint} is not captured")
@@ -60,8 +63,7 @@ def build_sample(raw: RawCapture) -> CapturedSample:
     )
     if not any(completion.text or completion.token_ids for completion in completions):
         raise Unusable("no completion text")
-    usage = parse_usage(reply)
-    spec = parse_spec(reply)
+    usage = raw.usage
     tools, kwargs = request.get("tools"), request.get("chat_template_kwargs")
     return CapturedSample(
         id=raw.request_id,
@@ -77,7 +79,7 @@ def build_sample(raw: RawCapture) -> CapturedSample:
         sampling={name: request[name] for name in SAMPLING_FIELDS if name in request},
         completions=completions,
         usage=None if usage is None else vars(usage).copy(),
-        acceptance_length=spec[0].acceptance_length if spec else None,
+        acceptance_length=raw.acceptance_length,
     )
 
 
@@ -166,7 +168,8 @@ def _reason(value: object) -> str | None:
 
 def _stream_reply(stream: bytes) -> dict[str, Any]:
     """A stream folded into the body it stands for: each choice's text and token ids joined,
-    its finish reason, the last usage and metrics; a Responses stream's terminal response."""
+    and its finish reason; a Responses stream's terminal response. (Usage and speculation
+    come from the proxy's own reading of the stream: RawCapture.)"""
     if b"\r" in stream:  # SSE allows CRLF and CR line ends too
         stream = stream.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
     return _one_choice_stream(stream) or _every_event(stream)
@@ -201,9 +204,9 @@ def _one_choice_stream(stream: bytes) -> dict[str, Any] | None:
     if b'"token_ids"' in stream and stream.count(b'"token_ids"') != stream.count(b'"token_ids":['):
         return None  # ids missing from some pieces: only the full parse can tell
     try:
-        pieces = json.loads(b"[" + b",".join(_PIECES[key].findall(stream)) + b"]")
+        pieces = load_json(b"[" + b",".join(_PIECES[key].findall(stream)) + b"]")
         found_ids = _IDS.findall(stream) if b'"token_ids"' in stream else []
-        ids = json.loads(b"[" + b",".join(i for i in found_ids if i) + b"]")
+        ids = load_json(b"[" + b",".join(i for i in found_ids if i) + b"]")
     except ValueError:
         return None
     reason_at = stream.rfind(b'"finish_reason":"')
@@ -212,15 +215,7 @@ def _one_choice_stream(stream: bytes) -> dict[str, Any] | None:
         begin = reason_at + len(b'"finish_reason":"')
         reason = stream[begin : stream.find(b'"', begin)].decode("utf-8", "replace")
     choice = {"text": "".join(pieces), "token_ids": ids if found_ids else None}
-    folded: dict[str, Any] = {"choices": [{**choice, "finish_reason": reason}]}
-    usage_at = stream.rfind(b'"usage"')
-    if usage_at >= 0:  # the last event with usage (and the metrics), parsed alone
-        start = stream.rfind(b"\n\n", 0, usage_at)
-        end = stream.find(b"\n\n", usage_at)
-        final = event_json(stream[start + 2 if start >= 0 else 0 : end if end >= 0 else None])
-        if isinstance(final, dict):
-            folded.update({k: final[k] for k in ("usage", "metrics") if final.get(k) is not None})
-    return folded
+    return {"choices": [{**choice, "finish_reason": reason}]}
 
 
 def _every_event(stream: bytes) -> dict[str, Any]:
@@ -233,9 +228,6 @@ def _every_event(stream: bytes) -> dict[str, Any]:
             "response."
         ):
             folded["response"] = obj["response"]  # the last one carries the whole output
-        for key in ("usage", "metrics"):
-            if obj.get(key) is not None:
-                folded[key] = obj[key]
         for choice in obj.get("choices") or ():
             if isinstance(choice, dict):
                 _fold_choice(choices, choice)
@@ -246,7 +238,7 @@ def _every_event(stream: bytes) -> dict[str, Any]:
 
 
 def stream_events(stream: bytes) -> list[Any]:
-    """Every JSON event of an SSE stream (not `[DONE]`), parsed in one `json.loads` of them all
+    """Every JSON event of an SSE stream (not `[DONE]`), parsed in one call for them all
     as one array: a tenth of the CPU of one call per event (a stream has hundreds of small
     ones). An event that is not JSON makes it fall back to one call each, skipping it."""
     payloads = []
@@ -255,7 +247,7 @@ def stream_events(stream: bytes) -> list[Any]:
         if data and data != [b"[DONE]"]:
             payloads.append(b"\n".join(data))
     try:
-        events: list[Any] = json.loads(b"[" + b",".join(payloads) + b"]")
+        events: list[Any] = load_json(b"[" + b",".join(payloads) + b"]")
         return events
     except ValueError:
         return [event_json(b"data: " + payload) for payload in payloads]

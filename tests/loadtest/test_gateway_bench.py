@@ -96,6 +96,8 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
     for name in ("dflash-gateway (capture)", "dflash-gateway (capture, store down)"):
         row = rows[name]
         assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
+        # Read after each round: whether memory plateaus while the store is down.
+        assert len(row["rss_mb_by_round"]) == 1 and row["rss_mb"] > 0  # --rounds 1
     assert set(report["costs"]["capture"]) >= {"unary_cpu_us_per_request", "goal", "met"}
     down = report["capture"]["dflash-gateway (capture, store down)"]
     assert down.get("written", 0) == 0

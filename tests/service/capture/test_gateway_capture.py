@@ -60,7 +60,14 @@ def test_every_endpoint_is_captured_as_the_client_saw_it(
     assert samples["chat"].completions[0].text == chat.choices[0].message.content
     assert samples["chat"].messages == MESSAGES and samples["chat"].sampling["temperature"] == 0
     assert samples["chat"].acceptance_length is not None  # the worker's speculation summary
+    assert chat.usage is not None and samples["chat"].usage == {
+        "prompt_tokens": chat.usage.prompt_tokens,
+        "completion_tokens": chat.usage.completion_tokens,
+    }
     assert samples["chat-stream"].completions[0].text == streamed
+    # A stream's usage and acceptance, as the proxy read them from its last events.
+    assert samples["chat-stream"].usage is not None
+    assert samples["chat-stream"].acceptance_length is not None
     assert samples["chat-stream"].sampling == {"max_tokens": 12, "temperature": 0.8, "seed": 7}
     assert samples["completions"].prompt == "import os\n"
     assert samples["completions"].completions[0].text == completion.choices[0].text

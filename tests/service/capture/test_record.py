@@ -15,10 +15,16 @@ from service.capture.record import (
     _one_choice_stream,
     build_sample,
 )
+from service.reports import Usage
 from wire.capture import decode_shard, encode_shard
 
+# What the proxy read from a reply before handing it over (the samples carry it, unread).
+READ = {"usage": Usage(7, 2), "acceptance_length": 3.5}
 
-def raw(endpoint: str, request: dict[str, Any], reply: bytes, *, stream: bool) -> RawCapture:
+
+def raw(
+    endpoint: str, request: dict[str, Any], reply: bytes, *, stream: bool, **read: Any
+) -> RawCapture:
     return RawCapture(
         endpoint=endpoint,
         request_body=json.dumps(request).encode(),
@@ -29,6 +35,7 @@ def raw(endpoint: str, request: dict[str, Any], reply: bytes, *, stream: bool) -
         tenant="search",
         request_id="chatcmpl-1",
         time=1795000000.0,
+        **read,
     )
 
 
@@ -65,7 +72,7 @@ def test_a_unary_chat_keeps_the_conversation_sampling_and_answer_only() -> None:
         "metrics": METRICS,
     }
     sample = build_sample(
-        raw("/v1/chat/completions", CHAT, json.dumps(reply).encode(), stream=False)
+        raw("/v1/chat/completions", CHAT, json.dumps(reply).encode(), stream=False, **READ)
     )
     assert sample.messages == CHAT["messages"] and sample.prompt is None
     assert sample.sampling == {"temperature": 0.7, "max_tokens": 32, "seed": 3}
@@ -91,7 +98,9 @@ def test_a_chat_stream_is_folded_per_choice(crlf: bool) -> None:
         {"choices": [{"index": 1, "delta": {}, "finish_reason": "stop"}]},
         {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5}, "metrics": METRICS},
     ]
-    sample = build_sample(raw("/v1/chat/completions", CHAT, sse(*events, crlf=crlf), stream=True))
+    read = {"usage": Usage(7, 5), "acceptance_length": 3.5}
+    stream = sse(*events, crlf=crlf)
+    sample = build_sample(raw("/v1/chat/completions", CHAT, stream, stream=True, **read))
     assert [(c.text, c.token_ids, c.finish_reason) for c in sample.completions] == [
         ("old pond", [5, 6], "length"),
         ("a frog", [9, 10], "stop"),
@@ -146,7 +155,7 @@ def test_responses_unary_and_stream_become_chat_messages() -> None:
         {"role": "user", "content": "again"},
     ]
     unary = build_sample(
-        raw("/v1/responses", RESPONSES_REQUEST, json.dumps(RESPONSE).encode(), stream=False)
+        raw("/v1/responses", RESPONSES_REQUEST, json.dumps(RESPONSE).encode(), stream=False, **READ)
     )
     stream_bytes = sse(
         {
@@ -157,7 +166,9 @@ def test_responses_unary_and_stream_become_chat_messages() -> None:
         {"type": "response.completed", "response": RESPONSE},
         end=b"",
     )
-    streamed = build_sample(raw("/v1/responses", RESPONSES_REQUEST, stream_bytes, stream=True))
+    streamed = build_sample(
+        raw("/v1/responses", RESPONSES_REQUEST, stream_bytes, stream=True, **READ)
+    )
     for sample in (unary, streamed):
         assert sample.endpoint == "responses" and sample.messages == expected
         assert sample.completions[0].text == "old pond"
