@@ -22,7 +22,7 @@ def test_quick_run_drives_a_canary_rollout_through_a_real_gateway(
     assert any(line.startswith("worse ") and "| plain" in line for line in printed)
     report = json.loads(out.read_text())
     (row,) = report["rows"]
-    assert row["scenario"] == "worse" and row["canary"] == "plain"
+    assert (row["scenario"], row["baseline"], row["canary"]) == ("worse", "dflash", "plain")
     assert row["requests"] == 6 and row["errors"] == 0
     # Six requests are far fewer than a stage's 50 samples: the rollout is still testing,
     # at its first stage, and the table reads the live /admin/pools.
@@ -34,8 +34,10 @@ def test_verdicts_and_the_pools_file(tmp_path: Path) -> None:
     better = Scenario("better", requests=1400, status="promoted", moves=[(10, 10.0), (700, 25.0)])
     late = Scenario("worse", requests=1200, status="rolled_back")
     identical = Scenario("identical", requests=2000, status="testing")
-    rows = [s.row() for s in (better, late, identical)]
-    assert [r["met"] for r in rows] == [True, False, None]  # worse: rolled back too late
+    turned_on = Scenario("speculation-on", requests=2000, status="testing")
+    rows = [s.row() for s in (better, late, identical, turned_on)]
+    assert [r["met"] for r in rows] == [True, False, None, False]  # worse: rolled back too late
+    assert (rows[3]["baseline"], rows[3]["canary"]) == ("plain", "dflash")
     assert Scenario("better", requests=900, status="promoted", errors=1).row()["met"] is False
     printed = table(rows)
     assert "promoted within 2000: met" in printed and "rolled_back within 1000: NOT met" in printed
