@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from service.capture.policy import Capture
+from service.capture.record import RawCapture
 from service.metrics import NO_POOL, GatewayMetrics, code_label
 from service.reports import SpecStats, Usage, decode_speed, parse_usage, unwrap
 from service.responses import StoreHook
@@ -528,16 +529,19 @@ def capture_reply(
     """The request and the worker's reply, handed to the capture writer unparsed, with the
     usage and acceptance the proxy has already read from it."""
     capture.offer(
-        endpoint=call.endpoint,
-        request_body=call.body,
-        reply=reply,
-        stream=stream,
-        model=call.label,
-        pool=worker.pool,
-        tenant=call.tenant,
-        request_id=call.request_id,
-        usage=usage,
-        acceptance_length=stats[0].acceptance_length if stats else None,
+        RawCapture(
+            endpoint=call.endpoint,
+            request_body=call.body,
+            reply=reply,
+            stream=stream,
+            model=call.label,
+            pool=worker.pool,
+            tenant=call.tenant,
+            request_id=call.request_id,
+            time=time.time(),
+            usage=usage,
+            acceptance_length=stats[0].acceptance_length if stats else None,
+        )
     )
 
 

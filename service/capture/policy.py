@@ -4,7 +4,6 @@ per pool (the pools file's `capture:`), with the gateway's `capture_uri` set."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from typing import Annotated
 
@@ -12,7 +11,6 @@ from pydantic import BeforeValidator
 
 from service.capture.record import RawCapture
 from service.capture.writer import CaptureWriter
-from service.reports import Usage
 
 
 def share(value: object) -> object:
@@ -45,32 +43,6 @@ class Capture:
         rate = tenant_share * self._pool_shares.get(pool, 1.0)
         return rate >= 1.0 or (rate > 0.0 and self._draw() < rate)
 
-    def offer(
-        self,
-        *,
-        endpoint: str,
-        request_body: bytes,
-        reply: bytes,
-        stream: bool,
-        model: str,
-        pool: str,
-        tenant: str | None,
-        request_id: str,
-        usage: Usage | None,
-        acceptance_length: float | None,
-    ) -> None:
-        self.writer.offer(
-            RawCapture(
-                endpoint,
-                request_body,
-                reply,
-                stream,
-                model,
-                pool,
-                tenant,
-                request_id,
-                time.time(),
-                usage,
-                acceptance_length,
-            )
-        )
+    def offer(self, raw: RawCapture) -> None:
+        """Hand one served request to the writer (never blocks; a drop is counted)."""
+        self.writer.offer(raw)
