@@ -34,6 +34,7 @@ vllm:spec_decode_num_drafts, made conditional: a_j = accepted_j / accepted_{j-1}
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -56,10 +57,19 @@ class ContextTerm:
     per_drafting_key: float = 0.0  # seconds per drafting row per key (the drafter's block)
 
     def extra(self, batch_size: int, k: int, context: int) -> float:
+        return batch_size * self.per_key(k) * (context - self.tokens)
+
+    def per_key(self, k: int) -> float:
+        """Seconds per row per key position of a step verifying k drafts."""
         per_key = self.per_row_key + (k + 1) * self.per_query_key
         if k:
             per_key += self.per_drafting_key
-        return batch_size * per_key * (context - self.tokens)
+        return per_key
+
+    @property
+    def moves(self) -> bool:
+        """Whether the cost moves with the context at all."""
+        return bool(self.per_row_key or self.per_query_key)
 
     @classmethod
     def fit(
@@ -124,9 +134,12 @@ class CostModel:
     def at_context(self, base: list[float], batch_size: int, context: int) -> list[float]:
         """A grid curve moved to `context` (never below a quarter of the grid's cost)."""
         term = self.context
-        if not (term.per_row_key or term.per_query_key):
+        if not term.moves:
             return base
-        return [max(c / 4, c + term.extra(batch_size, k, context)) for k, c in enumerate(base)]
+        # The planner moves ~2n curves a step: the per-key slopes are computed once.
+        span = context - term.tokens
+        slopes = _slopes(term, len(base))
+        return [max(c / 4, c + batch_size * s * span) for c, s in zip(base, slopes, strict=True)]
 
     def relative(self, batch_size: int, k: int) -> float:
         """The cost in plain steps at the same batch size."""
@@ -166,6 +179,12 @@ class CostModel:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc}") from exc
         return cls(bs, ks, seconds, catch_up, context)
+
+
+@functools.cache
+def _slopes(term: ContextTerm, n: int) -> tuple[float, ...]:
+    """term.per_key(k) for k = 0..n-1 (a term and its curves' length are few)."""
+    return tuple(term.per_key(k) for k in range(n))
 
 
 def _running_max(values: Iterable[float]) -> Iterable[float]:
@@ -227,6 +246,9 @@ class AcceptanceStats:
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     _rates: list[float] | None = field(default=None, repr=False)  # until the next observe
+    # optimistic_rates(z) for the last z asked, until the next observe: the planner asks
+    # for every row at every step it weighs, and a row's estimates move only when it drafts
+    _optimistic: tuple[float, list[float]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.tried:
@@ -241,7 +263,7 @@ class AcceptanceStats:
         if not any(num_drafted for num_drafted, _ in rows):
             return
         keep = 0.5 ** (1.0 / self.halflife_steps)
-        self._rates = None
+        self._rates = self._optimistic = None
         self.tried = [t * keep for t in self.tried]
         self.accepted = [a * keep for a in self.accepted]
         for num_drafted, num_accepted in rows:
@@ -273,11 +295,15 @@ class AcceptanceStats:
         from point estimates that two early rejections put just under break-even drafts no
         more and so never learns otherwise; with the bonus it drafts until its own trials
         have shrunk the doubt, and only then stays plain."""
+        if self._optimistic is not None and self._optimistic[0] == z:
+            return self._optimistic[1]
         w = self.prior_weight
-        return [
+        rates = [
             min(1.0, r + z * math.sqrt(r * (1.0 - r) / (t + w)))
             for r, t in zip(self.rates(), self.tried, strict=True)
         ]
+        self._optimistic = (z, rates)
+        return rates
 
     def expected_tokens(self, k: int) -> float:
         """E[tokens committed per row] when verifying k drafts (bonus token included)."""
@@ -306,8 +332,11 @@ class CostFeedback:
 
     overall: float | None = None
     per_k: dict[int, float] = field(default_factory=dict)
+    _factors: dict[int, float] | None = None  # factors() until the next observation
+    _per_k: list[float] | None = None  # at_each_k() as long as _factors
 
     def observe(self, grid_k: int, ratio: float, weight: float) -> None:
+        self._factors = None
         old = self.overall
         self.overall = ratio if old is None else (1 - weight) * old + weight * ratio
         before = self.per_k.get(grid_k)
@@ -317,7 +346,20 @@ class CostFeedback:
         """Per grid k: how much dearer than the model it ran, relative to all k."""
         if self.overall is None:
             return {}
-        return {g: math.exp(v - self.overall) for g, v in self.per_k.items()}
+        if self._factors is None:  # read ~2n times a planned step, changed once a step
+            self._factors = {g: math.exp(v - self.overall) for g, v in self.per_k.items()}
+            self._per_k = None
+        return self._factors
+
+    def at_each_k(self, nearest: Sequence[int]) -> list[float] | None:
+        """factors() at each k = 0..len(nearest)-1 through its nearest grid k (None: no
+        correction yet); kept with factors()."""
+        factor = self.factors()
+        if not factor:
+            return None
+        if self._per_k is None:
+            self._per_k = [factor.get(g, 1.0) for g in nearest]
+        return self._per_k
 
 
 @dataclass
@@ -351,13 +393,17 @@ class SpecPolicy:
     _feedback: dict[int, CostFeedback] = field(default_factory=dict)  # per grid batch size
     _base: dict[int, list[float]] = field(default_factory=dict)  # model curve per batch size
     _nearest: list[int] = field(default_factory=list)  # nearest grid k of each k
+    _grid_batch: dict[int, int] = field(default_factory=dict)  # nearest grid batch size
 
     def cost(self, batch_size: int, k: int) -> float:
         """Model seconds with the feedback correction (relative, per nearest grid cell)."""
         return self.curve(batch_size)[k]
 
     def _feedback_at(self, batch_size: int) -> CostFeedback:
-        grid = min(self.costs.batch_sizes, key=lambda b: (abs(b - batch_size), b))
+        grid = self._grid_batch.get(batch_size)
+        if grid is None:
+            grid = min(self.costs.batch_sizes, key=lambda b: (abs(b - batch_size), b))
+            self._grid_batch[batch_size] = grid
         feedback = self._feedback.get(grid)
         if feedback is None:
             feedback = self._feedback[grid] = CostFeedback()
@@ -375,12 +421,24 @@ class SpecPolicy:
         base = self._model_curve(batch_size)
         if context is not None:
             base = self.costs.at_context(base, batch_size, context)
-        factor = self._feedback_at(batch_size).factors()
-        if not factor:
+        factors = self._feedback_at(batch_size).at_each_k(self._nearest_grid())
+        if factors is None:
             return base
-        nearest = self._nearest_grid()
         # Corrected per grid k, a wider step must still never look cheaper than a narrower.
-        return list(_running_max(c * factor.get(nearest[k], 1.0) for k, c in enumerate(base)))
+        out, top = [], 0.0
+        for c, f in zip(base, factors, strict=True):
+            top = max(top, c * f)
+            out.append(top)
+        return out
+
+    def plain_cost(self, batch_size: int, context: int | None = None) -> float:
+        """curve(batch_size, context)[0] without the rest of the curve (the planner asks
+        for it at every split)."""
+        base = self._model_curve(batch_size)[:1]
+        if context is not None:
+            base = self.costs.at_context(base, batch_size, context)
+        factors = self._feedback_at(batch_size).at_each_k(self._nearest_grid())
+        return base[0] if factors is None else base[0] * factors[0]
 
     def observe_cost(
         self, batch_size: int, k: int, seconds: float, context: int | None = None

@@ -133,19 +133,19 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     order = sorted(range(n), key=lambda i: -gains[i][-1])
     head, tail = _running_contexts([rows[i].context for i in order])
     per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
-    best_score, best = n / policy.curve(n, head[n])[0], StepPlan.plain(n)
+    best_score, best = n / policy.plain_cost(n, head[n]), StepPlan.plain(n)
     threshold = best_score * (1.0 + policy.margin)
     ks = _candidate_ks(policy)
-    tokens, catch = dict.fromkeys(ks, float(n)), 0.0
+    tokens, catch = [float(n)] * len(ks), 0.0
     for m in range(1, n + 1):
         row = order[m - 1]
         catch += rows[row].pending * per_position
-        for k in ks:
-            tokens[k] += gains[row][k] - 1.0
+        gain = gains[row]
+        tokens = [t + gain[k] - 1.0 for t, k in zip(tokens, ks, strict=True)]
         drafting = policy.curve(m, head[m])
-        rest = policy.curve(n - m, tail[m])[0] if m < n else 0.0
-        for k in ks:
-            score = tokens[k] / (drafting[k] + rest + catch)
+        rest = policy.plain_cost(n - m, tail[m]) if m < n else 0.0
+        for t, k in zip(tokens, ks, strict=True):
+            score = t / (drafting[k] + rest + catch)
             if score > threshold and score > best_score:
                 best_score = score
                 chosen = set(order[:m])

@@ -4,9 +4,11 @@ For every concurrency and every block size (1 = plain decoding, and the drafter'
 the same requests through the engine directly (no HTTP), greedy or (`--mix mixed`) greedy
 and sampled interleaved, and reports generated tokens/s, the mean acceptance length, and the
 speedup over block size 1 at the same concurrency. One engine per block size stays loaded
-and the repeats are interleaved (plain, DFlash, plain, DFlash, ...) so a noisy machine
-affects both sides alike. Greedy outputs must be identical across block sizes; the JSON
-says whether they were (sampled ones are compared with nothing).
+and the repeats are interleaved (plain, DFlash, plain, DFlash, ...; each round starts one
+variant further on) so a noisy machine affects both sides alike. Greedy outputs must be
+identical across block sizes; the JSON says whether they were (sampled ones are compared
+with nothing). `--forced-plain` adds a DFlash engine that plans and never drafts, and a
+second plain engine as the A/A control.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class Cell:
     block_size: int
     adaptive: bool = False  # k chosen per step by engine.adaptive (block_size = its max)
     drafter_int8: bool = False  # the drafter's matmuls in int8 (EngineConfig.drafter_int8)
+    forced_plain: bool = False  # adaptive DFlash whose planner plans, then never drafts
+    control: bool = False  # a second plain engine: the A/A resolution of the ratios
     generated_tokens: int = 0
     elapsed_s: float = 0.0
     num_requests: int = 0
@@ -127,6 +131,13 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
         "int8 (EngineConfig.drafter_int8)",
     )
     p.add_argument(
+        "--forced-plain",
+        action="store_true",
+        help="also run the adaptive DFlash engine with its planner forced plain (it plans "
+        "every step, then decodes plain: what a DFlash worker that does not draft costs) and "
+        "a second plain engine (the A/A control), both against plain",
+    )
+    p.add_argument(
         "--background-load",
         action="store_true",
         help="run everything twice: quiet, then with one core kept busy by another process",
@@ -192,7 +203,9 @@ def format_table(report: dict[str, Any], title: str = "quiet") -> str:
     ]
     for r in report["results"]:
         speedup, median = r["speedup_vs_block_size_1"], r["median_paired_speedup"]
-        block = f"{r['block_size']}{'a' if r['adaptive'] else ''}{'q' if r['drafter_int8'] else ''}"
+        block = f"{r['block_size']}" + "".join(
+            mark for key, mark in VARIANT_MARKS.items() if r[key]
+        )
         lines.append(
             f"{r['concurrency']:>5} {block:>6} {r['tokens_per_second']:>9.1f} "
             f"{r['mean_acceptance_length']:>10.2f} {r['mean_draft_tokens_per_step']:>6.2f} "
@@ -200,6 +213,7 @@ def format_table(report: dict[str, Any], title: str = "quiet") -> str:
             f"{'-' if median is None else f'{median:.2f}x':>7} {r['generated_tokens']:>7}"
         )
     lines.append(f"greedy outputs identical across block sizes: {report['outputs_match']}")
+    lines.append("block marks: " + ", ".join(f"{m} {k}" for k, m in VARIANT_MARKS.items()))
     if report.get("adaptive_costs"):
         lines.append(
             "adaptive: k chosen per batch size at the measured acceptance: "
@@ -215,6 +229,29 @@ class Variant(NamedTuple):
     block_size: int
     adaptive: bool = False
     drafter_int8: bool = False
+    forced_plain: bool = False
+    control: bool = False
+
+
+# The block column's suffix for each kind of variant (16a: adaptive at block 16).
+VARIANT_MARKS = {"adaptive": "a", "drafter_int8": "q", "forced_plain": "p", "control": "c"}
+
+
+class ForcedPlain:
+    """A row planner that plans as the engine's does (its cost stays in the step) and then
+    decodes every row plain: a DFlash engine that never drafts, for `--forced-plain`."""
+
+    def __init__(self, planner: Any) -> None:
+        self._planner = planner
+
+    def plan(self, keys: Seq[Any], *args: Any, **kwargs: Any) -> Any:
+        from engine.row_speculation import StepPlan
+
+        self._planner.plan(keys, *args, **kwargs)
+        return StepPlan.plain(len(keys))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
 
 
 def make_engines(args: argparse.Namespace, variants: list[Variant]) -> dict[Variant, Any]:
@@ -238,6 +275,9 @@ def make_engines(args: argparse.Namespace, variants: list[Variant]) -> dict[Vari
             drafter_int8=variant.drafter_int8,
         )
         engines[variant] = Engine(config)
+        if variant.forced_plain:
+            runner = engines[variant].runner
+            runner.planner = ForcedPlain(runner.planner)
     return engines
 
 
@@ -338,6 +378,9 @@ def _variants(args: argparse.Namespace) -> list[Variant]:
         variants.append(Variant(top, drafter_int8=True))
         if args.adaptive:
             variants.append(Variant(top, adaptive=True, drafter_int8=True))
+    if args.forced_plain:
+        variants.append(Variant(top, adaptive=True, forced_plain=True))
+        variants.append(Variant(1, control=True))
     return variants
 
 
@@ -358,8 +401,8 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     for c in args.concurrency:
         n = max(len(prompts), c * args.requests_per_slot)
         batch = [prompts[i % len(prompts)] for i in range(n)]
-        for _ in range(args.repeats):
-            for v in variants:
+        for repeat in range(args.repeats):
+            for v in rotated(variants, repeat):
                 outs = _measure(engines[v], cells[(c, v)], batch, c, args)
                 if not reference:
                     reference = {i: outs[i] for i in greedy + seeded}
@@ -372,11 +415,19 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
     report["seeded_requests_compared"] = seeded_compared
     report["seeded_requests_matched"] = seeded_matched
     for v, engine in engines.items():
-        if v.adaptive and not v.drafter_int8:
+        if v.adaptive and not (v.drafter_int8 or v.forced_plain):
             info = adaptive_report(engine, sorted({1, 2, 4, 8, 16, *args.concurrency}))
             report["adaptive_costs"], report["adaptive_rates"] = info["costs"], info["rates"]
             report["adaptive_table"] = info["table"]
     return report
+
+
+def rotated(variants: list[Variant], repeat: int) -> list[Variant]:
+    """The variants in the order of round `repeat`: each round starts one further on, so
+    no variant always runs first (after the cell's warm-up) or right after the same one,
+    which the A/A control read as 1.01x when it always ran last."""
+    shift = repeat % len(variants)
+    return variants[shift:] + variants[:shift]
 
 
 def _measure(
@@ -406,7 +457,7 @@ def _report(
     results = [
         cells[(c, v)].to_json(cells[(c, Variant(1))]) for c in args.concurrency for v in variants
     ]
-    block_sizes = [v.block_size for v in variants if not (v.adaptive or v.drafter_int8)]
+    block_sizes = [v.block_size for v in variants if v == Variant(v.block_size)]
     return {
         "benchmark": "engine",
         "model": str(args.model),
@@ -422,6 +473,7 @@ def _report(
         "outputs_match": outputs_match,
         "adaptive": bool(args.adaptive),
         "drafter_int8": bool(args.drafter_int8),
+        "forced_plain": bool(args.forced_plain),
         "results": results,
     }
 

@@ -132,3 +132,65 @@ def test_adaptive_and_int8_variants_are_exact_and_report_their_choices(
     assert set(report["adaptive_table"]) == {"1", "2", "4", "8", "16"}
     assert all(0 <= k <= 3 for k in report["adaptive_table"].values())
     assert len(report["adaptive_rates"]) == 3
+
+
+def test_forced_plain_never_drafts_and_has_its_plain_control(
+    tiny_checkpoint: TinyCheckpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n"]))
+    out = tmp_path / "engine.json"
+    argv = [
+        "--model",
+        str(tiny_checkpoint.target_dir),
+        "--drafter",
+        str(tiny_checkpoint.drafter_dir),
+        "--concurrency",
+        "1,2",
+        "--max-tokens",
+        "6",
+        "--prompts",
+        str(prompts),
+        "--repeats",
+        "2",
+        "--max-model-len",
+        "128",
+        "--forced-plain",
+        "--json",
+        str(out),
+    ]
+    assert engine_bench.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "    4ap " in table and "    1c " in table  # the tiny drafter's block is 4
+    report = json.loads(out.read_text())
+    assert report["outputs_match"] is True and report["forced_plain"] is True
+    assert report["block_sizes"] == [1, 4]
+    kinds = {
+        (r["block_size"], r["adaptive"], r["forced_plain"], r["control"]) for r in report["results"]
+    }
+    assert kinds == {
+        (1, False, False, False),
+        (4, False, False, False),
+        (4, True, True, False),
+        (1, False, False, True),
+    }
+    for r in report["results"]:
+        if r["forced_plain"] or r["control"]:
+            # it planned, and decoded every token plain
+            assert r["num_drafts"] == 0 and r["num_draft_tokens"] == 0
+            assert r["generated_tokens"] == 6 * r["num_requests"]
+            assert len(r["paired_speedups"]) == 2 and r["median_paired_speedup"] > 0
+    assert "adaptive_table" not in report  # a forced-plain engine's choices are not its plan
+
+
+def test_rounds_rotate_the_order_of_the_variants() -> None:
+    plain, dflash, control = (
+        engine_bench.Variant(1),
+        engine_bench.Variant(16, adaptive=True, forced_plain=True),
+        engine_bench.Variant(1, control=True),
+    )
+    variants = [plain, dflash, control]
+    orders = [engine_bench.rotated(variants, r) for r in range(4)]
+    assert orders[0] == variants and orders[3] == variants
+    assert [order[0] for order in orders[:3]] == variants  # each leads one round in three
+    assert all(sorted(order) == sorted(variants) for order in orders)
