@@ -59,6 +59,13 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
         default=True,
         help="also DFlash with adaptive k per step, what dflash-worker serves (default on)",
     )
+    p.add_argument(
+        "--forced-plain",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the adaptive DFlash engine forced plain (what a DFlash engine that does "
+        "not draft costs) and a second plain engine, the A/A control (default on)",
+    )
     p.add_argument("--step-batch-sizes", type=int_list, default=None, help="step profile")
     p.add_argument("--step-widths", type=int_list, default=None, help="step profile widths")
     p.add_argument("--steps", type=int, default=None, help="timed steps per step cell")
@@ -140,7 +147,11 @@ def engine_argv(args: argparse.Namespace, shape: str) -> list[str]:
         *("--repeats", str(args.repeats), "--threads", str(args.threads)),
         *("--device", args.device, "--dtype", args.dtype),
     ]
-    return [*argv, "--adaptive"] if args.adaptive else argv
+    if args.adaptive:
+        argv.append("--adaptive")
+    if args.forced_plain:
+        argv.append("--forced-plain")
+    return argv
 
 
 def step_argv(args: argparse.Namespace) -> list[str]:
@@ -191,6 +202,7 @@ def header(args: argparse.Namespace) -> dict[str, Any]:
         "drafter": str(args.drafter),
         "block_size": engine_bench.drafter_block_size(args.drafter),
         "adaptive": args.adaptive,
+        "forced_plain": args.forced_plain,
         "sizes": {name: getattr(args, name) for name in SIZES},
         "complete": False,
         "speedup": [],
@@ -223,20 +235,21 @@ def run_step(args: argparse.Namespace) -> dict[str, Any]:
 
 def speedup_rows(shapes: dict[str, Any]) -> list[dict[str, Any]]:
     """Per shape and concurrency: plain and DFlash tokens/s, their ratio (totals and the
-    median of back-to-back pairs) and DFlash's acceptance length; adaptive's beside."""
+    median of back-to-back pairs) and DFlash's acceptance length; adaptive's, forced
+    plain's and the A/A control's beside."""
     rows = []
     for shape, report in shapes.items():
         for c in report["concurrency"]:
             cells = [r for r in report["results"] if r["concurrency"] == c]
             plain = next(r for r in cells if r["block_size"] == 1)
             for r in cells:
-                if r["block_size"] == 1 or r["drafter_int8"]:
+                if (r["block_size"] == 1 and not r["control"]) or r["drafter_int8"]:
                     continue
                 rows.append(
                     {
                         "shape": shape,
                         "concurrency": c,
-                        "variant": "adaptive" if r["adaptive"] else "dflash",
+                        "variant": variant_name(r),
                         "plain_tokens_per_second": plain["tokens_per_second"],
                         "dflash_tokens_per_second": r["tokens_per_second"],
                         "ratio": r["speedup_vs_block_size_1"],
@@ -246,6 +259,16 @@ def speedup_rows(shapes: dict[str, Any]) -> list[dict[str, Any]]:
                     }
                 )
     return rows
+
+
+def variant_name(cell: dict[str, Any]) -> str:
+    """A row's engine: DFlash at its full block, adaptive, adaptive forced plain, or the
+    second plain engine (the A/A control: its ratio is the run's resolution)."""
+    if cell["control"]:
+        return "plain A/A"
+    if cell["forced_plain"]:
+        return "forced plain"
+    return "adaptive" if cell["adaptive"] else "dflash"
 
 
 def step_rows(step: dict[str, Any]) -> list[dict[str, Any]]:

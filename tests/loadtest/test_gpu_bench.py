@@ -56,8 +56,13 @@ def test_make_gpu_bench_quick_runs_on_the_cpu_without_the_web_stack(tmp_path: Pa
     assert report["commit"] is None or len(report["commit"]) == 40
     block = report["block_size"]
     rows = {(r["shape"], r["concurrency"], r["variant"]): r for r in report["speedup"]}
-    shapes, variants = ("greedy", "mixed"), ("dflash", "adaptive")
+    shapes = ("greedy", "mixed")
+    variants = ("dflash", "adaptive", "forced plain", "plain A/A")
     assert set(rows) == {(s, c, v) for s in shapes for c in (1, 2) for v in variants}
+    assert report["forced_plain"] is True
+    for (_, _, variant), r in rows.items():
+        if variant in ("forced plain", "plain A/A"):  # neither drafts
+            assert r["acceptance_length"] == 1.0 and r["draft_tokens_per_step"] == 0.0
     for r in rows.values():
         assert r["plain_tokens_per_second"] > 0 and r["dflash_tokens_per_second"] > 0
         assert r["ratio"] > 0 and r["median_paired_ratio"] > 0
