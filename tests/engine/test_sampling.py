@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import sampling as sampling_module
 from engine.sampling import (
     RowSampling,
     greedy,
@@ -72,6 +73,19 @@ def test_temperatures_below_the_greedy_threshold_are_greedy() -> None:
     assert torch.isfinite(probabilities(logits, 1e-4)).all()
     with pytest.raises(ValueError, match="temperature"):
         probabilities(logits, 1e-300)
+
+
+def test_keyed_draws_are_the_uniforms_place_on_the_cumulative_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    probs = torch.tensor([0.0, 0.2, 0.8, 0.0])  # filtered tokens on both sides
+    for u, token in ((0.0, 1), (0.1999, 1), (0.2, 2), (0.9999, 2), (1.0, 2)):
+        # 1.0 stands for a product that rounded up to the total: the last token with mass
+        monkeypatch.setattr(sampling_module, "keyed_uniform", lambda seed, pos, u=u: u)
+        assert keyed_token(probs, 0, 0) == token, u
+    monkeypatch.undo()
+    draws = [sampling_module.keyed_uniform(5, position) for position in range(2000)]
+    assert all(0.0 <= d < 1.0 for d in draws) and 0.45 < sum(draws) / len(draws) < 0.55
 
 
 def test_keyed_draws_repeat_per_position_and_follow_probs() -> None:
