@@ -141,7 +141,7 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
         row = order[m - 1]
         catch += rows[row].pending * per_position
         gain = gains[row]
-        tokens = [t + gain[k] - 1.0 for t, k in zip(tokens, ks, strict=True)]
+        tokens = [t + (gain[k] - 1.0) for t, k in zip(tokens, ks, strict=True)]
         drafting = policy.curve(m, head[m])
         rest = policy.plain_cost(n - m, tail[m]) if m < n else 0.0
         for t, k in zip(tokens, ks, strict=True):
