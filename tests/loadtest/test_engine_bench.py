@@ -81,32 +81,23 @@ def test_bad_lists_are_usage_errors() -> None:
         engine_bench.parse_args(["--concurrency", "0,2"])
 
 
+def _two_prompt_argv(
+    ckpt: TinyCheckpoint, tmp_path: Path, out: Path, repeats: str, *variants: str
+) -> list[str]:
+    """The engine bench on two short prompts, c = 1 and 2, six tokens, with `variants`."""
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n"]))
+    model = ["--model", str(ckpt.target_dir), "--drafter", str(ckpt.drafter_dir)]
+    sizes = ["--concurrency", "1,2", "--max-tokens", "6", "--max-model-len", "128"]
+    rounds = ["--prompts", str(prompts), "--repeats", repeats]
+    return [*model, *sizes, *rounds, *variants, "--json", str(out)]
+
+
 def test_adaptive_and_int8_variants_are_exact_and_report_their_choices(
     tiny_checkpoint: TinyCheckpoint, tmp_path: Path
 ) -> None:
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n"]))
     out = tmp_path / "engine.json"
-    argv = [
-        "--model",
-        str(tiny_checkpoint.target_dir),
-        "--drafter",
-        str(tiny_checkpoint.drafter_dir),
-        "--concurrency",
-        "1,2",
-        "--max-tokens",
-        "6",
-        "--prompts",
-        str(prompts),
-        "--repeats",
-        "1",
-        "--max-model-len",
-        "128",
-        "--adaptive",
-        "--drafter-int8",
-        "--json",
-        str(out),
-    ]
+    argv = _two_prompt_argv(tiny_checkpoint, tmp_path, out, "1", "--adaptive", "--drafter-int8")
     assert engine_bench.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["outputs_match"] is True and report["adaptive"] is True
@@ -137,28 +128,8 @@ def test_adaptive_and_int8_variants_are_exact_and_report_their_choices(
 def test_forced_plain_never_drafts_and_has_its_plain_control(
     tiny_checkpoint: TinyCheckpoint, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(["def add(a, b):\n", "class Stack:\n"]))
     out = tmp_path / "engine.json"
-    argv = [
-        "--model",
-        str(tiny_checkpoint.target_dir),
-        "--drafter",
-        str(tiny_checkpoint.drafter_dir),
-        "--concurrency",
-        "1,2",
-        "--max-tokens",
-        "6",
-        "--prompts",
-        str(prompts),
-        "--repeats",
-        "2",
-        "--max-model-len",
-        "128",
-        "--forced-plain",
-        "--json",
-        str(out),
-    ]
+    argv = _two_prompt_argv(tiny_checkpoint, tmp_path, out, "2", "--forced-plain")
     assert engine_bench.main(argv) == 0
     table = capsys.readouterr().out
     assert "    4ap " in table and "    1c " in table  # the tiny drafter's block is 4
