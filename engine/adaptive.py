@@ -353,7 +353,8 @@ class CostFeedback:
 
     def at_each_k(self, nearest: Sequence[int]) -> list[float] | None:
         """factors() at each k = 0..len(nearest)-1 through its nearest grid k (None: no
-        correction yet); kept with factors()."""
+        correction yet); kept with factors(). `nearest` is its policy's, the same at every
+        call (one feedback per policy and grid batch size)."""
         factor = self.factors()
         if not factor:
             return None
