@@ -332,11 +332,10 @@ class CostFeedback:
 
     overall: float | None = None
     per_k: dict[int, float] = field(default_factory=dict)
-    _factors: dict[int, float] | None = None  # factors() until the next observation
-    _per_k: list[float] | None = None  # at_each_k() as long as _factors
+    _per_k: list[float] | None = None  # at_each_k() until the next observation
 
     def observe(self, grid_k: int, ratio: float, weight: float) -> None:
-        self._factors = None
+        self._per_k = None
         old = self.overall
         self.overall = ratio if old is None else (1 - weight) * old + weight * ratio
         before = self.per_k.get(grid_k)
@@ -346,19 +345,17 @@ class CostFeedback:
         """Per grid k: how much dearer than the model it ran, relative to all k."""
         if self.overall is None:
             return {}
-        if self._factors is None:  # read ~2n times a planned step, changed once a step
-            self._factors = {g: math.exp(v - self.overall) for g, v in self.per_k.items()}
-            self._per_k = None
-        return self._factors
+        return {g: math.exp(v - self.overall) for g, v in self.per_k.items()}
 
     def at_each_k(self, nearest: Sequence[int]) -> list[float] | None:
         """factors() at each k = 0..len(nearest)-1 through its nearest grid k (None: no
-        correction yet); kept with factors(). `nearest` is its policy's, the same at every
-        call (one feedback per policy and grid batch size)."""
-        factor = self.factors()
-        if not factor:
+        correction yet), kept until the next observation: a planned step reads it ~2n
+        times. `nearest` is its policy's, the same at every call (one feedback per policy
+        and grid batch size)."""
+        if self.overall is None:
             return None
         if self._per_k is None:
+            factor = self.factors()
             self._per_k = [factor.get(g, 1.0) for g in nearest]
         return self._per_k
 

@@ -206,7 +206,7 @@ def explored(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> Ste
     if not policy.exploration_due(drafting):
         return plan
     k = min(policy.max_k, plan.num_drafts + max(2, plan.num_drafts // 2))
-    plain = policy.curve(n)[0]
+    plain = policy.plain_cost(n)
     catch = sum(r.pending for r in rows) * policy.costs.catch_up_per_position
     everyone = catch <= EXPLORE_CATCH_UP * plain and _look_cost(policy, plan, k) <= (
         EXPLORE_COST * plain
@@ -221,7 +221,7 @@ def _look_cost(policy: SpecPolicy, plan: StepPlan, k: int) -> float:
     """What verifying k drafts for every row adds to the planned step."""
     n, m = len(plan.drafting), sum(plan.drafting) if plan.any_drafting else 0
     planned = (policy.curve(m)[plan.num_drafts] if m else 0.0) + (
-        policy.curve(n - m)[0] if m < n else 0.0
+        policy.plain_cost(n - m) if m < n else 0.0
     )
     return policy.curve(n)[k] - planned
 
