@@ -7,7 +7,8 @@ Three small parts:
 - `AcceptanceStats`: live per-position acceptance. Position j (1-based) is *tried* in a
   row-step that verified k >= j drafts and accepted the first j - 1; it is *accepted*
   when the first j were. Counts decay exponentially with drafting steps (recent traffic
-  weighs most; plain steps tell nothing and age nothing) and start from an optimistic
+  weighs most; plain steps tell nothing and age nothing, unless the owner fades them: one
+  request's own estimates, row_speculation.py) and start from an optimistic
   prior, so unexplored positions look worth trying. Each later position's prior is the
   estimate of the one before it: a row whose first draft is seldom accepted has little
   evidence about its deeper ones, and they are not assumed better than its first.
@@ -245,6 +246,7 @@ class AcceptanceStats:
     prior_rates: tuple[float, ...] = ()
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    idle: int = 0  # plain steps not yet faded into the counts (fade())
     _rates: list[float] | None = field(default=None, repr=False)  # until the next observe
     # optimistic_rates(z) for the last z asked, until the next observe: the planner asks
     # for every row at every step it weighs, and a row's estimates move only when it drafts
@@ -262,6 +264,8 @@ class AcceptanceStats:
         rows = list(rows)
         if not any(num_drafted for num_drafted, _ in rows):
             return
+        self._settle()
+        self.idle = 0
         keep = 0.5 ** (1.0 / self.halflife_steps)
         self._rates = self._optimistic = None
         self.tried = [t * keep for t in self.tried]
@@ -272,6 +276,25 @@ class AcceptanceStats:
                 if j < num_accepted:
                     self.accepted[j] += 1.0
 
+    def fade(self) -> None:
+        """A step on which this request did not draft. A request's own evidence fades by
+        such steps toward its prior, as by drafting ones: its acceptance moves within an
+        answer (a short prompt's first tokens are guessed worse than what follows), so two
+        rejections early on must not keep it plain to the end. Applied `FADE_CHUNK` steps
+        at a time (the planner reads the estimates of every row it weighs)."""
+        self.idle += 1
+        if self.idle % FADE_CHUNK == 0:
+            self._rates = self._optimistic = None
+
+    def _settle(self) -> None:
+        """The fade of the whole chunks of idle steps, into the counts."""
+        steps = self.idle - self.idle % FADE_CHUNK
+        if steps:
+            keep = 0.5 ** (steps / FADE_HALFLIFE)
+            self.tried = [t * keep for t in self.tried]
+            self.accepted = [a * keep for a in self.accepted]
+            self.idle -= steps
+
     def rates(self) -> list[float]:
         """a_j: acceptance of position j + 1 given every earlier one was accepted."""
         if self._rates is None:
@@ -279,6 +302,7 @@ class AcceptanceStats:
         return self._rates
 
     def _estimate(self) -> list[float]:
+        self._settle()
         w, prior = self.prior_weight, self.prior_rate
         rates = []
         for j, (a, t) in enumerate(zip(self.accepted, self.tried, strict=True)):
@@ -297,10 +321,10 @@ class AcceptanceStats:
         have shrunk the doubt, and only then stays plain."""
         if self._optimistic is not None and self._optimistic[0] == z:
             return self._optimistic[1]
-        w = self.prior_weight
+        w, point = self.prior_weight, self.rates()  # settled: self.tried is current
         rates = [
             min(1.0, r + z * math.sqrt(r * (1.0 - r) / (t + w)))
-            for r, t in zip(self.rates(), self.tried, strict=True)
+            for r, t in zip(point, self.tried, strict=True)
         ]
         self._optimistic = (z, rates)
         return rates
@@ -308,6 +332,12 @@ class AcceptanceStats:
     def expected_tokens(self, k: int) -> float:
         """E[tokens committed per row] when verifying k drafts (bonus token included)."""
         return expected_tokens(self.rates(), k)
+
+
+# Plain steps faded into a request's own counts at a time (AcceptanceStats.fade), and the
+# plain steps after which its evidence weighs half.
+FADE_CHUNK = 4
+FADE_HALFLIFE = 8.0
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:
@@ -495,6 +525,12 @@ class SpecPolicy:
             self._interval = self.explore_every  # drafting pays again: explore as usual
         self._steps += 1
         return bool(self.explore_every) and self._steps >= self._interval
+
+    def exploration_next(self) -> bool:
+        """Whether the next plain step is due to explore (what exploration_due(False) would
+        answer, without counting the step)."""
+        interval = self._interval or self.explore_every
+        return bool(self.explore_every) and self._steps + 1 >= interval
 
     def explored(self, drafting: bool) -> None:
         """A look was taken; one from plain decoding doubles the wait for the next."""

@@ -11,13 +11,22 @@ greedy request after them. So every running request carries its own `AcceptanceS
   only its own band: a greedy request after sampled ones is not locked out. A request
   unlike its band that the band's estimate keeps plain is looked at by the exploration
   steps (`explored`), which try every row when that is cheap (a lone request, not a busy
-  batch).
-- Only its own drafting steps move it. Plain steps teach nothing, so a request kept plain
+  batch); a kept plain plan (`REPLAN_EVERY`) still counts its steps toward the next look.
+- Only its own drafting steps teach it. Plain steps teach nothing, so a request kept plain
   by a pessimistic estimate would stay plain for good: the plan weighs each estimate
   `OPTIMISM` standard errors up (`AcceptanceStats.optimistic_rates`; divided by the batch
   size, whose every row waits for the drafting forward), so a request drafts
   on until its own trials rule out that drafting pays, not merely until two early
-  rejections make it look unlikely.
+  rejections make it look unlikely. That doubt decides whether a row drafts; its point
+  estimates decide how many drafts its group verifies (the doubt on deep positions, seldom
+  reached, would otherwise always favour the widest block).
+- A request's acceptance moves within its answer (a short prompt's first tokens are
+  guessed worse than what follows), so its own evidence fades over the steps it spends
+  plain (`AcceptanceStats.fade`, toward its band's prior): a few rejections early on keep
+  it plain for some steps, not to the end. A faded request counts as new again below.
+- Drafts past a row's last token (`max_tokens`, the context) are verified for nothing: a
+  row's expected tokens stop at its `tokens_left`, so a short answer's last steps verify
+  few drafts or none.
 - A band's recent acceptance can mislead about a request unlike the band's others (long
   code prompts after short ones accept far more), and a request kept plain by its prior
   never drafts to prove otherwise. So each new request is on probation until it has
@@ -42,7 +51,7 @@ Seeded sampled rows are planned like any other: their draws are keyed by positio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.adaptive import EXPLORE_CATCH_UP, AcceptanceStats, SpecPolicy
@@ -98,10 +107,13 @@ class RowView:
     """What the plan needs of one running row."""
 
     rates: Sequence[float]  # its own conditional acceptance per position
+    # Its point estimates, when `rates` are raised by their doubt (None: `rates` are): they
+    # set how many drafts a drafting group verifies (see plan_step).
+    point: Sequence[float] | None = None
     pending: int = 0  # positions of drafter context it lacks (put off by plain steps)
     context: int | None = None  # tokens in its cache (None: the cost grid's context)
     probation: bool = False  # has not drafted PROBATION_STEPS times yet
-    tokens_left: int = 0  # the most tokens it may still generate
+    tokens_left: int = 0  # the most tokens it may still generate (0: not known)
 
 
 @dataclass(frozen=True)
@@ -129,7 +141,7 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     n = len(rows)
     if policy.mode == "fixed" or policy.max_k == 0:
         return StepPlan(policy.max_k, (True,) * n)
-    gains = [_cumulative_tokens(r.rates, policy.max_k) for r in rows]
+    gains = [_cumulative_tokens(r.rates, policy.max_k, r.tokens_left) for r in rows]
     order = sorted(range(n), key=lambda i: -gains[i][-1])
     head, tail = _running_contexts([rows[i].context for i in order])
     per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
@@ -137,6 +149,7 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     threshold = best_score * (1.0 + policy.margin)
     ks = _candidate_ks(policy)
     tokens, catch = [float(n)] * len(ks), 0.0
+    best_m, best_cost = 0, ([0.0], 0.0)  # the group's size, its curve and the rest's seconds
     for m in range(1, n + 1):
         row = order[m - 1]
         catch += rows[row].pending * per_position
@@ -147,10 +160,22 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
         for t, k in zip(tokens, ks, strict=True):
             score = t / (drafting[k] + rest + catch)
             if score > threshold and score > best_score:
-                best_score = score
+                best_score, best_m, best_cost = score, m, (drafting, rest + catch)
                 chosen = set(order[:m])
                 best = StepPlan(k, tuple(i in chosen for i in range(n)))
-    return best
+    if not best.any_drafting or all(r.point is None for r in rows):
+        return best
+    # The doubt decided that the group drafts (what its rows may yet show); what they are
+    # expected to accept decides how far (the bonus on positions seldom reached would
+    # otherwise always favour the widest block).
+    expected = [float(best_m)] * len(ks)
+    for i in order[:best_m]:
+        r = rows[i]
+        gain = _cumulative_tokens(r.point or r.rates, policy.max_k, r.tokens_left)
+        expected = [t + (gain[k] - 1.0) for t, k in zip(expected, ks, strict=True)]
+    drafting, other = best_cost
+    scores = [t / (drafting[k] + other) for t, k in zip(expected, ks, strict=True)]
+    return StepPlan(ks[max(range(len(ks)), key=lambda j: (scores[j], -j))], best.drafting)
 
 
 def _running_contexts(
@@ -171,14 +196,17 @@ def _running_contexts(
     return head, tail
 
 
-def _cumulative_tokens(rates: Sequence[float], max_k: int) -> list[float]:
-    """E[tokens | k] for k = 0..max_k (bonus token included), in one pass."""
+def _cumulative_tokens(rates: Sequence[float], max_k: int, tokens_left: int = 0) -> list[float]:
+    """E[tokens | k] for k = 0..max_k (bonus token included), in one pass. A row with
+    `tokens_left` to go (0: not known) commits at most that many: drafts past its end are
+    verified for nothing, so they add nothing (short answers end in a wide block's middle)."""
+    reach = max_k if tokens_left <= 0 else min(max_k, tokens_left - 1)
     out, total, survive = [1.0], 1.0, 1.0
-    for a in rates[:max_k]:
+    for a in rates[:reach]:
         survive *= a
         total += survive
         out.append(total)
-    return out
+    return out + [total] * (max_k - reach)
 
 
 def _candidate_ks(policy: SpecPolicy) -> list[int]:
@@ -199,8 +227,9 @@ def explored(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> Ste
     """Every `explore_every` steps (backed off while looks find nothing) the step verifies
     a few more drafts than planned, so each row's estimates of positions it has not been
     trying stay fresh: the drafting group's rows always; every row when that costs the
-    step at most `EXPLORE_COST` of a plain step (and the catch-up of the plain rows'
-    drafter context at most `EXPLORE_CATCH_UP`)."""
+    step at most `EXPLORE_COST` of a plain step, or is `_affordable` for the rows' decoding
+    left (a lone request whose drafter forward alone costs more), and the catch-up of the
+    plain rows' drafter context at most `EXPLORE_CATCH_UP`."""
     n = len(rows)
     drafting = plan.any_drafting
     if not policy.exploration_due(drafting):
@@ -208,8 +237,9 @@ def explored(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> Ste
     k = min(policy.max_k, plan.num_drafts + max(2, plan.num_drafts // 2))
     plain = policy.plain_cost(n)
     catch = sum(r.pending for r in rows) * policy.costs.catch_up_per_position
-    everyone = catch <= EXPLORE_CATCH_UP * plain and _look_cost(policy, plan, k) <= (
-        EXPLORE_COST * plain
+    look = _look_cost(policy, plan, k)
+    everyone = catch <= EXPLORE_CATCH_UP * plain and (
+        look <= EXPLORE_COST * plain or _affordable(look + catch, plain, rows, range(n))
     )
     if not drafting and not everyone:
         return plan  # too dear to look now: at the next step, perhaps
@@ -255,8 +285,15 @@ def probed(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> StepP
     extra = _step_seconds(policy, wider, rows) - _step_seconds(policy, plan, rows)
     extra += sum(rows[i].pending for i in new) * per_position
     plain = _step_seconds(policy, StepPlan.plain(n), rows)
-    budget = PROBE_SHARE * plain * min(rows[i].tokens_left for i in new)
-    return wider if extra * n <= budget else plan
+    return wider if _affordable(extra, plain, rows, new) else plan
+
+
+def _affordable(extra: float, plain: float, rows: Sequence[RowView], looked: Iterable[int]) -> bool:
+    """Whether a look at the `looked` rows is worth its cost: the seconds it adds to the
+    step, times the rows that wait for it, within `PROBE_SHARE` of the plain decoding those
+    rows have left (the fewest tokens left of any; not known: none)."""
+    left = min(rows[i].tokens_left for i in looked)
+    return extra * len(rows) <= PROBE_SHARE * plain * left
 
 
 def _step_seconds(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -> float:
@@ -271,7 +308,8 @@ def _step_seconds(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -
 
 # A plain plan is kept this many steps while its batch stays the same: plain steps change
 # no row's estimates and the costs move slowly with the contexts, so re-planning every step
-# would only spend host time (a tenth of a plain step at 16 rows) for the same answer.
+# would only spend host time (a tenth of a plain step at 16 rows) for the same answer. A
+# kept step still counts toward the policy's next look, and the step due to look is weighed.
 REPLAN_EVERY = 8
 
 
@@ -304,7 +342,9 @@ class RowPlanner:
         still generate (None: no probation probes)."""
         batch = tuple(keys)
         kept = self._kept
-        if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY:
+        due = self.policy.exploration_next()  # that step is weighed: its look needs the rows
+        if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY and not due:
+            self.policy.exploration_due(False)  # a kept step counts toward the next look
             self._kept = (batch, kept[1], kept[2] + 1)
             return kept[1]
         left = [0] * len(batch) if tokens_left is None else tokens_left
@@ -313,6 +353,7 @@ class RowPlanner:
         views = [
             RowView(
                 self._own[key].optimistic_rates(doubt),
+                self._own[key].rates(),
                 pending(i),
                 context=contexts[i],
                 probation=self._own[key].tried[0] < PROBATION_STEPS - 0.5,
@@ -338,6 +379,8 @@ class RowPlanner:
             if drafted:
                 self._own[key].observe([(drafted, accepted)])
                 seen.append((temperature, drafted, accepted))
+            else:
+                self._own[key].fade()
         if seen:
             self._kept = None  # estimates moved: weigh the rows again
             self.priors.observe_step(seen)

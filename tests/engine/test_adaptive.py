@@ -8,6 +8,8 @@ import pytest
 
 from engine.adaptive import (
     EXPLORE_BACKOFF,
+    FADE_CHUNK,
+    FADE_HALFLIFE,
     AcceptanceStats,
     ContextTerm,
     CostModel,
@@ -249,3 +251,26 @@ def test_the_context_term_moves_the_grid_with_the_rows_context() -> None:
     # Noise that shrinks a cost with context never makes a slope negative.
     shrunk = ContextTerm.fit(100, 500, 2, 3, (1.0, 0.9), (1.5, 1.4), (2.0, 1.0))
     assert shrunk == ContextTerm(100)
+
+
+def test_a_request_s_own_evidence_fades_over_its_plain_steps() -> None:
+    """fade(): rejections met early weigh less after plain steps, whole FADE_CHUNKs at a
+    time, and the estimate moves back toward the prior (FADE_HALFLIFE plain steps halve
+    them); a drafting step starts the count again."""
+    stats = AcceptanceStats(max_k=2, prior_rates=(0.7, 0.7), prior_weight=4.0)
+    stats.observe([(2, 0)])
+    stats.observe([(2, 0)])
+    low, tried = stats.rates()[0], stats.tried[0]
+    for _ in range(FADE_CHUNK - 1):
+        stats.fade()
+    assert stats.rates()[0] == low  # not a whole chunk yet
+    for _ in range(int(FADE_HALFLIFE) - FADE_CHUNK + 1):
+        stats.fade()
+    assert stats.rates()[0] > low  # settled: the counts below are current
+    assert stats.tried[0] == pytest.approx(tried / 2)
+    for _ in range(200):
+        stats.fade()
+    assert stats.rates()[0] == pytest.approx(0.7, abs=0.01)
+    stats.fade()
+    stats.observe([(2, 2)])  # a partial chunk is dropped, not carried over
+    assert stats.idle == 0

@@ -157,6 +157,68 @@ def test_a_busy_batch_plans_nearer_its_point_estimates() -> None:
     assert planner.plan(keys, [64] * 8, lambda i: 0) == StepPlan.plain(8)
 
 
+def test_drafts_past_a_row_s_last_token_add_nothing() -> None:
+    """A row with 3 tokens left commits at most 3: it verifies at most the grid's 3 drafts
+    (2 of them useful), one with a single token left decodes plain."""
+    policy = _policy(forward=1.0, per_token=0.05, drafter=0.3)
+    assert plan_step(policy, [RowView(HIGH, tokens_left=200)]).num_drafts == MAX_K
+    assert plan_step(policy, [RowView(HIGH)]).num_drafts == MAX_K  # 0: not known
+    assert 0 < plan_step(policy, [RowView(HIGH, tokens_left=3)]).num_drafts <= 3
+    assert plan_step(policy, [RowView(HIGH, tokens_left=1)]) == StepPlan.plain(1)
+
+
+def test_the_doubt_decides_whether_a_row_drafts_its_point_estimates_how_far() -> None:
+    """Raised by their doubt, a row's deep positions look accepted; its point estimates
+    say they are not: the group verifies the few drafts the point estimates pay for. A row
+    whose point estimates would not draft at all still drafts (the doubt decided so)."""
+    policy = _policy(forward=1.0, per_token=0.05, drafter=0.3)
+    shallow = [0.9] * 3 + [0.1] * (MAX_K - 3)
+    assert plan_step(policy, [RowView(HIGH)]).num_drafts == MAX_K
+    assert plan_step(policy, [RowView(HIGH, shallow)]).num_drafts == 3
+    doubtful = plan_step(policy, [RowView(HIGH, LOW)])
+    assert doubtful.any_drafting and doubtful.num_drafts == 1
+
+
+def test_a_lone_request_is_looked_at_when_its_decoding_left_pays_for_the_look() -> None:
+    """A drafter forward dearer than EXPLORE_COST of a plain step: a lone plain request
+    is still looked at while the look is a small share of the decoding it has left."""
+    policy = SpecPolicy(_costs(1.0, 0.02, drafter=0.8), MAX_K, explore_every=1)
+    plain = StepPlan.plain(1)
+    assert explored(policy, plain, [RowView(LOW, tokens_left=200)]).any_drafting
+    assert explored(policy, plain, [RowView(LOW, tokens_left=10)]) == plain
+    assert explored(policy, plain, [RowView(LOW)]) == plain  # what it has left: not known
+
+
+def test_a_kept_plain_plan_still_counts_toward_the_next_look() -> None:
+    """The planner keeps a plain plan for REPLAN_EVERY steps; the policy's looks come every
+    explore_every steps all the same (backed off while they find nothing)."""
+    policy = SpecPolicy(_costs(1.0, 0.05), MAX_K, explore_every=4)
+    planner = RowPlanner(policy, BandPriors(MAX_K))
+    planner.add("a", 1.0)
+    planner._own["a"] = AcceptanceStats(MAX_K, prior_rates=tuple(LOW), prior_weight=1e9)
+    looks = [planner.plan(("a",), [64], lambda i: 0).any_drafting for _ in range(30)]
+    assert [i + 1 for i, look in enumerate(looks) if look] == [4, 12, 28]
+
+
+def test_a_request_kept_plain_by_early_rejections_drafts_again_later() -> None:
+    """Rejections met early keep a lone request plain, then fade over its plain steps
+    (the planner fades every row that did not draft) until it drafts again."""
+    planner = RowPlanner(_policy(forward=1.0, per_token=0.02, drafter=0.8), BandPriors(MAX_K))
+    planner.add("r", 0.0)
+    planner._own["r"] = AcceptanceStats(
+        MAX_K, prior_weight=4.0, prior_rates=(0.6, *[0.8] * (MAX_K - 1))
+    )
+    for _ in range(6):
+        planner.observe(["r"], [0.0], [(MAX_K, 0)])
+    assert not planner.plan(("r",), [64], lambda i: 0).any_drafting
+    steps = 0
+    while not planner.plan(("r",), [64], lambda i: 0).any_drafting:
+        planner.observe(["r"], [0.0], [(0, 0)])
+        steps += 1
+        assert steps < 100
+    assert steps >= 8
+
+
 def test_a_new_request_is_probed_when_the_step_can_afford_it() -> None:
     """A lone new request whose band's prior keeps it plain drafts anyway (PROBE_K) while it
     has many tokens left; with few left, or in a busy batch where every row would wait for
