@@ -526,12 +526,6 @@ class SpecPolicy:
         self._steps += 1
         return bool(self.explore_every) and self._steps >= self._interval
 
-    def exploration_next(self) -> bool:
-        """Whether the next plain step is due to explore (what exploration_due(False) would
-        answer, without counting the step)."""
-        interval = self._interval or self.explore_every
-        return bool(self.explore_every) and self._steps + 1 >= interval
-
     def explored(self, drafting: bool) -> None:
         """A look was taken; one from plain decoding doubles the wait for the next."""
         self._steps = 0

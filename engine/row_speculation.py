@@ -51,6 +51,7 @@ Seeded sampled rows are planned like any other: their draws are keyed by positio
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -137,7 +138,7 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     second of decoding. A prefill in the same iteration is not counted: it is spent
     whatever the step does, so the time per generated token is the decode step's alone.
     Each group's cost is taken at its longest row's context. Drafting must beat plain
-    decoding by the policy's margin."""
+    decoding by the policy's margin, and may slow no row by more than `SLOWDOWN`."""
     n = len(rows)
     if policy.mode == "fixed" or policy.max_k == 0:
         return StepPlan(policy.max_k, (True,) * n)
@@ -145,37 +146,68 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     order = sorted(range(n), key=lambda i: -gains[i][-1])
     head, tail = _running_contexts([rows[i].context for i in order])
     per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
-    best_score, best = n / policy.plain_cost(n, head[n]), StepPlan.plain(n)
+    plain = policy.plain_cost(n, head[n])
+    best_score, best = n / plain, StepPlan.plain(n)
     threshold = best_score * (1.0 + policy.margin)
+    slowest = plain * (1.0 + SLOWDOWN)  # a step yielding one token per row may take this
     ks = _candidate_ks(policy)
-    tokens, catch = [float(n)] * len(ks), 0.0
-    best_m, best_cost = 0, ([0.0], 0.0)  # the group's size, its curve and the rest's seconds
+    tokens, least, catch = [float(n)] * len(ks), [math.inf] * len(ks), 0.0
+    chosen: tuple[list[float], list[bool]] = (
+        [],
+        [],
+    )  # the best plan's seconds, and its ks within the bound
     for m in range(1, n + 1):
         row = order[m - 1]
         catch += rows[row].pending * per_position
         gain = gains[row]
         tokens = [t + (gain[k] - 1.0) for t, k in zip(tokens, ks, strict=True)]
+        least = [min(a, gain[k]) for a, k in zip(least, ks, strict=True)]  # the group's worst
         drafting = policy.curve(m, head[m])
-        rest = policy.plain_cost(n - m, tail[m]) if m < n else 0.0
-        for t, k in zip(tokens, ks, strict=True):
-            score = t / (drafting[k] + rest + catch)
-            if score > threshold and score > best_score:
-                best_score, best_m, best_cost = score, m, (drafting, rest + catch)
-                chosen = set(order[:m])
-                best = StepPlan(k, tuple(i in chosen for i in range(n)))
+        rest = policy.plain_cost(n - m, tail[m]) + catch if m < n else catch
+        seconds = [drafting[k] + rest for k in ks]
+        # A plain row commits one token a step, a drafting row at least its group's least.
+        bounded = [
+            s <= (1.0 if m < n else a) * slowest for s, a in zip(seconds, least, strict=True)
+        ]
+        for j, t in enumerate(tokens):
+            score = t / seconds[j]
+            if bounded[j] and score > threshold and score > best_score:
+                best_score, group = score, set(order[:m])
+                best = StepPlan(ks[j], tuple(i in group for i in range(n)))
+                chosen = (seconds, bounded)
     if not best.any_drafting or all(r.point is None for r in rows):
         return best
-    # The doubt decided that the group drafts (what its rows may yet show); what they are
-    # expected to accept decides how far (the bonus on positions seldom reached would
-    # otherwise always favour the widest block).
-    expected = [float(best_m)] * len(ks)
-    for i in order[:best_m]:
-        r = rows[i]
-        gain = _cumulative_tokens(r.point or r.rates, policy.max_k, r.tokens_left)
-        expected = [t + (gain[k] - 1.0) for t, k in zip(expected, ks, strict=True)]
-    drafting, other = best_cost
-    scores = [t / (drafting[k] + other) for t, k in zip(expected, ks, strict=True)]
-    return StepPlan(ks[max(range(len(ks)), key=lambda j: (scores[j], -j))], best.drafting)
+    return StepPlan(_how_far(policy, rows, best.drafting, ks, *chosen), best.drafting)
+
+
+def _how_far(
+    policy: SpecPolicy,
+    rows: Sequence[RowView],
+    group: Sequence[bool],
+    ks: Sequence[int],
+    seconds: Sequence[float],
+    bounded: Sequence[bool],
+) -> int:
+    """The k (of those within the bound) at which the drafting group's point estimates
+    commit the most tokens per second. The doubt decided that the group drafts (what its
+    rows may yet show); what they are expected to accept decides how far (the doubt on
+    positions seldom reached would otherwise always favour the widest block)."""
+    expected = [float(len(rows))] * len(ks)
+    for r, drafting in zip(rows, group, strict=True):
+        if drafting:
+            gain = _cumulative_tokens(r.point or r.rates, policy.max_k, r.tokens_left)
+            expected = [t + (gain[k] - 1.0) for t, k in zip(expected, ks, strict=True)]
+    scores = [t / s if ok else 0.0 for t, s, ok in zip(expected, seconds, bounded, strict=True)]
+    return ks[max(range(len(ks)), key=lambda j: (scores[j], -j))]
+
+
+# The most a plan may slow any row: its expected tokens per second against an all-plain
+# step's one token. A burst ends with its slowest requests, the ones that accept least, so
+# tokens a plan gains for the others by making them wait (for a drafting forward beside
+# theirs, or in a block they accept little of) are lost again at the burst's end. Traced
+# at c = 4, greedy and sampled rows mixed: such steps took twice a plain step, and the
+# sampled requests finished last.
+SLOWDOWN = 0.03
 
 
 def _running_contexts(
@@ -309,7 +341,8 @@ def _step_seconds(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -
 # A plain plan is kept this many steps while its batch stays the same: plain steps change
 # no row's estimates and the costs move slowly with the contexts, so re-planning every step
 # would only spend host time (a tenth of a plain step at 16 rows) for the same answer. A
-# kept step still counts toward the policy's next look, and the step due to look is weighed.
+# kept step still counts toward the policy's next look, which the next re-plan weighs (a
+# look that is due but too dear is so tried again every few steps, not at every step).
 REPLAN_EVERY = 8
 
 
@@ -342,9 +375,8 @@ class RowPlanner:
         still generate (None: no probation probes)."""
         batch = tuple(keys)
         kept = self._kept
-        due = self.policy.exploration_next()  # that step is weighed: its look needs the rows
-        if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY and not due:
-            self.policy.exploration_due(False)  # a kept step counts toward the next look
+        if kept is not None and kept[0] == batch and kept[2] < REPLAN_EVERY:
+            self.policy.exploration_due(False)  # counted: a look due is weighed at the re-plan
             self._kept = (batch, kept[1], kept[2] + 1)
             return kept[1]
         left = [0] * len(batch) if tokens_left is None else tokens_left

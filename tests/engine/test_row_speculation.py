@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine import row_speculation
 from engine.adaptive import AcceptanceStats, CostModel, SpecPolicy
 from engine.row_speculation import (
     OPTIMISM,
@@ -84,23 +85,31 @@ def test_a_low_row_does_not_pull_a_high_row_to_plain() -> None:
     assert policy.choose(1, worker_wide) == 0
     greedy = BandPriors(MAX_K).stats_for(0.0)
     assert plan_step(policy, [RowView(greedy.rates())]).any_drafting
-    plan = plan_step(policy, [RowView(HIGH), RowView(LOW)])
-    assert plan.num_drafts > 0 and plan.drafting[0]
+    assert plan_step(policy, [RowView(HIGH), RowView(HIGH)]).any_drafting
     assert plan_step(policy, [RowView(LOW), RowView(LOW)]) == StepPlan.plain(2)
 
 
-def test_a_high_row_drafts_alone_when_padding_the_low_rows_costs() -> None:
-    """Tokens cost much: the low row would only pad the block, so it stays in a plain
-    forward of its own."""
+def test_a_split_that_slows_its_plain_rows_is_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokens cost much: the low row would only pad the block. A plain forward of its own
+    would make it wait for the drafting forward each step, more than SLOWDOWN over
+    an all-plain step (the burst would end later, on it): the step stays plain. Without the
+    bound, the high row would draft alone."""
     policy = _policy(forward=0.5, per_token=0.05, drafter=0.5)
-    assert plan_step(policy, [RowView(HIGH), RowView(LOW)]).drafting == (True, False)
+    rows = [RowView(HIGH), RowView(LOW)]
+    assert plan_step(policy, rows) == StepPlan.plain(2)
+    monkeypatch.setattr(row_speculation, "SLOWDOWN", 10.0)
+    assert plan_step(policy, rows).drafting == (True, False)
 
 
 def test_one_padded_forward_when_a_second_forward_costs_more_than_padding() -> None:
-    """Forwards cost much, tokens little: the low row rides in the drafting block (its
-    drafts are free) rather than paying for a forward of its own."""
-    plan = plan_step(_policy(forward=1.0, per_token=0.001), [RowView(HIGH), RowView(LOW)])
+    """Forwards cost much, tokens little: a row accepting half its drafts rides in the
+    drafting block (its drafts are free, and it keeps its plain speed there) rather than
+    paying for a forward of its own. A row accepting almost nothing would be slowed in the
+    block by the drafter's forward: the step stays plain."""
+    policy = _policy(forward=1.0, per_token=0.001)
+    plan = plan_step(policy, [RowView(HIGH), RowView([0.5] * MAX_K)])
     assert plan.drafting == (True, True) and plan.num_drafts > 0
+    assert plan_step(policy, [RowView(HIGH), RowView(LOW)]) == StepPlan.plain(2)
 
 
 def test_the_plain_rows_wait_is_counted() -> None:
@@ -190,14 +199,15 @@ def test_a_lone_request_is_looked_at_when_its_decoding_left_pays_for_the_look() 
 
 
 def test_a_kept_plain_plan_still_counts_toward_the_next_look() -> None:
-    """The planner keeps a plain plan for REPLAN_EVERY steps; the policy's looks come every
-    explore_every steps all the same (backed off while they find nothing)."""
+    """The planner keeps a plain plan for REPLAN_EVERY steps; its steps count toward the
+    policy's next look (backed off while looks find nothing), which the next re-plan takes:
+    without the count, the first look would come after explore_every re-plans."""
     policy = SpecPolicy(_costs(1.0, 0.05), MAX_K, explore_every=4)
     planner = RowPlanner(policy, BandPriors(MAX_K))
     planner.add("a", 1.0)
     planner._own["a"] = AcceptanceStats(MAX_K, prior_rates=tuple(LOW), prior_weight=1e9)
-    looks = [planner.plan(("a",), [64], lambda i: 0).any_drafting for _ in range(30)]
-    assert [i + 1 for i, look in enumerate(looks) if look] == [4, 12, 28]
+    looks = [planner.plan(("a",), [64], lambda i: 0).any_drafting for _ in range(40)]
+    assert [i + 1 for i, look in enumerate(looks) if look] == [10, 19, 37]
 
 
 def test_a_request_kept_plain_by_early_rejections_drafts_again_later() -> None:
