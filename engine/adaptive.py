@@ -247,6 +247,7 @@ class AcceptanceStats:
     tried: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     idle: int = 0  # plain steps not yet faded into the counts (fade())
+    drafted_steps: int = 0  # observations with a draft in them (fading leaves it be)
     _rates: list[float] | None = field(default=None, repr=False)  # until the next observe
     # optimistic_rates(z) for the last z asked, until the next observe: the planner asks
     # for every row at every step it weighs, and a row's estimates move only when it drafts
@@ -266,6 +267,7 @@ class AcceptanceStats:
             return
         self._settle()
         self.idle = 0
+        self.drafted_steps += 1
         keep = 0.5 ** (1.0 / self.halflife_steps)
         self._rates = self._optimistic = None
         self.tried = [t * keep for t in self.tried]

@@ -23,7 +23,8 @@ greedy request after them. So every running request carries its own `AcceptanceS
 - A request's acceptance moves within its answer (a short prompt's first tokens are
   guessed worse than what follows), so its own evidence fades over the steps it spends
   plain (`AcceptanceStats.fade`, toward its band's prior): a few rejections early on keep
-  it plain for some steps, not to the end. A faded request counts as new again below.
+  it plain for some steps, not to the end (it returns to where a new request starts,
+  without the probes below, which a request takes once).
 - Drafts past a row's last token (`max_tokens`, the context) are verified for nothing: a
   row's expected tokens stop at its `tokens_left`, so a short answer's last steps verify
   few drafts or none.
@@ -388,7 +389,7 @@ class RowPlanner:
                 self._own[key].rates(),
                 pending(i),
                 context=contexts[i],
-                probation=self._own[key].tried[0] < PROBATION_STEPS - 0.5,
+                probation=self._own[key].drafted_steps < PROBATION_STEPS,
                 tokens_left=left[i],
             )
             for i, key in enumerate(batch)

@@ -271,6 +271,7 @@ def test_a_request_s_own_evidence_fades_over_its_plain_steps() -> None:
     for _ in range(200):
         stats.fade()
     assert stats.rates()[0] == pytest.approx(0.7, abs=0.01)
+    assert stats.drafted_steps == 2  # fading forgets evidence, not that it drafted
     stats.fade()
     stats.observe([(2, 2)])  # a partial chunk is dropped, not carried over
-    assert stats.idle == 0
+    assert stats.idle == 0 and stats.drafted_steps == 3

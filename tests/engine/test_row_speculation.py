@@ -229,6 +229,22 @@ def test_a_request_kept_plain_by_early_rejections_drafts_again_later() -> None:
     assert steps >= 8
 
 
+def test_a_request_is_probed_once_however_far_its_evidence_fades() -> None:
+    """Probation counts drafting steps: a sampled request that drafted its two probes and
+    then ran plain (its evidence faded) is not probed again at every fade."""
+    policy = _policy(forward=1.0, per_token=0.02, drafter=0.8)
+    planner = RowPlanner(policy, BandPriors(MAX_K))
+    planner.add("s", 1.0)
+    planner._own["s"] = AcceptanceStats(MAX_K, prior_rates=tuple(LOW), prior_weight=4.0)
+    plan = planner.plan(("s",), [64], lambda i: 0, [200])
+    assert plan == StepPlan(PROBE_K, (True,))  # new: probed
+    for _ in range(2):
+        planner.observe(["s"], [1.0], [(PROBE_K, 0)])
+    for _ in range(40):
+        planner.observe(["s"], [1.0], [(0, 0)])
+    assert planner.plan(("s",), [64], lambda i: 0, [200]) == StepPlan.plain(1)
+
+
 def test_a_new_request_is_probed_when_the_step_can_afford_it() -> None:
     """A lone new request whose band's prior keeps it plain drafts anyway (PROBE_K) while it
     has many tokens left; with few left, or in a busy batch where every row would wait for
