@@ -280,7 +280,7 @@ class AcceptanceStats:
 
     def fade(self) -> None:
         """A step on which this request did not draft. A request's own evidence fades by
-        such steps toward its prior, as by drafting ones: its acceptance moves within an
+        such steps toward its prior, at the rate of drafting ones: its acceptance moves within an
         answer (a short prompt's first tokens are guessed worse than what follows), so two
         rejections early on must not keep it plain to the end. Applied `FADE_CHUNK` steps
         at a time (the planner reads the estimates of every row it weighs)."""
@@ -292,7 +292,7 @@ class AcceptanceStats:
         """The fade of the whole chunks of idle steps, into the counts."""
         steps = self.idle - self.idle % FADE_CHUNK
         if steps:
-            keep = 0.5 ** (steps / FADE_HALFLIFE)
+            keep = 0.5 ** (steps / self.halflife_steps)
             self.tried = [t * keep for t in self.tried]
             self.accepted = [a * keep for a in self.accepted]
             self.idle -= steps
@@ -336,10 +336,8 @@ class AcceptanceStats:
         return expected_tokens(self.rates(), k)
 
 
-# Plain steps faded into a request's own counts at a time (AcceptanceStats.fade), and the
-# plain steps after which its evidence weighs half.
+# Plain steps faded into a request's own counts at a time (AcceptanceStats.fade).
 FADE_CHUNK = 4
-FADE_HALFLIFE = 8.0
 
 
 def expected_tokens(rates: Sequence[float], k: int) -> float:

@@ -9,7 +9,6 @@ import pytest
 from engine.adaptive import (
     EXPLORE_BACKOFF,
     FADE_CHUNK,
-    FADE_HALFLIFE,
     AcceptanceStats,
     ContextTerm,
     CostModel,
@@ -255,16 +254,16 @@ def test_the_context_term_moves_the_grid_with_the_rows_context() -> None:
 
 def test_a_request_s_own_evidence_fades_over_its_plain_steps() -> None:
     """fade(): rejections met early weigh less after plain steps, whole FADE_CHUNKs at a
-    time, and the estimate moves back toward the prior (FADE_HALFLIFE plain steps halve
-    them); a drafting step starts the count again."""
-    stats = AcceptanceStats(max_k=2, prior_rates=(0.7, 0.7), prior_weight=4.0)
+    time, and the estimate moves back toward the prior (halflife_steps plain steps halve
+    them, as drafting ones do); a drafting step starts the count again."""
+    stats = AcceptanceStats(max_k=2, halflife_steps=8.0, prior_rates=(0.7, 0.7), prior_weight=4.0)
     stats.observe([(2, 0)])
     stats.observe([(2, 0)])
     low, tried = stats.rates()[0], stats.tried[0]
     for _ in range(FADE_CHUNK - 1):
         stats.fade()
     assert stats.rates()[0] == low  # not a whole chunk yet
-    for _ in range(int(FADE_HALFLIFE) - FADE_CHUNK + 1):
+    for _ in range(8 - FADE_CHUNK + 1):
         stats.fade()
     assert stats.rates()[0] > low  # settled: the counts below are current
     assert stats.tried[0] == pytest.approx(tried / 2)
