@@ -280,10 +280,11 @@ class AcceptanceStats:
 
     def fade(self) -> None:
         """A step on which this request did not draft. A request's own evidence fades by
-        such steps toward its prior, at the rate of drafting ones: its acceptance moves within an
-        answer (a short prompt's first tokens are guessed worse than what follows), so two
-        rejections early on must not keep it plain to the end. Applied `FADE_CHUNK` steps
-        at a time (the planner reads the estimates of every row it weighs)."""
+        such steps toward its prior, at the rate of drafting ones: its acceptance moves
+        within an answer (a short prompt's first tokens are guessed worse than what
+        follows), so two rejections early on must not keep it plain to the end. Applied
+        `FADE_CHUNK` steps at a time (the planner reads the estimates of every row it
+        weighs)."""
         self.idle += 1
         if self.idle % FADE_CHUNK == 0:
             self._rates = self._optimistic = None

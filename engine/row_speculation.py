@@ -153,10 +153,8 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     slowest = plain * (1.0 + SLOWDOWN)  # a step yielding one token per row may take this
     ks = _candidate_ks(policy)
     tokens, least, catch = [float(n)] * len(ks), [math.inf] * len(ks), 0.0
-    chosen: tuple[list[float], list[bool]] = (
-        [],
-        [],
-    )  # the best plan's seconds, and its ks within the bound
+    # The best plan's seconds at each k, and which of those ks are within the bound.
+    chosen: tuple[list[float], list[bool]] = ([], [])
     for m in range(1, n + 1):
         row = order[m - 1]
         catch += rows[row].pending * per_position
