@@ -35,8 +35,9 @@ vllm:spec_decode_num_drafts, made conditional: a_j = accepted_j / accepted_{j-1}
 from __future__ import annotations
 
 import bisect
-import functools
+import itertools
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
@@ -132,15 +133,23 @@ class CostModel:
         base = [max(1e-9, _interpolate(self.num_drafts, at_b, k)) for k in range(max_k + 1)]
         return base if context is None else self.at_context(base, batch_size, context)
 
-    def at_context(self, base: list[float], batch_size: int, context: int) -> list[float]:
-        """A grid curve moved to `context` (never below a quarter of the grid's cost)."""
+    def at_context(
+        self,
+        base: list[float],
+        batch_size: int,
+        context: int,
+        slopes: Sequence[float] | None = None,
+    ) -> list[float]:
+        """A grid curve moved to `context` (never below a quarter of the grid's cost);
+        `slopes`: the context term's `per_key` at each k from 0 (computed when None)."""
         term = self.context
         if not term.moves:
             return base
-        # The planner moves ~2n curves a step: the per-key slopes are computed once.
         span = context - term.tokens
-        slopes = _slopes(term, len(base))
-        return [max(c / 4, c + batch_size * s * span) for c, s in zip(base, slopes, strict=True)]
+        slopes = slopes or [term.per_key(k) for k in range(len(base))]
+        if span >= 0:  # a longer context only adds (the floor cannot bind): no max per k
+            return [c + batch_size * s * span for c, s in zip(base, slopes, strict=False)]
+        return [max(c / 4, c + batch_size * s * span) for c, s in zip(base, slopes, strict=False)]
 
     def relative(self, batch_size: int, k: int) -> float:
         """The cost in plain steps at the same batch size."""
@@ -180,12 +189,6 @@ class CostModel:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc}") from exc
         return cls(bs, ks, seconds, catch_up, context)
-
-
-@functools.cache
-def _slopes(term: ContextTerm, n: int) -> tuple[float, ...]:
-    """term.per_key(k) for k = 0..n-1 (a term and its curves' length are few)."""
-    return tuple(term.per_key(k) for k in range(n))
 
 
 def _running_max(values: Iterable[float]) -> Iterable[float]:
@@ -252,6 +255,9 @@ class AcceptanceStats:
     # optimistic_rates(z) for the last z asked, until the next observe: the planner asks
     # for every row at every step it weighs, and a row's estimates move only when it drafts
     _optimistic: tuple[float, list[float]] | None = field(default=None, repr=False)
+    # tokens_by_k per (doubt, reach), until the next observe or fade: read for every row
+    # at every step the planner weighs (15 products each, 32 rows)
+    _curves: dict[tuple[float, int], list[float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         if not self.tried:
@@ -269,7 +275,7 @@ class AcceptanceStats:
         self.idle = 0
         self.drafted_steps += 1
         keep = 0.5 ** (1.0 / self.halflife_steps)
-        self._rates = self._optimistic = None
+        self._forget_estimates()
         self.tried = [t * keep for t in self.tried]
         self.accepted = [a * keep for a in self.accepted]
         for num_drafted, num_accepted in rows:
@@ -286,8 +292,13 @@ class AcceptanceStats:
         `FADE_CHUNK` steps at a time (the planner reads the estimates of every row it
         weighs)."""
         self.idle += 1
-        if self.idle % FADE_CHUNK == 0:
-            self._rates = self._optimistic = None
+        if self.idle % FADE_CHUNK == 0 and any(self.tried):  # no evidence: nothing fades
+            self._forget_estimates()
+
+    def _forget_estimates(self) -> None:
+        """The kept estimates are stale: the counts moved (or will at the next read)."""
+        self._rates = self._optimistic = None
+        self._curves.clear()
 
     def _settle(self) -> None:
         """The fade of the whole chunks of idle steps, into the counts."""
@@ -336,6 +347,16 @@ class AcceptanceStats:
         """E[tokens committed per row] when verifying k drafts (bonus token included)."""
         return expected_tokens(self.rates(), k)
 
+    def tokens_by_k(self, z: float = 0.0, tokens_left: int = 0) -> list[float]:
+        """`cumulative_tokens` of `optimistic_rates(z)` (z = 0: of `rates()`) for a
+        request with `tokens_left` to go, kept until the estimates move."""
+        key = (z, _reach(self.max_k, tokens_left))
+        curve = self._curves.get(key)
+        if curve is None:
+            rates = self.optimistic_rates(z) if z else self.rates()
+            curve = self._curves[key] = cumulative_tokens(rates, self.max_k, tokens_left)
+        return curve
+
 
 # Plain steps faded into a request's own counts at a time (AcceptanceStats.fade).
 FADE_CHUNK = 4
@@ -347,6 +368,24 @@ def expected_tokens(rates: Sequence[float], k: int) -> float:
         survive *= a
         total += survive
     return total
+
+
+def cumulative_tokens(rates: Sequence[float], max_k: int, tokens_left: int = 0) -> list[float]:
+    """E[tokens | k] for k = 0..max_k (bonus token included), in one pass. A row with
+    `tokens_left` to go (0: not known) commits at most that many: drafts past its end are
+    verified for nothing, so they add nothing (short answers end in a wide block's middle)."""
+    reach = _reach(max_k, tokens_left)
+    out, total, survive = [1.0], 1.0, 1.0
+    for a in rates[:reach]:
+        survive *= a
+        total += survive
+        out.append(total)
+    return out + [total] * (max_k - reach)
+
+
+def _reach(max_k: int, tokens_left: int) -> int:
+    """The most drafts that can still commit: all but the bonus of the tokens left."""
+    return max_k if tokens_left <= 0 else min(max_k, tokens_left - 1)
 
 
 # The most catch-up (in plain steps at the same batch size) an exploring step may pay.
@@ -423,6 +462,7 @@ class SpecPolicy:
     _base: dict[int, list[float]] = field(default_factory=dict)  # model curve per batch size
     _nearest: list[int] = field(default_factory=list)  # nearest grid k of each k
     _grid_batch: dict[int, int] = field(default_factory=dict)  # nearest grid batch size
+    _context_slopes: tuple[float, ...] = ()
 
     def cost(self, batch_size: int, k: int) -> float:
         """Model seconds with the feedback correction (relative, per nearest grid cell)."""
@@ -449,35 +489,57 @@ class SpecPolicy:
         included."""
         base = self._model_curve(batch_size)
         if context is not None:
-            base = self.costs.at_context(base, batch_size, context)
+            base = self.costs.at_context(base, batch_size, context, self._slopes())
         factors = self._feedback_at(batch_size).at_each_k(self._nearest_grid())
-        if factors is None:
-            return base
-        # Corrected per grid k, a wider step must still never look cheaper than a narrower.
-        out, top = [], 0.0
-        for c, f in zip(base, factors, strict=True):
-            top = max(top, c * f)
-            out.append(top)
-        return out
+        corrected = base if factors is None else list(map(operator.mul, base, factors))
+        # Corrected per grid k or moved to a short context, a wider step must still never
+        # look cheaper than a narrower (so no k costs less than plain_cost).
+        if all(map(operator.le, corrected, corrected[1:])):
+            return corrected
+        return list(itertools.accumulate(corrected, max))
 
     def plain_cost(self, batch_size: int, context: int | None = None) -> float:
-        """curve(batch_size, context)[0] without the rest of the curve (the planner asks
-        for it at every split)."""
-        base = self._model_curve(batch_size)[:1]
-        if context is not None:
-            base = self.costs.at_context(base, batch_size, context)
-        factors = self._feedback_at(batch_size).at_each_k(self._nearest_grid())
-        return base[0] if factors is None else base[0] * factors[0]
+        """curve(batch_size, context)[0] without the rest of the curve."""
+        return self.plain_costs((batch_size,), (context,))[0]
+
+    def plain_costs(
+        self, batch_sizes: Iterable[int], contexts: Iterable[int | None]
+    ) -> list[float]:
+        """plain_cost of each (batch size, context) pair: the planner asks for two at every
+        split of its batch."""
+        nearest, out = self._nearest_grid(), []
+        for batch_size, context in zip(batch_sizes, contexts, strict=True):
+            cost = self._model_cost(batch_size, 0, context)
+            factors = self._feedback_at(batch_size).at_each_k(nearest)
+            out.append(cost if factors is None else cost * factors[0])
+        return out
+
+    def _model_cost(self, batch_size: int, k: int, context: int | None) -> float:
+        """The model's cost of one k at `context`, uncorrected (CostModel.at_context for a
+        single k: the plain costs of every split, and every step's feedback, read one)."""
+        cost = self._model_curve(batch_size)[k]
+        term = self.costs.context
+        if context is None or not term.moves:
+            return cost
+        span = context - term.tokens
+        moved = cost + batch_size * self._slopes()[k] * span
+        return moved if span >= 0 else max(cost / 4, moved)
+
+    def _slopes(self) -> tuple[float, ...]:
+        """The context term's per-key slope of each k = 0..max_k (the costs never change;
+        the planner moves ~2n curves a step)."""
+        if not self._context_slopes:
+            self._context_slopes = tuple(
+                self.costs.context.per_key(k) for k in range(self.max_k + 1)
+            )
+        return self._context_slopes
 
     def observe_cost(
         self, batch_size: int, k: int, seconds: float, context: int | None = None
     ) -> None:
         if seconds <= 0:
             return
-        base = self._model_curve(batch_size)
-        if context is not None:
-            base = self.costs.at_context(base, batch_size, context)
-        ratio = math.log(seconds / base[k])
+        ratio = math.log(seconds / self._model_cost(batch_size, k, context))
         grid_k = self._nearest_grid()[k]
         self._feedback_at(batch_size).observe(grid_k, ratio, self.feedback_weight)
 

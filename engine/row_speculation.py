@@ -52,11 +52,14 @@ Seeded sampled rows are planned like any other: their draws are keyed by positio
 
 from __future__ import annotations
 
-import math
+import functools
+import itertools
+import operator
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-from engine.adaptive import EXPLORE_CATCH_UP, AcceptanceStats, SpecPolicy
+from engine.adaptive import EXPLORE_CATCH_UP, AcceptanceStats, SpecPolicy, cumulative_tokens
 
 BANDS = ("greedy", "low", "high")
 
@@ -104,9 +107,9 @@ class BandPriors:
             self.bands[name].observe(seen)
 
 
-@dataclass(frozen=True)
-class RowView:
-    """What the plan needs of one running row."""
+class RowView(NamedTuple):
+    """What the plan needs of one running row (a tuple: the planner builds one per row at
+    every step it weighs)."""
 
     rates: Sequence[float]  # its own conditional acceptance per position
     # Its point estimates, when `rates` are raised by their doubt (None: `rates` are): they
@@ -116,6 +119,10 @@ class RowView:
     context: int | None = None  # tokens in its cache (None: the cost grid's context)
     probation: bool = False  # has not drafted PROBATION_STEPS times yet
     tokens_left: int = 0  # the most tokens it may still generate (0: not known)
+    # cumulative_tokens of `rates` and of `point`, when the caller keeps them (RowPlanner:
+    # per request, until its estimates move); None: computed here
+    gains: Sequence[float] | None = None
+    point_gains: Sequence[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,7 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     n = len(rows)
     if policy.mode == "fixed" or policy.max_k == 0:
         return StepPlan(policy.max_k, (True,) * n)
-    gains = [_cumulative_tokens(r.rates, policy.max_k, r.tokens_left) for r in rows]
+    gains = [r.gains or cumulative_tokens(r.rates, policy.max_k, r.tokens_left) for r in rows]
     order = sorted(range(n), key=lambda i: -gains[i][-1])
     head, tail = _running_contexts([rows[i].context for i in order])
     per_position = policy.costs.catch_up_per_position / max(1, policy.catch_up_horizon)
@@ -152,27 +159,37 @@ def plan_step(policy: SpecPolicy, rows: Sequence[RowView]) -> StepPlan:
     threshold = best_score * (1.0 + policy.margin)
     slowest = plain * (1.0 + SLOWDOWN)  # a step yielding one token per row may take this
     ks = _candidate_ks(policy)
-    tokens, least, catch = [float(n)] * len(ks), [math.inf] * len(ks), 0.0
+    # The first m rows of `order` draft, the others decode plain. A split's forward for its
+    # plain rows, and its drafting forward at k = 0 (no k costs less: SpecPolicy.curve),
+    # rule out most splits before any curve: two forwards seldom pass the bound.
+    firsts = policy.plain_costs(range(1, n), head[1:n])
+    rests = policy.plain_costs(range(n - 1, 0, -1), tail[1:n])
+    catches = list(itertools.accumulate(rows[i].pending * per_position for i in order))
     # The best plan's seconds at each k, and which of those ks are within the bound.
     chosen: tuple[list[float], list[bool]] = ([], [])
     for m in range(1, n + 1):
-        row = order[m - 1]
-        catch += rows[row].pending * per_position
-        gain = gains[row]
-        tokens = [t + (gain[k] - 1.0) for t, k in zip(tokens, ks, strict=True)]
-        least = [min(a, gain[k]) for a, k in zip(least, ks, strict=True)]  # the group's worst
+        rest = catches[m - 1]
+        if m < n:
+            rest += rests[m - 1]
+            if firsts[m - 1] + rest > slowest:
+                continue
+        group = order[:m]
         drafting = policy.curve(m, head[m])
-        rest = policy.plain_cost(n - m, tail[m]) + catch if m < n else catch
         seconds = [drafting[k] + rest for k in ks]
         # A plain row commits one token a step, a drafting row at least its group's least.
-        bounded = [
-            s <= (1.0 if m < n else a) * slowest for s, a in zip(seconds, least, strict=True)
-        ]
-        for j, t in enumerate(tokens):
-            score = t / seconds[j]
-            if bounded[j] and score > threshold and score > best_score:
-                best_score, group = score, set(order[:m])
-                best = StepPlan(ks[j], tuple(i in group for i in range(n)))
+        if m < n:
+            bounded = [s <= slowest for s in seconds]
+        else:
+            least = [min(gains[i][k] for i in group) for k in ks]
+            bounded = [s <= a * slowest for s, a in zip(seconds, least, strict=True)]
+        for j, k in enumerate(ks):
+            if not bounded[j]:
+                continue
+            tokens = functools.reduce(operator.add, (gains[i][k] - 1.0 for i in group), float(n))
+            score = tokens / seconds[j]
+            if score > threshold and score > best_score:
+                best_score, members = score, set(group)
+                best = StepPlan(k, tuple(i in members for i in range(n)))
                 chosen = (seconds, bounded)
     if not best.any_drafting or all(r.point is None for r in rows):
         return best
@@ -194,7 +211,9 @@ def _how_far(
     expected = [float(len(rows))] * len(ks)
     for r, drafting in zip(rows, group, strict=True):
         if drafting:
-            gain = _cumulative_tokens(r.point or r.rates, policy.max_k, r.tokens_left)
+            gain = r.point_gains or cumulative_tokens(
+                r.point or r.rates, policy.max_k, r.tokens_left
+            )
             expected = [t + (gain[k] - 1.0) for t, k in zip(expected, ks, strict=True)]
     scores = [t / s if ok else 0.0 for t, s, ok in zip(expected, seconds, bounded, strict=True)]
     return ks[max(range(len(ks)), key=lambda j: (scores[j], -j))]
@@ -225,19 +244,6 @@ def _running_contexts(
         tail.append(longest(tail[-1], c))
     tail.reverse()
     return head, tail
-
-
-def _cumulative_tokens(rates: Sequence[float], max_k: int, tokens_left: int = 0) -> list[float]:
-    """E[tokens | k] for k = 0..max_k (bonus token included), in one pass. A row with
-    `tokens_left` to go (0: not known) commits at most that many: drafts past its end are
-    verified for nothing, so they add nothing (short answers end in a wide block's middle)."""
-    reach = max_k if tokens_left <= 0 else min(max_k, tokens_left - 1)
-    out, total, survive = [1.0], 1.0, 1.0
-    for a in rates[:reach]:
-        survive *= a
-        total += survive
-        out.append(total)
-    return out + [total] * (max_k - reach)
 
 
 def _candidate_ks(policy: SpecPolicy) -> list[int]:
@@ -339,7 +345,7 @@ def _step_seconds(policy: SpecPolicy, plan: StepPlan, rows: Sequence[RowView]) -
 
 # A plain plan is kept this many steps while its batch stays the same: plain steps change
 # no row's estimates and the costs move slowly with the contexts, so re-planning every step
-# would only spend host time (a tenth of a plain step at 16 rows) for the same answer. A
+# would only spend host time (1-2 % of a plain step at 16 rows) for the same answer. A
 # kept step still counts toward the policy's next look, which the next re-plan weighs (a
 # look that is due but too dear is so tried again every few steps, not at every step).
 REPLAN_EVERY = 8
@@ -382,14 +388,7 @@ class RowPlanner:
         # What a row's drafting teaches is paid by every row waiting for its forward.
         doubt = OPTIMISM / len(batch)
         views = [
-            RowView(
-                self._own[key].optimistic_rates(doubt),
-                self._own[key].rates(),
-                pending(i),
-                context=contexts[i],
-                probation=self._own[key].drafted_steps < PROBATION_STEPS,
-                tokens_left=left[i],
-            )
+            _view(self._own[key], doubt, pending(i), contexts[i], left[i])
             for i, key in enumerate(batch)
         ]
         planned = plan_step(self.policy, views)
@@ -415,3 +414,17 @@ class RowPlanner:
         if seen:
             self._kept = None  # estimates moved: weigh the rows again
             self.priors.observe_step(seen)
+
+
+def _view(stats: AcceptanceStats, doubt: float, pending: int, context: int, left: int) -> RowView:
+    """A running request's row as the plan sees it, its token curves kept by its stats."""
+    return RowView(
+        stats.optimistic_rates(doubt),
+        stats.rates(),
+        pending,
+        context=context,
+        probation=stats.drafted_steps < PROBATION_STEPS,
+        tokens_left=left,
+        gains=stats.tokens_by_k(doubt, left),
+        point_gains=stats.tokens_by_k(0.0, left),
+    )

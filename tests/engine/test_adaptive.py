@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import pairwise
 
 import pytest
 
@@ -15,6 +16,7 @@ from engine.adaptive import (
     SpecPolicy,
     calibrate,
     conditional_rates,
+    cumulative_tokens,
     default_grid,
     expected_tokens,
     speculative_tokens_per_batch_size,
@@ -274,3 +276,70 @@ def test_a_request_s_own_evidence_fades_over_its_plain_steps() -> None:
     stats.fade()
     stats.observe([(2, 2)])  # a partial chunk is dropped, not carried over
     assert stats.idle == 0 and stats.drafted_steps == 3
+
+
+def test_a_request_s_token_curves_are_kept_until_its_estimates_move() -> None:
+    """tokens_by_k: cumulative_tokens of the (raised) estimates, cut at the tokens left,
+    the same list until a drafting step or a whole chunk of fading moves the counts; a
+    request with no evidence of its own has nothing to fade."""
+    stats = AcceptanceStats(max_k=4, prior_rates=(0.9, 0.8, 0.7, 0.6))
+    point = stats.tokens_by_k(0.0, 100)
+    assert point == pytest.approx(cumulative_tokens(stats.rates(), 4))
+    assert stats.tokens_by_k(0.0, 100) is point
+    raised = stats.tokens_by_k(0.5, 100)
+    assert raised == pytest.approx(cumulative_tokens(stats.optimistic_rates(0.5), 4))
+    assert raised[-1] > point[-1]
+    assert stats.tokens_by_k(0.0, 3) == pytest.approx([*point[:3], point[2], point[2]])
+    for _ in range(4 * FADE_CHUNK):  # no evidence yet: fading changes nothing
+        stats.fade()
+    assert stats.tokens_by_k(0.0, 100) is point
+    stats.observe([(4, 0)])
+    moved = stats.tokens_by_k(0.0, 100)
+    assert moved == pytest.approx(cumulative_tokens(stats.rates(), 4)) and moved[1] < point[1]
+    for _ in range(FADE_CHUNK - 1):
+        stats.fade()
+    assert stats.tokens_by_k(0.0, 100) is moved  # not a whole chunk yet
+    stats.fade()
+    faded = stats.tokens_by_k(0.0, 100)
+    assert faded is not moved and faded[1] > moved[1]
+
+
+def test_plain_costs_are_each_curve_s_first_cost_and_no_k_costs_less() -> None:
+    """plain_costs (the planner's batch of plain costs) agrees with curve()[0] at the
+    grid's context, longer and shorter ones, before and after feedback; and a curve moved
+    to a short context, where a wider step's cost falls faster, still never makes a wider
+    step look cheaper than a narrower one."""
+    term = ContextTerm(tokens=500, per_row_key=1e-5, per_query_key=6e-4, per_drafting_key=1e-4)
+    policy = SpecPolicy(replace(_linear_costs(plain=10.0), context=term), 15)
+    pairs = [(1, None), (4, 500), (3, 900), (16, 300), (7, 0)]
+
+    def firsts() -> list[float]:
+        return [policy.curve(b, c)[0] for b, c in pairs]
+
+    assert policy.plain_costs(*zip(*pairs, strict=True)) == firsts()
+    assert policy.plain_cost(16, 300) == policy.curve(16, 300)[0]
+    raw = policy.costs.curve(16, 15, context=300)
+    assert any(a > z for a, z in pairwise(raw))  # the model's own dips
+    for b, c in pairs:
+        curve = policy.curve(b, c)
+        assert all(a <= z for a, z in pairwise(curve))
+    for b in (1, 4, 16):
+        policy.observe_cost(b, 0, 2.0 * policy.cost(b, 0))
+        policy.observe_cost(b, 7, 0.5 * policy.cost(b, 7))
+    assert policy.plain_costs(*zip(*pairs, strict=True)) == firsts()
+    for b, c in pairs:
+        curve = policy.curve(b, c)
+        assert all(a <= z for a, z in pairwise(curve))
+
+
+def test_a_step_as_fast_as_the_model_said_at_its_context_corrects_nothing() -> None:
+    """observe_cost reads the model at the step's own context: steps that took what the
+    model gives there, at any k, leave every curve as it was."""
+    term = ContextTerm(tokens=500, per_row_key=1e-5, per_query_key=6e-4, per_drafting_key=1e-4)
+    policy = SpecPolicy(replace(_linear_costs(plain=10.0), context=term), 15)
+    before = {(b, c): policy.curve(b, c) for b in (4, 16) for c in (300, 500, 900)}
+    for b, c in before:
+        for k in (0, 1, 7, 15):
+            policy.observe_cost(b, k, policy.costs.curve(b, 15, context=c)[k], c)
+    for (b, c), curve in before.items():
+        assert policy.curve(b, c) == pytest.approx(curve, rel=1e-12)

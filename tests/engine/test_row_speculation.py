@@ -3,10 +3,13 @@ and exploration."""
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 
 from engine import row_speculation
-from engine.adaptive import AcceptanceStats, CostModel, SpecPolicy
+from engine.adaptive import AcceptanceStats, ContextTerm, CostModel, SpecPolicy, cumulative_tokens
 from engine.row_speculation import (
     OPTIMISM,
     PROBE_K,
@@ -339,3 +342,76 @@ def test_a_busy_plain_batch_is_not_looked_at() -> None:
     busy = SpecPolicy(_costs(1.0, 0.2), MAX_K, explore_every=2)
     rows = [RowView(LOW)] * 8
     assert all(explored(busy, StepPlan.plain(8), rows) == StepPlan.plain(8) for _ in range(20))
+
+
+def _best_split(policy: SpecPolicy, rows: list[RowView]) -> StepPlan:
+    """plan_step's rule without its shortcuts: every split of the rows (ordered by their
+    expected tokens at the widest k) at every candidate k, weighed in full."""
+    n, ks = len(rows), row_speculation._candidate_ks(policy)
+    gains = [cumulative_tokens(r.rates, policy.max_k, r.tokens_left) for r in rows]
+    order = sorted(range(n), key=lambda i: -gains[i][-1])
+    contexts = [rows[i].context or 0 for i in order]
+    plain = policy.curve(n, max(contexts))[0]
+    best_score, best = n / plain, StepPlan.plain(n)
+    per_position = policy.costs.catch_up_per_position / policy.catch_up_horizon
+    for m in range(1, n + 1):
+        group = order[:m]
+        catch = 0.0
+        for i in group:
+            catch += rows[i].pending * per_position
+        for k in ks:
+            seconds = policy.curve(m, max(contexts[:m]))[k] + catch
+            if m < n:
+                seconds += policy.curve(n - m, max(contexts[m:]))[0]
+            least = 1.0 if m < n else min(gains[i][k] for i in group)
+            tokens = float(n)
+            for i in group:
+                tokens += gains[i][k] - 1.0
+            score = tokens / seconds
+            if (
+                seconds <= least * plain * (1.0 + row_speculation.SLOWDOWN)
+                and score > (n / plain) * (1.0 + policy.margin)
+                and score > best_score
+            ):
+                best_score = score
+                best = StepPlan(k, tuple(i in group for i in range(n)))
+    return best
+
+
+@pytest.mark.parametrize("slowdown", [row_speculation.SLOWDOWN, 0.3, 1.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_plan_is_the_best_split_weighed_in_full(
+    seed: int, slowdown: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """plan_step rules splits out by their plain costs before weighing their curves: over
+    random batches, cost models (two forwards cheap or dear, contexts either side of the
+    grid's, corrected by feedback) and acceptance, its plan is the one weighing every
+    split finds. With the bound loosened, splits are taken too."""
+    monkeypatch.setattr(row_speculation, "SLOWDOWN", slowdown)
+    rng = random.Random(seed)
+    plans = []
+    for _ in range(60):
+        term = ContextTerm(128, rng.uniform(0, 2e-4), rng.uniform(0, 2e-4), rng.uniform(0, 1e-4))
+        costs = replace(
+            _costs(rng.choice([0.02, 0.3, 1.0]), rng.uniform(0.01, 0.1), rng.uniform(0, 0.5)),
+            context=term,
+            catch_up_per_position=rng.uniform(0, 0.01),
+        )
+        policy = SpecPolicy(costs, MAX_K, explore_every=0)
+        for b in costs.batch_sizes:
+            policy.observe_cost(b, rng.choice(costs.num_drafts), rng.uniform(0.5, 2.0))
+        rows = [
+            RowView(
+                [rng.choice([0.05, 0.6, 0.9, 0.99]) for _ in range(MAX_K)],
+                context=rng.randint(10, 400),
+                pending=rng.choice([0, 0, 30]),
+                tokens_left=rng.choice([0, 3, 40]),
+            )
+            for _ in range(rng.randint(1, 12))
+        ]
+        plan = plan_step(policy, rows)
+        assert plan == _best_split(policy, rows)
+        plans.append(plan)
+    kinds = {(p.any_drafting, all(p.drafting)) for p in plans}
+    splits = {(True, False)} if slowdown > 0.2 else set()
+    assert kinds == {(False, False), (True, True)} | splits  # plain, all drafting, splits
