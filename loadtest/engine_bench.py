@@ -7,14 +7,15 @@ speedup over block size 1 at the same concurrency. One engine per block size sta
 and the repeats are interleaved (plain, DFlash, plain, DFlash, ...; each round starts one
 variant further on) so a noisy machine affects both sides alike. Greedy outputs must be
 identical across block sizes; the JSON says whether they were (sampled ones are compared
-with nothing). `--forced-plain` adds a DFlash engine that plans and never drafts, and a
-second plain engine as the A/A control.
+with nothing). `--forced-plain` adds a DFlash engine whose planner never drafts (it plans
+plain by its own rules), and a second plain engine as the A/A control.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -133,9 +134,10 @@ def parse_args(argv: Seq[str]) -> argparse.Namespace:
     p.add_argument(
         "--forced-plain",
         action="store_true",
-        help="also run the adaptive DFlash engine with its planner forced plain (it plans "
-        "every step, then decodes plain: what a DFlash worker that does not draft costs) and "
-        "a second plain engine (the A/A control), both against plain",
+        help="also run the adaptive DFlash engine with its planner forced plain (it finds "
+        "no plan worth drafting and plans plain by its own rules: what a DFlash worker that "
+        "does not draft costs) and a second plain engine (the A/A control), both against "
+        "plain",
     )
     p.add_argument(
         "--background-load",
@@ -238,10 +240,15 @@ VARIANT_MARKS = {"adaptive": "a", "drafter_int8": "q", "forced_plain": "p", "con
 
 
 class ForcedPlain:
-    """A row planner that plans as the engine's does (its cost stays in the step) and then
-    decodes every row plain: a DFlash engine that never drafts, for `--forced-plain`."""
+    """A DFlash engine's row planner that never drafts, for `--forced-plain`: its policy
+    finds no plan worth drafting (an infinite margin), so it plans plain by its own rules,
+    as it does when drafting does not pay (a plain plan kept while its batch stays the
+    same, looks and probes weighed when due), and the looks and probes it takes are
+    decoded plain too. Overruling a planner that still wants to draft instead re-plans at
+    every step: that is the planning cost of a drafting step, not of a plain one."""
 
     def __init__(self, planner: Any) -> None:
+        planner.policy.margin = math.inf
         self._planner = planner
 
     def plan(self, keys: Seq[Any], *args: Any, **kwargs: Any) -> Any:

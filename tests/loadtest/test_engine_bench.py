@@ -154,6 +154,32 @@ def test_forced_plain_never_drafts_and_has_its_plain_control(
     assert "adaptive_table" not in report  # a forced-plain engine's choices are not its plan
 
 
+def test_a_forced_plain_planner_plans_plain_by_its_own_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ForcedPlain: the planner finds nothing worth drafting, so it keeps its plain plan
+    while the batch stays the same (as a worker's does when drafting does not pay), rather
+    than weighing the batch again at every step, and a look it takes is decoded plain."""
+    from engine import row_speculation
+    from engine.adaptive import CostModel, SpecPolicy
+    from engine.row_speculation import REPLAN_EVERY, BandPriors, RowPlanner, StepPlan
+
+    costs = CostModel((1, 4), (0, 3), ((1.0, 1.01), (1.2, 1.21)))  # drafting all but free
+    planner = RowPlanner(SpecPolicy(costs, 3, explore_every=2), BandPriors(3))
+    keys = ["a", "b"]
+    for key in keys:
+        planner.add(key, 0.0)
+    assert planner.plan(keys, [10, 10], lambda i: 0, [50, 50]).any_drafting  # it would draft
+    weighed = []
+    plan_step = row_speculation.plan_step
+    monkeypatch.setattr(row_speculation, "plan_step", lambda *a: weighed.append(1) or plan_step(*a))
+    forced = engine_bench.ForcedPlain(planner)
+    for step in range(3 * REPLAN_EVERY):
+        assert forced.plan(keys, [11 + step] * 2, lambda i: 0, [50, 50]) == StepPlan.plain(2)
+        planner.observe(keys, [0.0, 0.0], [(0, 0), (0, 0)])
+    assert 1 <= len(weighed) <= 4  # again only when its kept plan ran out
+
+
 def test_rounds_rotate_the_order_of_the_variants() -> None:
     plain, dflash, control = (
         engine_bench.Variant(1),
