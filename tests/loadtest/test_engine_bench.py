@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -170,9 +171,14 @@ def test_a_forced_plain_planner_plans_plain_by_its_own_rules(
     for key in keys:
         planner.add(key, 0.0)
     assert planner.plan(keys, [10, 10], lambda i: 0, [50, 50]).any_drafting  # it would draft
-    weighed = []
+    weighed: list[tuple[Any, ...]] = []
     plan_step = row_speculation.plan_step
-    monkeypatch.setattr(row_speculation, "plan_step", lambda *a: weighed.append(1) or plan_step(*a))
+
+    def counted(*args: Any) -> Any:
+        weighed.append(args)
+        return plan_step(*args)
+
+    monkeypatch.setattr(row_speculation, "plan_step", counted)
     forced = engine_bench.ForcedPlain(planner)
     for step in range(3 * REPLAN_EVERY):
         assert forced.plan(keys, [11 + step] * 2, lambda i: 0, [50, 50]) == StepPlan.plain(2)
