@@ -394,7 +394,33 @@ class RowPlanner:
         planned = plan_step(self.policy, views)
         self._kept = None if planned.any_drafting else (batch, planned, 0)
         looked = probed(self.policy, explored(self.policy, planned, views), views)
-        return looked
+        if planned.any_drafting or not looked.any_drafting or len(batch) == 1:
+            return looked  # riding along a drafting step, or a lone request's own look
+        return looked if self._could_draft(batch, views, looked, left) else planned
+
+    def _could_draft(
+        self,
+        batch: Sequence[Hashable],
+        views: Sequence[RowView],
+        looked: StepPlan,
+        left: Sequence[int],
+    ) -> bool:
+        """Whether a look (or probe) that turns a plain step into a drafting one can
+        change the plan: the plan drafts with each looked row as hopeful as a lone request
+        is (OPTIMISM standard errors up), the others as they are. Its drafting forward
+        delays every row of the batch, so a look at a row that another row's estimates
+        keep plain (a greedy row beside a sampled one: a split's two forwards, or a block
+        the sampled row accepts nothing of, slow it past `SLOWDOWN`) is not taken."""
+        hopeful = [
+            view._replace(
+                rates=self._own[key].optimistic_rates(OPTIMISM),
+                gains=self._own[key].tokens_by_k(OPTIMISM, left[i]),
+            )
+            if looked.drafting[i]
+            else view
+            for i, (key, view) in enumerate(zip(batch, views, strict=True))
+        ]
+        return plan_step(self.policy, hopeful).any_drafting
 
     def observe(
         self,

@@ -415,3 +415,27 @@ def test_the_plan_is_the_best_split_weighed_in_full(
     kinds = {(p.any_drafting, all(p.drafting)) for p in plans}
     splits = {(True, False)} if slowdown > 0.2 else set()
     assert kinds == {(False, False), (True, True)} | splits  # plain, all drafting, splits
+
+
+def test_a_probe_no_plan_could_use_is_not_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new greedy request whose band keeps it plain in a batch is probed beside another
+    greedy one (as hopeful as a lone request, both would draft), but not beside a sampled
+    request that accepts nothing: a block that row accepts nothing of, or a second forward,
+    slows it past SLOWDOWN however well the probe goes, so the probe's drafting forward
+    would delay both rows for nothing."""
+    planner = RowPlanner(_policy(forward=1.0, per_token=0.02, drafter=2.0), BandPriors(MAX_K))
+    for key in ("g1", "g2"):  # from a greedy band that accepts 55 %, behind 4 trials
+        planner.add(key, 0.0)
+        planner._own[key] = AcceptanceStats(MAX_K, prior_rates=(0.55,) * MAX_K, prior_weight=4.0)
+    planner.add("old", 1.0)
+    for _ in range(20):
+        planner.observe(["old"], [1.0], [(MAX_K, 0)])
+
+    def plan(keys: tuple[str, ...]) -> StepPlan:
+        planner._kept = None
+        return planner.plan(keys, [64] * len(keys), lambda i: 0, [300] * len(keys))
+
+    assert plan(("g1", "g2")) == StepPlan(PROBE_K, (True, True))
+    assert plan(("g1", "old")) == StepPlan.plain(2)
+    monkeypatch.setattr(RowPlanner, "_could_draft", lambda *args: True)
+    assert plan(("g1", "old")) == StepPlan(PROBE_K, (True, False))  # the probe rule alone
