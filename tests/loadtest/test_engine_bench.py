@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -155,13 +154,10 @@ def test_forced_plain_never_drafts_and_has_its_plain_control(
     assert "adaptive_table" not in report  # a forced-plain engine's choices are not its plan
 
 
-def test_a_forced_plain_planner_plans_plain_by_its_own_rules(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_forced_plain_planner_plans_plain_by_its_own_rules() -> None:
     """ForcedPlain: the planner finds nothing worth drafting, so it keeps its plain plan
     while the batch stays the same (as a worker's does when drafting does not pay), rather
     than weighing the batch again at every step, and a look it takes is decoded plain."""
-    from engine import row_speculation
     from engine.adaptive import CostModel, SpecPolicy
     from engine.row_speculation import REPLAN_EVERY, BandPriors, RowPlanner, StepPlan
 
@@ -171,19 +167,15 @@ def test_a_forced_plain_planner_plans_plain_by_its_own_rules(
     for key in keys:
         planner.add(key, 0.0)
     assert planner.plan(keys, [10, 10], lambda i: 0, [50, 50]).any_drafting  # it would draft
-    weighed: list[tuple[Any, ...]] = []
-    plan_step = row_speculation.plan_step
-
-    def counted(*args: Any) -> Any:
-        weighed.append(args)
-        return plan_step(*args)
-
-    monkeypatch.setattr(row_speculation, "plan_step", counted)
     forced = engine_bench.ForcedPlain(planner)
+    fresh = 0
     for step in range(3 * REPLAN_EVERY):
         assert forced.plan(keys, [11 + step] * 2, lambda i: 0, [50, 50]) == StepPlan.plain(2)
         planner.observe(keys, [0.0, 0.0], [(0, 0), (0, 0)])
-    assert 1 <= len(weighed) <= 4  # again only when its kept plan ran out
+        kept = planner._kept
+        assert kept is not None and kept[1] == StepPlan.plain(2)  # a plain plan, kept
+        fresh += kept[2] == 0
+    assert 1 <= fresh <= 4  # weighed again only when the kept plan ran out
 
 
 def test_rounds_rotate_the_order_of_the_variants() -> None:
