@@ -147,9 +147,7 @@ class CostModel:
             return base
         span = context - term.tokens
         slopes = slopes or [term.per_key(k) for k in range(len(base))]
-        if span >= 0:  # a longer context only adds (the floor cannot bind): no max per k
-            return [c + batch_size * s * span for c, s in zip(base, slopes, strict=False)]
-        return [max(c / 4, c + batch_size * s * span) for c, s in zip(base, slopes, strict=False)]
+        return [_moved(c, batch_size * s, span) for c, s in zip(base, slopes, strict=False)]
 
     def relative(self, batch_size: int, k: int) -> float:
         """The cost in plain steps at the same batch size."""
@@ -189,6 +187,13 @@ class CostModel:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a cost model: {exc}") from exc
         return cls(bs, ks, seconds, catch_up, context)
+
+
+def _moved(cost: float, growth: float, span: int) -> float:
+    """A grid cost moved `span` tokens of context at `growth` seconds per token, never
+    below a quarter of it (a longer context only adds: the floor cannot bind)."""
+    moved = cost + growth * span
+    return moved if span >= 0 else max(cost / 4, moved)
 
 
 def _running_max(values: Iterable[float]) -> Iterable[float]:
@@ -521,9 +526,7 @@ class SpecPolicy:
         term = self.costs.context
         if context is None or not term.moves:
             return cost
-        span = context - term.tokens
-        moved = cost + batch_size * self._slopes()[k] * span
-        return moved if span >= 0 else max(cost / 4, moved)
+        return _moved(cost, batch_size * self._slopes()[k], context - term.tokens)
 
     def _slopes(self) -> tuple[float, ...]:
         """The context term's per-key slope of each k = 0..max_k (the costs never change;

@@ -396,14 +396,10 @@ class RowPlanner:
         looked = probed(self.policy, explored(self.policy, planned, views), views)
         if planned.any_drafting or not looked.any_drafting or len(batch) == 1:
             return looked  # riding along a drafting step, or a lone request's own look
-        return looked if self._could_draft(batch, views, looked, left) else planned
+        return looked if self._could_draft(batch, views, looked) else planned
 
     def _could_draft(
-        self,
-        batch: Sequence[Hashable],
-        views: Sequence[RowView],
-        looked: StepPlan,
-        left: Sequence[int],
+        self, batch: Sequence[Hashable], views: Sequence[RowView], looked: StepPlan
     ) -> bool:
         """Whether a look (or probe) that turns a plain step into a drafting one can
         change the plan: the plan drafts with each looked row as hopeful as a lone request
@@ -412,13 +408,10 @@ class RowPlanner:
         keep plain (a greedy row beside a sampled one: a split's two forwards, or a block
         the sampled row accepts nothing of, slow it past `SLOWDOWN`) is not taken."""
         hopeful = [
-            view._replace(
-                rates=self._own[key].optimistic_rates(OPTIMISM),
-                gains=self._own[key].tokens_by_k(OPTIMISM, left[i]),
-            )
-            if looked.drafting[i]
+            _view(self._own[key], OPTIMISM, view.pending, view.context, view.tokens_left)
+            if looking
             else view
-            for i, (key, view) in enumerate(zip(batch, views, strict=True))
+            for key, view, looking in zip(batch, views, looked.drafting, strict=True)
         ]
         return plan_step(self.policy, hopeful).any_drafting
 
@@ -442,7 +435,9 @@ class RowPlanner:
             self.priors.observe_step(seen)
 
 
-def _view(stats: AcceptanceStats, doubt: float, pending: int, context: int, left: int) -> RowView:
+def _view(
+    stats: AcceptanceStats, doubt: float, pending: int, context: int | None, left: int
+) -> RowView:
     """A running request's row as the plan sees it, its token curves kept by its stats."""
     return RowView(
         stats.optimistic_rates(doubt),
