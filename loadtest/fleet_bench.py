@@ -9,15 +9,19 @@ them, as pools `dflash` and `plain` of one model:
 - `fastest`: `--routing fastest`, warmed up on the same stream before each concurrency is
   measured (its estimates form online, as they would in production).
 The split by class (greedy requests to DFlash, sampled ones to plain) is the client's: it
-sends each class straight to its pool's worker (the gateway adds about a millisecond of the
-seconds a request takes here).
+sends each class to a gateway fronting that pool alone. Every routing pays one gateway hop:
+on this 2-core machine, with each worker pinned to a core, a gateway's CPU is taken from the
+workers (sent straight to the workers, the split by class ran up to 10 % faster than the same
+split through a gateway at c = 16).
 
 The stream: requests from loadtest/prompts/mix.jsonl, greedy and temperature 1.0 interleaved,
 `--max-tokens` new tokens each, a closed loop of c clients for each c in `--concurrency`. Per
 (c, routing): the stream's decode tokens/s (completion tokens over wall time), and each class's
-mean per-request tokens/s. Goals (issue: speculation-aware fleet): `fastest` at least the best
-static split at every c, and no class below 0.9x its speed under that split. Prints a table and
-writes JSON.
+mean per-request tokens/s. `--rounds R` runs each routing's requests at each c in R chunks,
+every routing once a round on the same requests (A/B/A/B): on a shared machine a slow spell
+of tens of seconds then falls on every routing alike, not on whichever cell ran in it. Goals
+(issue: speculation-aware fleet): `fastest` at least the best static split at every c, and no
+class below 0.9x its speed under that split. Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from loadtest.backends_bench import (
     worker_env,
 )
 from loadtest.gateway_peers import start_gateway
-from loadtest.harness import aligned, closed_loop, git_commit, int_list, pinned
+from loadtest.harness import aligned, closed_loop, git_commit, int_list, pinned, positive_int
 from loadtest.speedup_bench import worker_argv
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,6 +107,12 @@ class Cell:
     def class_speed(self, name: str) -> float | None:
         speeds = [s.tokens / s.seconds for s in self.served if s.klass == name and s.seconds]
         return sum(speeds) / len(speeds) if speeds else None
+
+    def add(self, other: Cell) -> None:
+        """Another round of the same routing: its requests and its wall time."""
+        self.wall_s += other.wall_s
+        self.served += other.served
+        self.errors += other.errors
 
     def shares(self) -> dict[str, float]:
         total = len(self.served) or 1
@@ -166,21 +176,32 @@ def pin(base_url: str, dflash_share: float) -> None:
 
 @contextlib.contextmanager
 def gateways(workers: Sequence[RunningWorker], workdir: Path) -> Iterator[dict[str, str]]:
-    """The `weights` and `fastest` gateways over the two workers, as pools of one model."""
-    pools = workdir / "pools.json"
+    """The `weights` and `fastest` gateways over the two workers, as pools of one model; and
+    one gateway per pool, for the split by class (so that every routing pays one gateway
+    hop: on this machine a gateway's CPU is taken from the workers' cores)."""
     by_mode = {w.spec.mode: w for w in workers}
-    pools.write_text(
-        json.dumps(
-            [
-                {"name": mode, "model": MODEL_NAME, "engine": "embedded", "workers": [w.url]}
-                for mode, w in by_mode.items()
-            ]
-        )
-    )
+
+    def pools_file(name: str, modes: Sequence[str]) -> Path:
+        path = workdir / f"pools-{name}.json"
+        pools = [
+            {
+                "name": mode,
+                "model": MODEL_NAME,
+                "engine": "embedded",
+                "workers": [by_mode[mode].url],
+            }
+            for mode in modes
+        ]
+        path.write_text(json.dumps(pools))
+        return path
+
+    both = pools_file("both", list(by_mode))
+    fronts = [("weights", [], both), ("fastest", ["--routing", "fastest"], both)]
+    fronts += [(mode, [], pools_file(mode, [mode])) for mode in by_mode]
     started = []
     urls = {}
     try:
-        for name, extra in (("weights", []), ("fastest", ["--routing", "fastest"])):
+        for name, extra, pools in fronts:
             port = free_port()
             process = start_gateway(port, 0, extra, None, REPO, pools)
             started.append(process)
@@ -192,27 +213,30 @@ def gateways(workers: Sequence[RunningWorker], workdir: Path) -> Iterator[dict[s
             stop(process)
 
 
-async def measure(
-    workers: Sequence[RunningWorker], urls: dict[str, str], args: argparse.Namespace
-) -> list[dict[str, Any]]:
+async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
     prompts = stream_prompts()
-    by_mode = {w.spec.mode: w.url for w in workers}
     rows = []
     offset = 0
     for c in args.concurrency:
         n = max(args.min_requests, args.requests_per_client * c)
-        cells: dict[str, Cell] = {}
-        for name, share in STATIC.items():
-            pin(urls["weights"], share)
-            cells[name] = await run_cell([urls["weights"]], n, c, prompts, args.max_tokens, offset)
-        split = [by_mode["dflash"], by_mode["plain"]]  # greedy (even i) to DFlash
-        cells["by class"] = await run_cell(split, n, c, prompts, args.max_tokens, offset)
+        chunk = max(n // args.rounds, 1)
         # Not measured: the estimates at this load form (each pool, class and load level
         # needs a few samples before it is used: service/routing/fastest.py MIN_SAMPLES).
         warm_n = max(n // 2, args.warmup_requests)
         await run_cell([urls["fastest"]], warm_n, c, prompts, args.max_tokens, offset + n)
-        cells["fastest"] = await run_cell([urls["fastest"]], n, c, prompts, args.max_tokens, offset)
-        offset += 2 * n
+        cells: dict[str, Cell] = {}
+        for r in range(args.rounds):  # every routing once a round, on the same requests
+            at = offset + r * chunk
+            for name, share in STATIC.items():
+                pin(urls["weights"], share)
+                cell = await run_cell([urls["weights"]], chunk, c, prompts, args.max_tokens, at)
+                cells.setdefault(name, Cell()).add(cell)
+            split = [urls["dflash"], urls["plain"]]  # greedy (even i) to DFlash
+            cell = await run_cell(split, chunk, c, prompts, args.max_tokens, at)
+            cells.setdefault("by class", Cell()).add(cell)
+            cell = await run_cell([urls["fastest"]], chunk, c, prompts, args.max_tokens, at)
+            cells.setdefault("fastest", Cell()).add(cell)
+        offset += n + warm_n
         rows.append(judge(c, cells))
         print(format_row(rows[-1]), flush=True)
     return rows
@@ -302,6 +326,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument(
+        "--rounds",
+        type=positive_int,
+        default=1,
+        help="each routing's requests at each c in this many interleaved chunks (A/B/A/B): "
+        "a slow spell of a shared machine falls on every routing alike",
+    )
+    p.add_argument(
         "--warmup-requests", type=int, default=48, help="fastest's warm-up at each concurrency"
     )
     add_worker_options(p, max_num_seqs=32)
@@ -328,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             running_workers(specs, args, workdir, pinned_argv, worker_env) as workers,
             gateways(workers, workdir) as urls,
         ):
-            rows = asyncio.run(measure(workers, urls, args))
+            rows = asyncio.run(measure(urls, args))
     print(table(rows))
     report = {
         "benchmark": "fleet",

@@ -67,6 +67,17 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def positive_int(text: str) -> int:
+    """argparse type: one positive integer (a bench's rounds)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer: {text!r}")
+    return value
+
+
 def aligned(rows: Sequence[Sequence[str]], sep: str = "  ") -> str:
     """Rows of cells as text columns, each as wide as its widest cell."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

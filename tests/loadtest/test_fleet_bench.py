@@ -9,7 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadtest.fleet_bench import CLASSES, STATIC, judge, request_body, stream_prompts
+from loadtest.fleet_bench import (
+    CLASSES,
+    STATIC,
+    Cell,
+    Served,
+    judge,
+    request_body,
+    stream_prompts,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +32,9 @@ def test_the_stream_interleaves_greedy_and_sampled_requests() -> None:
 
 def test_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
+    argv = ["fleet", "--quick", "--rounds", "2", "--out", str(out)]
     run = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench", "fleet", "--quick", "--out", str(out)],
+        [sys.executable, "-m", "loadtest.bench", *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -40,15 +49,22 @@ def test_quick_run(tmp_path: Path) -> None:
     assert cells["dflash"]["pool_shares"] == {"dflash": 1.0}  # pinned 100/0
     assert cells["plain"]["pool_shares"] == {"plain": 1.0}  # pinned 0/100
     assert set(cells["50/50"]["pool_shares"]) == {"dflash", "plain"}
-    assert cells["by class"]["pool_shares"] == {"direct": 1.0}  # the client's own split
+    # The client's own split, through a gateway per pool: greedy to DFlash, sampled to plain.
+    assert cells["by class"]["pool_shares"] == {"dflash": 0.5, "plain": 0.5}
     assert set(row["class_over_best"]) == set(CLASSES)
     assert row["best_static"] in {*STATIC, "by class"}
     assert "fastest/best" in run.stdout
 
 
-def test_the_goal_is_judged_against_the_best_static_split() -> None:
-    from loadtest.fleet_bench import Cell, Served
+def test_rounds_add_up_into_one_cell_per_routing() -> None:
+    """--rounds: each routing's chunks, interleaved with the others', judged as one cell."""
+    first = Cell(wall_s=2.0, served=[Served(64, 0.5, "greedy", "dflash")])
+    first.add(Cell(wall_s=1.0, served=[Served(32, 0.25, "sampled", "plain")], errors=1))
+    assert first.wall_s == 3.0 and first.errors == 1 and len(first.served) == 2
+    assert first.tokens_per_s == 32.0 and first.shares() == {"dflash": 0.5, "plain": 0.5}
 
+
+def test_the_goal_is_judged_against_the_best_static_split() -> None:
     def cell(greedy: float, sampled: float) -> Cell:
         served = [
             Served(int(greedy), 1.0, "greedy", "x"),

@@ -17,6 +17,7 @@ from loadtest.harness import (
     int_list,
     percentile,
     pinned,
+    positive_int,
     timed_loop,
 )
 
@@ -62,6 +63,13 @@ def test_int_list_takes_positive_integers_only() -> None:
     for bad in ("", "0", "a,b", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             int_list(bad)
+
+
+def test_positive_int_takes_one_positive_integer() -> None:
+    assert positive_int("3") == 3
+    for bad in ("", "0", "a", "-2", "1,2"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
 
 
 def test_aligned_pads_columns() -> None:

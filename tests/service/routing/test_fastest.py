@@ -3,6 +3,7 @@ requests each sent to the pool that serves their class fastest."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 
@@ -11,6 +12,7 @@ import pytest
 
 from service.routing.fastest import (
     MIN_SAMPLES,
+    UNSEEN_SLOPE,
     PoolLoad,
     SpeedMap,
     load_level,
@@ -54,28 +56,97 @@ def test_the_pool_expected_fastest_at_its_load_is_chosen() -> None:
 
 def test_a_class_leans_to_the_pool_of_its_comparative_advantage() -> None:
     """Alone, greedy requests run 400 tokens/s on DFlash and 160 on plain, sampled ones 150
-    and 160: the greedy class's advantage on DFlash is half the log of 400/150, and a greedy
-    request leaves DFlash only for a pool faster for it by more than exp(0.5 * that), 1.28x.
-    The sampled class has none anywhere: its own speed decides."""
+    and 160. Centred over the classes, the greedy class gains half the log of 400/150 on
+    DFlash and nothing on plain; centred over the pools as well, a quarter of it on DFlash,
+    and the sampled class as much on plain. At the default bias, 1.5, a request leaves its
+    class's home only for a pool faster for it by more than (400/150) ** (1.5 / 4), 1.44x."""
     speed_map = SpeedMap(exploration=0.0)
     taught(speed_map, GREEDY, 1, dflash=400.0, plain=160.0)
     taught(speed_map, SAMPLED, 1, dflash=150.0, plain=160.0)
-    edge = speed_map.advantage(GREEDY, ["dflash", "plain"])
-    assert edge["dflash"] == pytest.approx(math.log(400 / 150) / 2)
-    assert edge["plain"] == pytest.approx(0.0)
-    assert speed_map.advantage(SAMPLED, ["dflash", "plain"])["dflash"] < 0
+    pools = ["dflash", "plain"]
+    assert speed_map.class_edge(GREEDY, pools) == pytest.approx(
+        {"dflash": math.log(400 / 150) / 2, "plain": 0.0}
+    )
+    quarter = math.log(400 / 150) / 4
+    assert speed_map.advantage(GREEDY, pools) == pytest.approx(
+        {"dflash": quarter, "plain": -quarter}
+    )
+    assert speed_map.advantage(SAMPLED, pools) == pytest.approx(
+        {"dflash": -quarter, "plain": quarter}
+    )
     taught(speed_map, GREEDY, 3, dflash=140.0)  # DFlash with 2 in flight: 160 / 140 = 1.14
     assert speed_map.choose(GREEDY, busy(dflash=2, plain=0), EVEN) == "dflash"
     speed_map.home_bias = 0.0  # each request to the pool fastest for itself: the rule before
     assert speed_map.choose(GREEDY, busy(dflash=2, plain=0), EVEN) == "plain"
-    speed_map.home_bias = 0.5
-    taught(speed_map, GREEDY, 6, dflash=110.0)  # DFlash with 5 in flight: 1.45x, it leaves
+    speed_map.home_bias = 1.5
+    taught(speed_map, GREEDY, 6, dflash=100.0)  # DFlash with 5 in flight: 1.6x, it leaves
     assert speed_map.choose(GREEDY, busy(dflash=5, plain=0), EVEN) == "plain"
-    # Never pushed away: a sampled request joins DFlash where it is faster for itself.
+    # The sampled class's home is the plain pool: it stays there for 150 / 130 = 1.15x ...
     taught(speed_map, SAMPLED, 2, plain=130.0)
-    assert speed_map.choose(SAMPLED, busy(dflash=0, plain=1), EVEN) == "dflash"
-    # One class only: no advantage.
-    assert SpeedMap().advantage(GREEDY, ["dflash", "plain"]) == {"dflash": 0.0, "plain": 0.0}
+    assert speed_map.choose(SAMPLED, busy(dflash=0, plain=1), EVEN) == "plain"
+    # ... and joins DFlash when the plain pool is crowded: 150 / 90 = 1.67x.
+    taught(speed_map, SAMPLED, 4, plain=90.0)
+    assert speed_map.choose(SAMPLED, busy(dflash=0, plain=3), EVEN) == "dflash"
+    # One class only, or classes alike: no advantage, each request where it is fastest.
+    assert SpeedMap().advantage(GREEDY, pools) == {"dflash": 0.0, "plain": 0.0}
+    alike = SpeedMap(exploration=0.0)
+    taught(alike, GREEDY, 1, dflash=300.0, plain=150.0)
+    taught(alike, SAMPLED, 1, dflash=300.0, plain=150.0)
+    assert alike.advantage(SAMPLED, pools) == pytest.approx({"dflash": 0.0, "plain": 0.0})
+
+
+def test_beyond_its_evidence_a_class_declines_as_the_pools_other_classes_do(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The live bench's c = 16 (dflash-bench fleet): sampled requests were seen on DFlash
+    only alone (167 tokens/s), and read flat that is what they would run at 7 in flight,
+    against 107 on the plain pool at 10: 1.56x, past the lean, into the greedy batch. Greedy
+    requests there fall from 460 alone to 165 at 9 in flight, and so, beyond its own
+    evidence, does a sampled request's estimate."""
+    speed_map = SpeedMap(exploration=0.0)
+    taught(speed_map, SAMPLED, 1, dflash=167.0, plain=170.0)
+    taught(speed_map, SAMPLED, 10, plain=107.0)
+    taught(speed_map, GREEDY, 1, dflash=460.0, plain=161.0)
+    taught(speed_map, GREEDY, 9, dflash=165.0)
+    assert math.exp(speed_map.log_speed("dflash", SAMPLED, 9) or 0) == pytest.approx(
+        167 * 165 / 460
+    )
+    with caplog.at_level(logging.DEBUG, logger="dflash.gateway.fastest"):
+        assert speed_map.choose(SAMPLED, busy(dflash=6, plain=9), EVEN) == "plain"
+    assert caplog.messages[-1] == (
+        "sampled/short to plain: dflash at 7 in flight: 67 tokens/s, advantage -0.267, "
+        "plain at 10 in flight: 107 tokens/s, advantage +0.267"
+    )
+    flat = SpeedMap(exploration=0.0, estimates=speed_map.estimates, classes={SAMPLED})
+    assert math.exp(flat.log_speed("dflash", SAMPLED, 9) or 0) == pytest.approx(167)
+    # Within its evidence, or where no other class has any this far: its own, as before.
+    assert math.exp(speed_map.log_speed("plain", SAMPLED, 10) or 0) == pytest.approx(107)
+    assert math.exp(speed_map.log_speed("plain", GREEDY, 12) or 0) == pytest.approx(161)
+    # Nor does a class that speeds up with load lift another's estimate.
+    taught(speed_map, GREEDY, 16, plain=200.0)
+    assert math.exp(speed_map.log_speed("plain", SAMPLED, 16) or 0) == pytest.approx(107)
+
+
+def test_in_a_burst_onto_loads_never_seen_each_class_goes_home() -> None:
+    """The live bench's c = 32 warm-up: 32 requests routed within milliseconds, onto loads
+    no class had been seen at. Read flat, a sampled request expected 187 tokens/s on DFlash
+    (seen there alone) at 9 in flight, 1.38x the plain pool's 136 at 3, past the lean
+    (1.28x here): sampled requests piled into the greedy batch. Away from home, where no
+    class has been seen at such a load, the pool's tokens/s is held instead."""
+    speed_map = SpeedMap(exploration=0.0)
+    taught(speed_map, GREEDY, 1, dflash=460.0, plain=215.0)
+    taught(speed_map, SAMPLED, 1, dflash=187.0, plain=170.0)
+    taught(speed_map, GREEDY, 4, dflash=156.0)
+    taught(speed_map, SAMPLED, 3, plain=136.0)
+    assert math.exp(speed_map.log_speed("dflash", SAMPLED, 9) or 0) == pytest.approx(187)
+    held = speed_map.log_speed("dflash", SAMPLED, 9, UNSEEN_SLOPE) or 0
+    assert math.exp(held) == pytest.approx(187 / 9)
+    assert speed_map.choose(SAMPLED, busy(dflash=8, plain=2), EVEN) == "plain"
+    # At home, as fast as at the highest load seen: 156 on DFlash at 9 against plain's 172
+    # (215 alone, falling as the sampled requests there fall to 3 in flight), within the lean.
+    assert speed_map.choose(GREEDY, busy(dflash=8, plain=2), EVEN) == "dflash"
+    # Crowded enough, home is left: DFlash at 9 against an idle plain worker, 1.38x.
+    assert speed_map.choose(GREEDY, busy(dflash=8, plain=0), EVEN) == "plain"
 
 
 def test_no_estimate_or_exploring_routes_by_weights() -> None:
