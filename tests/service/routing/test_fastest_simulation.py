@@ -194,7 +194,8 @@ def own_speed(speed_map: SpeedMap, klass: str, loads: Mapping[str, PoolLoad]) ->
 
 class OverClassesOnly(SpeedMap):
     """The advantage centred over the classes only, at the lean of its time (0.5): the rule
-    of e4b7926. The sampled class has no home; it goes wherever it is fastest for itself."""
+    of e4b7926, but for how loads beyond the evidence are read (today's). The sampled class
+    leans nowhere; it goes wherever it is fastest for itself."""
 
     def advantage(self, klass: str, pools: Collection[str]) -> dict[str, float]:
         return self.class_edge(klass, pools)
