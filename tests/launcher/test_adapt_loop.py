@@ -66,7 +66,7 @@ def test_captured_traffic_adapts_a_canary_whose_acceptance_beats_the_bundled_dra
 
     # 3. Adapt (a few steps; the recipe set is made small, as no distillation data exists).
     argv = [sys.executable, "-m", "engine.train.cli", "adapt", "--data", str(capture)]
-    argv += ["--out", str(adapted), "--steps", "80", "--batch-seqs", "4", "--device", "cpu"]
+    argv += ["--out", str(adapted), "--steps", "40", "--batch-seqs", "4", "--device", "cpu"]
     argv += ["--recipe-data", str(tmp_path / "no-distill"), "--recipe-samples", "8"]
     argv += ["--eval-prompts", "2", "--eval-tokens", "24"]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
