@@ -18,8 +18,10 @@ The stream: requests from loadtest/prompts/mix.jsonl, greedy and temperature 1.0
 `--max-tokens` new tokens each, a closed loop of c clients for each c in `--concurrency`. Per
 (c, routing): the stream's decode tokens/s (completion tokens over wall time), and each class's
 mean per-request tokens/s. `--rounds R` runs each routing's requests at each c in R chunks,
-every routing once a round on the same requests (A/B/A/B): on a shared machine a slow spell
-of tens of seconds then falls on every routing alike, not on whichever cell ran in it. Goals
+every routing once a round on the same requests, in turn and then in reverse (A/B, B/A): on a
+shared machine a slow spell of tens of seconds then falls on every routing alike, not on
+whichever cell ran in it, nor on the one that runs last. Each cell also gives each class's
+pool shares (equal pool shares can hide classes crossing over). Goals
 (issue: speculation-aware fleet): `fastest` at least the best static split at every c, and no
 class below 0.9x its speed under that split. Prints a table and writes JSON.
 """
@@ -38,7 +40,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -58,6 +60,7 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "loadtest" / "prompts" / "mix.jsonl"
 STATIC = {"dflash": 100.0, "plain": 0.0, "75/25": 75.0, "50/50": 50.0, "25/75": 25.0}
 CLASSES = ("greedy", "sampled")
+T = TypeVar("T")
 
 
 def stream_prompts() -> list[str]:
@@ -114,10 +117,11 @@ class Cell:
         self.served += other.served
         self.errors += other.errors
 
-    def shares(self) -> dict[str, float]:
-        total = len(self.served) or 1
-        pools = {s.pool for s in self.served}
-        return {pool: sum(s.pool == pool for s in self.served) / total for pool in sorted(pools)}
+    def shares(self, klass: str | None = None) -> dict[str, float]:
+        """Each pool's share of the requests (of one class when given)."""
+        served = [s for s in self.served if klass is None or s.klass == klass]
+        pools = sorted({s.pool for s in served})
+        return {pool: sum(s.pool == pool for s in served) / (len(served) or 1) for pool in pools}
 
     def row(self) -> dict[str, Any]:
         speeds = {name: self.class_speed(name) for name in CLASSES}
@@ -125,6 +129,10 @@ class Cell:
             "tokens_per_s": round(self.tokens_per_s, 1),
             "class_tokens_per_s": {k: round(v, 1) if v else None for k, v in speeds.items()},
             "pool_shares": {k: round(v, 3) for k, v in self.shares().items()},
+            # Equal pool shares may hide classes crossing over: each class's own.
+            "class_pool_shares": {
+                name: {k: round(v, 3) for k, v in self.shares(name).items()} for name in CLASSES
+            },
             "requests": len(self.served),
             "errors": self.errors,
         }
@@ -235,7 +243,7 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
         cells: dict[str, Cell] = {}
         for r in range(args.rounds):  # every routing once a round, on the same requests
             at = offset + r * chunk
-            for name, targets, share in routings:
+            for name, targets, share in round_order(routings, r):
                 if share is not None:
                     pin(urls["weights"], share)
                 cell = await run_cell(targets, chunk, c, prompts, args.max_tokens, at)
@@ -244,6 +252,13 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
         rows.append(judge(c, cells))
         print(format_row(rows[-1]), flush=True)
     return rows
+
+
+def round_order(routings: Sequence[T], r: int) -> list[T]:
+    """Round r's order: in turn, then in reverse (A B C, C B A, ...), so that a drift over a
+    round (a worker warming, a neighbour starting) falls on every routing alike, not on the
+    one that runs last."""
+    return list(routings) if r % 2 == 0 else list(routings)[::-1]
 
 
 def judge(c: int, cells: dict[str, Cell]) -> dict[str, Any]:
@@ -333,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=positive_int,
         default=1,
-        help="each routing's requests at each c in this many interleaved chunks (A/B/A/B): "
+        help="each routing's requests at each c in this many interleaved chunks (A/B, B/A): "
         "a slow spell of a shared machine falls on every routing alike",
     )
     p.add_argument(

@@ -16,6 +16,7 @@ from loadtest.fleet_bench import (
     Served,
     judge,
     request_body,
+    round_order,
     stream_prompts,
 )
 
@@ -51,6 +52,9 @@ def test_quick_run(tmp_path: Path) -> None:
     assert set(cells["50/50"]["pool_shares"]) == {"dflash", "plain"}
     # The client's own split, through a gateway per pool: greedy to DFlash, sampled to plain.
     assert cells["by class"]["pool_shares"] == {"dflash": 0.5, "plain": 0.5}
+    by_class = {"greedy": {"dflash": 1.0}, "sampled": {"plain": 1.0}}
+    assert cells["by class"]["class_pool_shares"] == by_class
+    assert cells["dflash"]["class_pool_shares"] == {k: {"dflash": 1.0} for k in CLASSES}
     assert set(row["class_over_best"]) == set(CLASSES)
     assert row["best_static"] in {*STATIC, "by class"}
     assert "fastest/best" in run.stdout
@@ -62,6 +66,13 @@ def test_rounds_add_up_into_one_cell_per_routing() -> None:
     first.add(Cell(wall_s=1.0, served=[Served(32, 0.25, "sampled", "plain")], errors=1))
     assert first.wall_s == 3.0 and first.errors == 1 and len(first.served) == 2
     assert first.tokens_per_s == 32.0 and first.shares() == {"dflash": 0.5, "plain": 0.5}
+    assert first.shares("greedy") == {"dflash": 1.0} and first.shares("sampled") == {"plain": 1.0}
+
+
+def test_rounds_run_the_routings_in_turn_then_in_reverse() -> None:
+    """A drift over a round falls on every routing alike (A B C, C B A), not on the last."""
+    orders = [round_order("ABC", r) for r in range(4)]
+    assert orders == [list("ABC"), list("CBA"), list("ABC"), list("CBA")]
 
 
 def test_the_goal_is_judged_against_the_best_static_split() -> None:
