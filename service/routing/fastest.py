@@ -30,13 +30,8 @@ speed ignores what it costs the others, and so did its exploration:
   the sampled ones into the DFlash batch, where a sampled request is a plain row every
   drafting row waits for, and a slow one: it stays. That cost 6-8 % at c = 4 in the model. Now
   an exploring request (`fastest_exploration`, 5 %, drawn by the pools' weights) goes to the
-  drawn pool only where a worker of it is idle (its speed is the one the advantage is read
-  at), and only where its class's estimate alone is stale: no sample over the class's last
-  STALE_AFTER requests. Otherwise it is routed by the rule. At c = 1, where a worker is always
-  idle, a flat 5 % sent 2.5 % of each class off its home (live, 4 greedy requests of 190 to
-  the plain pool, 2.4x slower there); on need, one in about 140 (100, then 40 to draw it).
-  Off its home, an explorer does slow others after all: a sampled request on an idle DFlash
-  worker keeps the greedy ones that join it from drafting.
+  drawn pool only where a worker of it is idle: it slows no one, and its speed is the one the
+  advantage is read at. Otherwise it is routed by the rule.
 - At c = 32 the DFlash batch of greedy requests runs plain, a greedy request is faster on the
   plain pool, and greedy requests moved there: the fleet gained 0.2 %, the sampled requests
   on that pool ran at 0.87x. The lean keeps a class on the pool it has the comparative
@@ -89,7 +84,6 @@ import bisect
 import logging
 import math
 import random
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -111,10 +105,6 @@ ALONE = 1.0
 # as 1 / load: the pool's tokens/s held at the highest load seen (a burst onto loads never
 # seen sends each class home, not wherever its estimate stayed flat).
 UNSEEN_SLOPE = 1.0
-# Exploring on need: an exploring request goes off the rule's choice only to refresh an alone
-# estimate (what the advantage is read from) that its class has sent this many requests
-# without a sample of.
-STALE_AFTER = 100
 
 
 def load_level(in_flight_per_worker: float) -> int:
@@ -157,9 +147,6 @@ class SpeedMap:
     draw: Callable[[], float] = random.random
     estimates: dict[tuple[str, str, int], Estimate] = field(default_factory=dict)
     classes: set[str] = field(default_factory=set)
-    sent: Counter[str] = field(default_factory=Counter)  # requests routed, per class
-    # (pool, class): the class's `sent` count at its last sample alone on the pool
-    sampled_alone: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def observe(self, pool: str, klass: str, load: float, speed: float) -> None:
         """One request's decode speed (tokens/s), which ran at `load` requests in flight per
@@ -168,14 +155,6 @@ class SpeedMap:
             key = (pool, klass, load_level(load))
             self.estimates.setdefault(key, Estimate()).add(math.log(speed), math.log(load))
             self.classes.add(klass)
-            if key[2] == 0:
-                self.sampled_alone[(pool, klass)] = self.sent[klass]
-
-    def stale(self, pool: str, klass: str) -> bool:
-        """`klass` has sent STALE_AFTER requests since its last sample alone on `pool`, or
-        has none there."""
-        last = self.sampled_alone.get((pool, klass))
-        return last is None or self.sent[klass] - last >= STALE_AFTER
 
     def evidence(self, pool: str, klass: str) -> list[Estimate]:
         """`klass`'s estimates on `pool` with enough samples to use, by load level."""
@@ -235,12 +214,10 @@ class SpeedMap:
         self, klass: str, loads: Mapping[str, PoolLoad], weights: Mapping[str, float]
     ) -> str:
         """The pool for a request of `klass`: by weights while some pool has no estimate for
-        it, or exploring onto an idle worker where its alone estimate is stale; else by the
-        score (the module's docstring)."""
-        self.sent[klass] += 1
+        it, or exploring onto an idle worker; else by the score (the module's docstring)."""
         if self.draw() < self.exploration:
             drawn = drawn_by_weight(weights, self.draw)
-            if loads[drawn].idle and self.stale(drawn, klass):
+            if loads[drawn].idle:
                 log.debug("%s to %s: exploring onto an idle worker", klass, drawn)
                 return drawn
         if not all(self.evidence(pool, klass) for pool in loads):

@@ -12,7 +12,6 @@ import pytest
 
 from service.routing.fastest import (
     MIN_SAMPLES,
-    STALE_AFTER,
     UNSEEN_SLOPE,
     PoolLoad,
     SpeedMap,
@@ -152,27 +151,16 @@ def test_in_a_burst_onto_loads_never_seen_each_class_goes_home() -> None:
 
 def test_no_estimate_or_exploring_routes_by_weights() -> None:
     """Exploring (the first draw under the share) goes to the pool drawn by weight (the
-    second draw: 0.1 is dflash, 0.9 plain) where a worker of it is idle and the class's
-    estimate alone there is stale; else the rule."""
+    second draw: 0.1 is dflash, 0.9 plain) where a worker of it is idle; else the rule."""
     draws: list[float] = []
     speed_map = taught(SpeedMap(draw=lambda: draws.pop(0)), GREEDY, 1, dflash=200.0)
     draws[:] = [0.9, 0.9]  # not exploring, but plain has no estimate: by weights
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "plain"
     taught(speed_map, GREEDY, 1, plain=100.0)
-    draws[:] = [0.01, 0.9]  # exploring, plain idle, but its estimate alone is fresh: the rule
-    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
-    for _ in range(STALE_AFTER):  # the class's requests go on to DFlash, alone there
-        draws[:] = [0.9]
-        assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
-        speed_map.observe("dflash", GREEDY, 1, 200.0)
-    assert speed_map.stale("plain", GREEDY) and not speed_map.stale("dflash", GREEDY)
-    draws[:] = [0.01, 0.9]  # exploring, plain idle and stale
+    draws[:] = [0.01, 0.9]  # exploring, plain idle
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "plain"
     draws[:] = [0.01, 0.9]  # exploring, plain busy: it would slow the request there
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=1), EVEN) == "dflash"
-    speed_map.observe("plain", GREEDY, 1, 100.0)  # the explorer's sample: fresh again
-    draws[:] = [0.01, 0.9]
-    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
     draws[:] = [0.9]
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
     draws[:] = [0.9, 0.5]  # a class without estimates: by weights
