@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from launcher.processes import free_port, stop, wait_healthy
-from loadtest.harness import git_commit
+from loadtest.harness import git_commit, round_order
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "loadtest" / "prompts"
@@ -265,7 +265,7 @@ def compare_serving(
         for client in (old, new, plain):  # warm each one up
             timed(client, domain, domain.heldout[0], 8, 0.0)
         for i, prompt in enumerate(domain.heldout):
-            for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
+            for name in round_order(("old", "new"), i):
                 reply, seconds = timed(clients[name], domain, prompt, max_tokens, 0.0)
                 t0[name].add(reply, seconds)
                 greedy[name].append(reply_text(domain, reply))

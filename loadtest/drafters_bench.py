@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from launcher.processes import free_port, stop, wait_healthy
-from loadtest.harness import aligned, bench_prompts, git_commit
+from loadtest.harness import aligned, bench_prompts, git_commit, round_order
 
 ASSETS = Path(__file__).resolve().parents[1] / "engine" / "assets" / "tiny-coder"
 DRAFTERS = {"dflash": ("dflash", ASSETS / "dflash"), "dflash2": ("dflash2", ASSETS / "dflash2")}
@@ -65,8 +65,7 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
             client.post(url + "/v1/completions", json={"model": "tiny-coder", "prompt": "x"})
         for round_ in range(args.rounds):
             for i, prompt in enumerate(prompts):
-                order = list(urls) if (i + round_) % 2 == 0 else list(urls)[::-1]
-                for name in order:
+                for name in round_order(list(urls), i + round_):
                     body = {"model": "tiny-coder", "prompt": prompt, "temperature": 0}
                     body.update(max_tokens=args.max_tokens, ignore_eos=True)
                     started = time.perf_counter()

@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 
@@ -53,14 +53,21 @@ from loadtest.backends_bench import (
     worker_env,
 )
 from loadtest.gateway_peers import start_gateway
-from loadtest.harness import aligned, closed_loop, git_commit, int_list, pinned, positive_int
+from loadtest.harness import (
+    aligned,
+    closed_loop,
+    git_commit,
+    int_list,
+    pinned,
+    positive_int,
+    round_order,
+)
 from loadtest.speedup_bench import worker_argv
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "loadtest" / "prompts" / "mix.jsonl"
 STATIC = {"dflash": 100.0, "plain": 0.0, "75/25": 75.0, "50/50": 50.0, "25/75": 25.0}
 CLASSES = ("greedy", "sampled")
-T = TypeVar("T")
 
 
 def stream_prompts() -> list[str]:
@@ -252,13 +259,6 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
         rows.append(judge(c, cells))
         print(format_row(rows[-1]), flush=True)
     return rows
-
-
-def round_order(routings: Sequence[T], r: int) -> list[T]:
-    """Round r's order: in turn, then in reverse (A B C, C B A, ...), so that a drift over a
-    round (a worker warming, a neighbour starting) falls on every routing alike, not on the
-    one that runs last."""
-    return list(routings) if r % 2 == 0 else list(routings)[::-1]
 
 
 def judge(c: int, cells: dict[str, Cell]) -> dict[str, Any]:

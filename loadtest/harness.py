@@ -78,6 +78,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def round_order(items: Sequence[T], r: int) -> list[T]:
+    """Round r's order of the things compared side by side: in turn, then in reverse (A B C,
+    C B A, ...), so that a drift over a round (a worker warming, a neighbour starting) falls
+    on every one alike, not on the one that runs last."""
+    return list(items) if r % 2 == 0 else list(items)[::-1]
+
+
 def aligned(rows: Sequence[Sequence[str]], sep: str = "  ") -> str:
     """Rows of cells as text columns, each as wide as its widest cell."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
