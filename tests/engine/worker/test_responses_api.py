@@ -45,6 +45,10 @@ def settings(tiny_checkpoint: TinyCheckpoint) -> WorkerSettings:
         served_model_name=NAME,
         max_model_len=256,
         speculative_config={"method": "dflash", "model": str(tiny_checkpoint.drafter_dir)},
+        # K drafts every step: the adaptive planner may rightly choose plain steps after a
+        # request that accepted little (CI saw 0 drafting steps once), and this module checks
+        # the Responses API's per-request metrics, not the planner
+        speculation="fixed",
         max_num_seqs=2,
         api_key=KEY,
     )
