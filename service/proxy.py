@@ -19,8 +19,7 @@ from service.capture.record import RawCapture
 from service.metrics import NO_POOL, GatewayMetrics, code_label
 from service.reports import SpecStats, Usage, decode_speed, parse_usage, unwrap
 from service.responses import StoreHook
-from service.routing.fastest import pool_loads
-from service.routing.fleet import Worker, WorkerFleet
+from service.routing.fleet import LoadMark, Worker, WorkerFleet
 from service.routing.upstream import Body, ConnectFailed, ConnectionPool, Target, UpstreamIOError
 from service.routing.upstream import Response as UpstreamResponse
 from service.settings import GatewaySettings
@@ -148,6 +147,7 @@ class Outcome:
     # The client has the whole answer (a stream's [DONE] or terminal event was sent): a
     # client that leaves after that was answered, not cut off.
     delivered: bool = False
+    load_mark: LoadMark | None = None  # its worker's load integral as the attempt began
 
     def begin(self, call: ProxyCall, number: int, worker: Worker) -> None:
         if call.trace is not None:
@@ -270,7 +270,7 @@ class Proxy:
             if attempt:
                 self.metrics.child(self.metrics.retries, call.label).inc()
             tried.add(worker.url)
-            worker.outstanding += 1
+            outcome.load_mark = worker.admit()
             outcome.pool = worker.pool
             in_flight = self.metrics.child(self.metrics.in_flight, call.label, worker.pool)
             in_flight.inc()
@@ -290,7 +290,7 @@ class Proxy:
                 await send_error(send, draining(self.settings), call, outcome)
                 return
             finally:
-                worker.outstanding -= 1
+                worker.release()
                 in_flight.dec()
                 outcome.end_attempt()
         await send_error(send, final_error(last, self.settings), call, outcome)
@@ -344,7 +344,7 @@ class Proxy:
             self.metrics.observe_spec(call.label, worker.pool, stats)
             if self.capture is not None and capturing(self.capture, call, worker):
                 capture_reply(self.capture, call, worker, body, usage, stats, stream=False)
-            learn(self.fleet, call, worker, decode_speed(parsed), stats)
+            learn(self.fleet, call, worker, decode_speed(parsed), stats, outcome.load_mark)
             if call.trace is not None:
                 call.trace.replied(parsed, usage, stats)
             body = worker.wire.strip(body, parsed, call.spec_details)
@@ -448,7 +448,9 @@ class Proxy:
             # the request succeeded, and its tokens count like any other.
             if outcome.delivered:
                 self.fleet.report_success(worker)
-                observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet)
+                observe_stream(
+                    self.metrics, call, worker, tap, self.capture, self.fleet, outcome.load_mark
+                )
             raise
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
@@ -465,7 +467,7 @@ class Proxy:
         elif not drained:
             self.fleet.report_success(worker)
         # Counted before the last send, which a client that already left may interrupt.
-        observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet)
+        observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet, outcome.load_mark)
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return failure is None and not drained
@@ -477,13 +479,13 @@ def learn(
     worker: Worker,
     speed: float | None,
     stats: list[SpecStats] | None,
+    mark: LoadMark | None,
 ) -> None:
     """One served request's decode speed (tokens/s), for its pool's rollout (promotion) and
-    for ROUTING=fastest's estimates at the pool's load."""
-    if fleet.speeds is not None and speed is not None:
-        # Its load as it ran (this request among those in flight: no extra one).
-        load = pool_loads(w for w in fleet.workers.values() if w.pool == worker.pool)
-        fleet.speeds.observe(worker.pool, call.klass, load[worker.pool].per_worker(), speed)
+    for ROUTING=fastest's estimates at the load it ran at on its worker (since `mark`)."""
+    if fleet.speeds is not None and speed is not None and mark is not None:
+        ended_alone = worker.outstanding == 1  # this request only
+        fleet.speeds.observe(worker.pool, call.klass, worker.ran_at(mark), speed, ended_alone)
     promotions = fleet.promotions
     if promotions is not None and promotions.rollouts:
         acceptance = stats[0].acceptance_length if stats else None
@@ -602,6 +604,7 @@ def observe_stream(
     tap: SseTap,
     capture: Capture | None = None,
     fleet: WorkerFleet | None = None,
+    mark: LoadMark | None = None,
 ) -> None:
     """A relayed stream's usage, speculation summary, TTFT and TPOT; its capture, when its tap
     recorded it and it ended whole; its speed for its pool's rollout."""
@@ -632,7 +635,7 @@ def observe_stream(
         metrics.child(metrics.tpot, call.label, pool).observe(tpot, exemplar)
         speed = 1.0 / tpot if tpot > 0 else None
     if fleet is not None and tap.done and not tap.errored:
-        learn(fleet, call, worker, speed or decode_speed(final), stats)
+        learn(fleet, call, worker, speed or decode_speed(final), stats, mark)
 
 
 def not_sse(response: UpstreamResponse) -> UpstreamFailure | None:

@@ -203,7 +203,7 @@ class GatewaySettings(BaseSettings):
     # strongly a request leans to the pool its class has the comparative advantage on (0:
     # each request to the pool fastest for itself) (service/routing/fastest.py).
     fastest_exploration: float = Field(default=0.05, ge=0, le=1)
-    fastest_home_bias: float = Field(default=1.5, ge=0)
+    fastest_home_bias: float = Field(default=1.0, ge=0)
     # Health: active checks of /health, passive ejection after consecutive failures.
     health_interval_s: float = Field(default=2.0, gt=0)
     health_timeout_s: float = Field(default=1.0, gt=0)

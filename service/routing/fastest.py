@@ -36,7 +36,7 @@ speed ignores what it costs the others, and so did its exploration:
   plain pool, and greedy requests moved there: the fleet gained 0.2 %, the sampled requests
   on that pool ran at 0.87x. The lean keeps a class on the pool it has the comparative
   advantage on until another is faster for it by more than exp(home_bias * advantage)
-  (about 1.4x for greedy requests on a DFlash pool beside a plain one, at the default 1.5).
+  (about 1.25x for greedy requests on a DFlash pool beside a plain one, at the default 1.0).
 - Centred over the pools too, so the sampled class has a home, the plain pool: since the
   DFlash worker keeps a batch with T = 1.0 rows plain unless every row gains (issue 48), a
   sampled request that joins the DFlash batch stops its greedy rows drafting. Centred over
@@ -44,11 +44,15 @@ speed ignores what it costs the others, and so did its exploration:
   fastest for itself, often the DFlash pool: on the live bench (`dflash-bench fleet`,
   e4b7926) the greedy class ran 0.51x its speed under the split by class at c = 4, and the
   closed-loop model with that engine read the same (0.48x); centred over both, 1.00x. The
-  lean is bounded: a sampled request still joins a DFlash pool about 1.4x faster for it
+  lean is bounded: a sampled request still joins a DFlash pool about 1.25x faster for it
   (a crowd of sampled requests on the plain pool, a DFlash batch running plain anyway).
-  The default home_bias 1.5 is the model's: the least that keeps the greedy class at 0.9x or
-  more with a quarter of the traffic greedy (0.96x at c = 4; at 1.0, 0.64x), where 2.0 kept
-  too many greedy requests on a crowded DFlash pool with three quarters greedy (0.88x).
+  The default home_bias 1.0 is the model's, with each speed learnt at the load it ran at
+  (below), over six seeds: every class at 0.94x or more with a quarter, half or three
+  quarters of the traffic greedy; at 0.75 the greedy class fell to 0.76x at c = 4 with a
+  quarter greedy, and at 1.25 the sampled class to 0.905x at c = 16 with three quarters.
+  (Learnt at the load as a request ended, the alone speeds were slowed by the mix, the
+  advantage read smaller, and 1.5 was the least that held: the bias makes up for the
+  advantage's scale.)
 - The advantage is read alone (one request per worker), where no mix of classes confounds it:
   at load, a greedy request's speed on DFlash depends on who shares its batch. For the same
   reason not the marginal throughput (own speed plus the change in speed of the requests
@@ -59,6 +63,12 @@ speed ignores what it costs the others, and so did its exploration:
 - Load is a pool's requests in flight per routable worker (the gateway's own count, the most
   current signal there is); estimates are kept in levels that double: 1, 2, 4, ... 64 and
   more.
+- A request's speed is learnt at the load it ran at: the mean over its lifetime of the
+  requests in flight on its worker (Worker.ran_at), not the count as it ended. Read at its end,
+  a greedy request that shared the DFlash batch with a sampled one that left first counted as
+  alone, and slowed: the advantage read alone shrank, and on the live bench 7 % of the sampled
+  requests crossed into the DFlash pool at c = 4 (the greedy class at 0.93x). Read over its
+  lifetime, alone means alone throughout, and none crossed at c = 4 or 16.
 - An estimate is a moving average of log tokens/s and of the log load it was measured at
   (recent requests weigh more: speed drifts with the traffic), per (pool, class, level). The
   speed at a load is interpolated (log-log) between the levels with evidence, the lowest
@@ -143,18 +153,40 @@ class PoolLoad:
 @dataclass
 class SpeedMap:
     exploration: float = 0.05
-    home_bias: float = 1.5
+    home_bias: float = 1.0
     draw: Callable[[], float] = random.random
     estimates: dict[tuple[str, str, int], Estimate] = field(default_factory=dict)
+    # Per (pool, class): the requests that ended alone on their worker, whatever they shared
+    # before; the alone speed of a gateway that has seen few requests alone throughout.
+    ended_alone: dict[tuple[str, str], Estimate] = field(default_factory=dict)
     classes: set[str] = field(default_factory=set)
 
-    def observe(self, pool: str, klass: str, load: float, speed: float) -> None:
-        """One request's decode speed (tokens/s), which ran at `load` requests in flight per
-        worker (itself included)."""
+    def observe(
+        self, pool: str, klass: str, load: float, speed: float, ended_alone: bool = False
+    ) -> None:
+        """One request's decode speed (tokens/s), which ran at `load` requests in flight on
+        its worker, a mean over its lifetime (itself included); `ended_alone`: none other
+        was in flight there as it ended."""
         if speed > 0 and math.isfinite(speed) and load > 0:
             key = (pool, klass, load_level(load))
             self.estimates.setdefault(key, Estimate()).add(math.log(speed), math.log(load))
+            if ended_alone:
+                self.ended_alone.setdefault((pool, klass), Estimate()).add(math.log(speed), 0.0)
             self.classes.add(klass)
+
+    def alone(self, pool: str, klass: str) -> float | None:
+        """`klass`'s log tokens/s alone on a worker of `pool`, which the advantage is read
+        from: from the requests alone there throughout; without enough of them, from those
+        that ended alone. A gateway started under load sees few requests alone throughout, and
+        read at the lowest load it saw instead, the classes' mix hid the advantage: live, at
+        c = 4 from a cold start, the two classes swapped pools (0.76x the best static split).
+        Ended alone, a greedy request may have shared the DFlash batch with a sampled one for
+        a while, slowed, but such requests are many. Else the lowest load's."""
+        throughout = self.estimates.get((pool, klass, load_level(ALONE)))
+        for found in (throughout, self.ended_alone.get((pool, klass))):
+            if found is not None and found.n >= MIN_SAMPLES:
+                return found.mean
+        return self.log_speed(pool, klass, ALONE)
 
     def evidence(self, pool: str, klass: str) -> list[Estimate]:
         """`klass`'s estimates on `pool` with enough samples to use, by load level."""
@@ -191,9 +223,7 @@ class SpeedMap:
     def class_edge(self, klass: str, pools: Collection[str]) -> dict[str, float]:
         """Per pool, how much faster (log) `klass` runs alone there than the mean of the
         classes with evidence alone on every pool; zeros without another such class."""
-        alone = {
-            j: [self.log_speed(pool, j, ALONE) for pool in pools] for j in sorted(self.classes)
-        }
+        alone = {j: [self.alone(pool, j) for pool in pools] for j in sorted(self.classes)}
         known = {j: speeds for j, speeds in alone.items() if None not in speeds}
         if klass not in known or len(known) < 2:
             return dict.fromkeys(pools, 0.0)

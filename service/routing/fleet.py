@@ -32,6 +32,14 @@ def worker_id(url: str) -> str:
     return "w-" + hashlib.blake2b(url.encode(), digest_size=4).hexdigest()
 
 
+@dataclass(frozen=True)
+class LoadMark:
+    """A worker's load integral at a request's start (Worker.admit)."""
+
+    area: float
+    at: float
+
+
 @dataclass
 class Worker:
     url: str
@@ -48,9 +56,38 @@ class Worker:
     ejected_until: float = 0.0
     models: list[dict[str, Any]] = field(default_factory=list)
     model_ids: frozenset[str] = frozenset()
+    # Requests x seconds in flight on it (the integral of `outstanding` up to `load_at`): the
+    # load a request ran at is this area's growth over its lifetime (`ran_at`).
+    load_area: float = 0.0
+    load_at: float = 0.0
 
     def __post_init__(self) -> None:
         self.pool_header = (b"x-dflash-pool", self.pool.encode())
+
+    def admit(self) -> LoadMark:
+        """One more request in flight here; its mark, for `ran_at` when it ends."""
+        now = self._accrue()
+        self.outstanding += 1
+        return LoadMark(self.load_area, now)
+
+    def release(self) -> None:
+        self._accrue()
+        self.outstanding -= 1
+
+    def ran_at(self, mark: LoadMark) -> float:
+        """The mean number of requests in flight here since `mark` (its own included), over
+        time. Not the count at its end: a greedy request that shared a DFlash batch with a
+        sampled one that left before it ended ran slowed, at 2, not alone (issue 47)."""
+        now = self._accrue()
+        if now <= mark.at:
+            return float(max(self.outstanding, 1))
+        return max(1.0, (self.load_area - mark.area) / (now - mark.at))
+
+    def _accrue(self) -> float:
+        now = time.monotonic()
+        self.load_area += self.outstanding * (now - self.load_at)
+        self.load_at = now
+        return now
 
     @property
     def failures(self) -> int:

@@ -58,8 +58,8 @@ def test_a_class_leans_to_the_pool_of_its_comparative_advantage() -> None:
     """Alone, greedy requests run 400 tokens/s on DFlash and 160 on plain, sampled ones 150
     and 160. Centred over the classes, the greedy class gains half the log of 400/150 on
     DFlash and nothing on plain; centred over the pools as well, a quarter of it on DFlash,
-    and the sampled class as much on plain. At the default bias, 1.5, a request leaves its
-    class's home only for a pool faster for it by more than (400/150) ** (1.5 / 4), 1.44x."""
+    and the sampled class as much on plain. At the default bias, 1.0, a request leaves its
+    class's home only for a pool faster for it by more than (400/150) ** (1 / 4), 1.28x."""
     speed_map = SpeedMap(exploration=0.0)
     taught(speed_map, GREEDY, 1, dflash=400.0, plain=160.0)
     taught(speed_map, SAMPLED, 1, dflash=150.0, plain=160.0)
@@ -78,7 +78,7 @@ def test_a_class_leans_to_the_pool_of_its_comparative_advantage() -> None:
     assert speed_map.choose(GREEDY, busy(dflash=2, plain=0), EVEN) == "dflash"
     speed_map.home_bias = 0.0  # each request to the pool fastest for itself: the rule before
     assert speed_map.choose(GREEDY, busy(dflash=2, plain=0), EVEN) == "plain"
-    speed_map.home_bias = 1.5
+    speed_map.home_bias = 1.0
     taught(speed_map, GREEDY, 6, dflash=100.0)  # DFlash with 5 in flight: 1.6x, it leaves
     assert speed_map.choose(GREEDY, busy(dflash=5, plain=0), EVEN) == "plain"
     # The sampled class's home is the plain pool: it stays there for 150 / 130 = 1.15x ...
@@ -131,7 +131,7 @@ def test_in_a_burst_onto_loads_never_seen_each_class_goes_home() -> None:
     """The live bench's c = 32 warm-up: 32 requests routed within milliseconds, onto loads
     no class had been seen at. Read flat, a sampled request expected 187 tokens/s on DFlash
     (seen there alone) at 9 in flight, 1.38x the plain pool's 136 at 3, past the lean
-    (1.28x here): sampled requests piled into the greedy batch. Away from home, where no
+    (1.18x here): sampled requests piled into the greedy batch. Away from home, where no
     class has been seen at such a load, the pool's tokens/s is held instead."""
     speed_map = SpeedMap(exploration=0.0)
     taught(speed_map, GREEDY, 1, dflash=460.0, plain=215.0)
@@ -165,6 +165,22 @@ def test_no_estimate_or_exploring_routes_by_weights() -> None:
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
     draws[:] = [0.9, 0.5]  # a class without estimates: by weights
     assert speed_map.choose(SAMPLED, busy(dflash=0), {"dflash": 1.0}) == "dflash"
+
+
+def test_the_alone_speed_is_read_from_requests_alone_throughout_else_ended_alone() -> None:
+    """The advantage's alone speed: requests alone on their worker throughout (mean load 1);
+    without MIN_SAMPLES of them, those that ended alone (a gateway started under load); else
+    the lowest load seen."""
+    speed_map = taught(SpeedMap(exploration=0.0), GREEDY, 2.5, dflash=150.0)
+    assert speed_map.alone("dflash", GREEDY) == pytest.approx(math.log(150.0))
+    for _ in range(MIN_SAMPLES - 1):  # ended alone, after sharing the batch a while
+        speed_map.observe("dflash", GREEDY, 1.6, 250.0, ended_alone=True)
+    assert speed_map.alone("dflash", GREEDY) == pytest.approx(math.log(150.0))  # too few
+    speed_map.observe("dflash", GREEDY, 1.6, 250.0, ended_alone=True)
+    assert speed_map.alone("dflash", GREEDY) == pytest.approx(math.log(250.0))
+    taught(speed_map, GREEDY, 1.0, dflash=400.0)  # alone throughout: these win
+    assert speed_map.alone("dflash", GREEDY) == pytest.approx(math.log(400.0))
+    assert speed_map.alone("plain", GREEDY) is None
 
 
 def test_load_levels_double() -> None:

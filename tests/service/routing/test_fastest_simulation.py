@@ -19,9 +19,12 @@ its requests; a request's speed is its tokens per step over the step's time:
   run of e4b7926, all DFlash at c = 4 gave greedy requests 182 tokens/s, sampled ones 167,
   plain 170.
 So a greedy request on DFlash is 2.4x faster than on plain alone, a sampled one 0.97x, and a
-sampled request in a DFlash batch stops every greedy one there drafting. With this engine the
-model reads what the live bench read of the rule centred over the classes only at c = 4: 0.80x
-the best static split, the greedy class at 0.48x (live: 0.80x and 0.51x).
+sampled request in a DFlash batch stops every greedy one there drafting. With this engine, and
+each request learnt at the load as it ended (the gateway until 2026-11-29), the model read what
+the live bench read of the rule centred over the classes only at c = 4: 0.80x the best static
+split, the greedy class at 0.48x (live: 0.80x and 0.51x). Learnt at the load it ran at, as
+now, the alone speeds are not slowed by the mix: that rule holds with half the traffic greedy,
+and misses with a quarter (the greedy class at 0.64x at c = 4).
 
 The router is the real SpeedMap, learning from each finished request's speed and load as the
 gateway's `learn` feeds it, one map through c = 1, 4, 16, 32 in turn (as the bench warms one
@@ -85,7 +88,7 @@ def speeds(pool: str, greedy: int, sampled: int) -> dict[str, float]:
 
 
 Route = Callable[[str, Mapping[str, PoolLoad]], str]
-Learn = Callable[[str, str, float, float], None]
+Learn = Callable[[str, str, float, float, bool], None]
 
 
 @dataclass
@@ -94,6 +97,7 @@ class Flight:
     klass: str
     start: float
     left: float = TOKENS
+    area: float = 0.0  # requests x seconds in flight on its pool while it ran
 
 
 @dataclass
@@ -111,7 +115,8 @@ def greedy_at(i: int, share: float) -> bool:
 
 def closed_loop(c: int, route: Route, learn: Learn, greedy_share: float = 0.5) -> Run:
     """c clients, `greedy_share` of the requests greedy. Measured: the requests that end
-    WARMUP to WARMUP + MEASURED."""
+    WARMUP to WARMUP + MEASURED. Each finished request is learnt as the gateway's `learn`
+    does: at the mean load it ran at, and whether it ended alone."""
     now, issued, ended, window_start = 0.0, 0, 0, 0.0
     flights: list[Flight] = []
     measured: dict[str, list[float]] = {klass: [] for klass in CLASSES}
@@ -135,9 +140,12 @@ def closed_loop(c: int, route: Route, learn: Learn, greedy_share: float = 0.5) -
         now += step
         for f, rate in zip(flights, rates, strict=True):
             f.left -= rate * step
+            f.area += sum(mix[f.pool]) * step  # itself included
         done = flights.pop(min(range(len(flights)), key=lambda i: flights[i].left))
         speed = TOKENS / (now - done.start)
-        learn(done.pool, done.klass, float(sum(mix[done.pool])), speed)  # itself included
+        learn(
+            done.pool, done.klass, done.area / (now - done.start), speed, sum(mix[done.pool]) == 1
+        )
         ended += 1
         if ended == WARMUP:
             window_start = now
@@ -148,7 +156,7 @@ def closed_loop(c: int, route: Route, learn: Learn, greedy_share: float = 0.5) -
     return Run(TOKENS * MEASURED / (now - window_start), by_class)
 
 
-def nothing(pool: str, klass: str, load: float, speed: float) -> None:
+def nothing(pool: str, klass: str, load: float, speed: float, ended_alone: bool) -> None:
     return None
 
 
@@ -206,7 +214,7 @@ def fastest(rule: str, greedy_share: float, seed: int = 11) -> dict[int, Run]:
     "over classes" (its advantage centred over the classes only) or "before"."""
     draw = random.Random(seed).random
     kind = OverClassesOnly if rule == "over classes" else SpeedMap
-    speed_map = kind(draw=draw, home_bias=0.5 if rule == "over classes" else 1.5)
+    speed_map = kind(draw=draw, home_bias=0.5 if rule == "over classes" else 1.0)
 
     def route(klass: str, loads: Mapping[str, PoolLoad]) -> str:
         if rule == "before":
@@ -273,19 +281,17 @@ def test_fastest_matches_the_best_static_split_at_every_concurrency(
 def test_the_rules_before_missed_the_goal(
     mixed: tuple[float, dict[str, dict[int, Run]]],
 ) -> None:
-    """So the test above can fail. With half the traffic greedy: each request to its own
-    fastest pool, exploring at any load, lost throughput at c = 4; the advantage centred over
-    the classes only let sampled requests into the DFlash batch at c = 4, its greedy class at
-    0.48x (0.51x on the live bench). With a quarter greedy, it too left the greedy class
-    below 0.9x at c = 4."""
+    """So the test above can fail. With half the traffic greedy, each request to its own
+    fastest pool, exploring at any load, lost throughput at c = 4 (0.80x); with a quarter
+    greedy, the advantage centred over the classes only let sampled requests into the DFlash
+    batch at c = 4, its greedy class at 0.64x."""
     greedy_share, runs = mixed
     before, over_classes = verdict(runs, "before"), verdict(runs, "over classes")
     if greedy_share == 0.5:
-        assert not before.met and before.over_best[4] < 1 - EXPLORATION_PRICE, before
-        assert over_classes.over_best[4] < 0.85, over_classes
-        assert over_classes.class_over_best[4][GREEDY] < 0.6, over_classes
+        assert not before.met and before.over_best[4] < 0.85, before
     elif greedy_share == 0.25:
-        assert over_classes.class_over_best[4][GREEDY] < 0.9, over_classes
+        assert not over_classes.met, over_classes
+        assert over_classes.class_over_best[4][GREEDY] < 0.7, over_classes
 
 
 def test_the_model_is_the_measured_fleet() -> None:

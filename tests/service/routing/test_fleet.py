@@ -34,6 +34,28 @@ def test_least_outstanding_prefers_idle_then_fewest_waiting() -> None:
     assert pool.pick("m", None, {URLS[2]}).url == URLS[1]  # type: ignore[union-attr]
 
 
+def test_a_request_is_learnt_at_the_mean_load_it_ran_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ROUTING=fastest learns each request's speed at the load it ran at: the mean number in
+    flight on its worker over its lifetime, not the count as it ended (issue 47)."""
+    now = [10.0]
+    monkeypatch.setattr("service.routing.fleet.time.monotonic", lambda: now[0])
+    worker = Worker(URLS[0])
+    first = worker.admit()  # alone for 1 s
+    now[0] = 11.0
+    second = worker.admit()  # two in flight for 1 s
+    now[0] = 12.0
+    assert worker.ran_at(second) == pytest.approx(2.0)
+    worker.release()
+    now[0] = 14.0  # alone again for 2 s: it ends alone, after running at 2 a quarter of its time
+    assert worker.outstanding == 1
+    assert worker.ran_at(first) == pytest.approx((1 + 2 + 2) / 4)
+    worker.release()
+    assert worker.outstanding == 0
+    now[0] = 20.0  # idle time adds nothing; a request that ends as it starts ran alone
+    third = worker.admit()
+    assert worker.ran_at(third) == 1.0
+
+
 def test_exact_ties_spread_over_the_pool() -> None:
     pool = make_pool()
     picks = Counter(pool.pick("m", None, set()).url for _ in range(40))  # type: ignore[union-attr]
