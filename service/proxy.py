@@ -448,9 +448,7 @@ class Proxy:
             # the request succeeded, and its tokens count like any other.
             if outcome.delivered:
                 self.fleet.report_success(worker)
-                observe_stream(
-                    self.metrics, call, worker, tap, self.capture, self.fleet, outcome.load_mark
-                )
+                observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet, outcome)
             raise
         if failure is None and not drained and not tap.done:
             failure = UpstreamFailure("truncated", "the worker ended the stream early")
@@ -467,7 +465,7 @@ class Proxy:
         elif not drained:
             self.fleet.report_success(worker)
         # Counted before the last send, which a client that already left may interrupt.
-        observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet, outcome.load_mark)
+        observe_stream(self.metrics, call, worker, tap, self.capture, self.fleet, outcome)
         tail = stream_tail(hook, tap, drained, failure)
         await send({"type": "http.response.body", "body": tail, "more_body": False})
         return failure is None and not drained
@@ -604,10 +602,11 @@ def observe_stream(
     tap: SseTap,
     capture: Capture | None = None,
     fleet: WorkerFleet | None = None,
-    mark: LoadMark | None = None,
+    outcome: Outcome | None = None,
 ) -> None:
     """A relayed stream's usage, speculation summary, TTFT and TPOT; its capture, when its tap
-    recorded it and it ended whole; its speed for its pool's rollout."""
+    recorded it and it ended whole; its speed for its pool's rollout and, at the load it ran
+    at (the attempt's `outcome`), for ROUTING=fastest."""
     end = time.perf_counter()
     pool, final = worker.pool, tap.final
     usage = parse_usage(final)
@@ -635,6 +634,7 @@ def observe_stream(
         metrics.child(metrics.tpot, call.label, pool).observe(tpot, exemplar)
         speed = 1.0 / tpot if tpot > 0 else None
     if fleet is not None and tap.done and not tap.errored:
+        mark = outcome.load_mark if outcome is not None else None
         learn(fleet, call, worker, speed or decode_speed(final), stats, mark)
 
 
