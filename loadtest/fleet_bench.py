@@ -21,7 +21,8 @@ mean per-request tokens/s. `--rounds R` runs each routing's requests at each c i
 every routing once a round on the same requests, in turn and then in reverse (A/B, B/A): on a
 shared machine a slow spell of tens of seconds then falls on every routing alike, not on
 whichever cell ran in it, nor on the one that runs last. Each cell also gives each class's
-pool shares (equal pool shares can hide classes crossing over). Goals
+pool shares (equal pool shares can hide classes crossing over). `--control` runs the split
+by class twice, an A/A control: two identical routings differ by noise alone. Goals
 (issue: speculation-aware fleet): `fastest` at least the best static split at every c, and no
 class below 0.9x its speed under that split. Prints a table and writes JSON.
 """
@@ -68,6 +69,10 @@ REPO = Path(__file__).resolve().parents[1]
 PROMPTS = REPO / "loadtest" / "prompts" / "mix.jsonl"
 STATIC = {"dflash": 100.0, "plain": 0.0, "75/25": 75.0, "50/50": 50.0, "25/75": 25.0}
 CLASSES = ("greedy", "sampled")
+# `--control`: the split by class a second time, in the same rounds. Not a candidate for the
+# best static split; it over the split by class is the bench's resolution.
+CONTROL = "by class (A/A)"
+NOT_STATIC = ("fastest", CONTROL)
 
 
 def stream_prompts() -> list[str]:
@@ -238,6 +243,8 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
         ("by class", [urls["dflash"], urls["plain"]], None),  # greedy (even i) to DFlash
         ("fastest", [urls["fastest"]], None),
     ]
+    if args.control:
+        routings.append((CONTROL, [urls["dflash"], urls["plain"]], None))
     rows = []
     offset = 0
     for c in args.concurrency:
@@ -262,7 +269,7 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
 
 
 def judge(c: int, cells: dict[str, Cell]) -> dict[str, Any]:
-    static = {name: cell for name, cell in cells.items() if name != "fastest"}
+    static = {name: cell for name, cell in cells.items() if name not in NOT_STATIC}
     best = max(static, key=lambda name: static[name].tokens_per_s)
     fastest = cells["fastest"]
     ratio = fastest.tokens_per_s / static[best].tokens_per_s if static[best].tokens_per_s else None
@@ -275,12 +282,19 @@ def judge(c: int, cells: dict[str, Cell]) -> dict[str, Any]:
         and ratio >= 1.0
         and all(r is None or r >= 0.9 for r in class_ratios.values())
     )
+    control, by_class = cells.get(CONTROL), cells.get("by class")
     return {
         "concurrency": c,
         "cells": {name: cell.row() for name, cell in cells.items()},
         "best_static": best,
         "fastest_over_best": round(ratio, 3) if ratio else None,
         "class_over_best": class_ratios,
+        # Two identical routings, the split by class twice: how far apart noise sets them.
+        "control_over_by_class": (
+            round(control.tokens_per_s / by_class.tokens_per_s, 3)
+            if control and by_class and by_class.tokens_per_s
+            else None
+        ),
         "met": met,
     }
 
@@ -295,8 +309,9 @@ def format_row(row: dict[str, Any]) -> str:
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     names = list(rows[0]["cells"]) if rows else []
+    control = any(row["control_over_by_class"] is not None for row in rows)
     header = ["c", *names, "best static", "fastest/best", "greedy", "sampled", "goal"]
-    lines = [header]
+    lines = [header + ["A/A"] * control]
     for row in rows:
         lines.append(
             [
@@ -308,6 +323,7 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
                 str(row["class_over_best"]["sampled"]),
                 "met" if row["met"] else "NOT met",
             ]
+            + [str(row["control_over_by_class"])] * control
         )
     return aligned(lines, " | ")
 
@@ -353,6 +369,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--warmup-requests", type=int, default=48, help="fastest's warm-up at each concurrency"
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="run the split by class twice (an A/A control in the same rounds): the "
+        "resolution of fastest over the best static split",
     )
     add_worker_options(p, max_num_seqs=32)
     p.add_argument("--quick", action="store_true", help="c=2, a few short requests (CI)")

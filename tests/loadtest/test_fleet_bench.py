@@ -11,6 +11,7 @@ from pathlib import Path
 
 from loadtest.fleet_bench import (
     CLASSES,
+    CONTROL,
     STATIC,
     Cell,
     Served,
@@ -32,7 +33,7 @@ def test_the_stream_interleaves_greedy_and_sampled_requests() -> None:
 
 def test_quick_run(tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
-    argv = ["fleet", "--quick", "--rounds", "2", "--out", str(out)]
+    argv = ["fleet", "--quick", "--rounds", "2", "--control", "--out", str(out)]
     run = subprocess.run(
         [sys.executable, "-m", "loadtest.bench", *argv],
         cwd=REPO,
@@ -44,7 +45,7 @@ def test_quick_run(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     cells = row["cells"]
-    assert set(cells) == {*STATIC, "by class", "fastest"}
+    assert set(cells) == {*STATIC, "by class", "fastest", CONTROL}
     assert all(cell["errors"] == 0 and cell["requests"] >= 4 for cell in cells.values())
     assert cells["dflash"]["pool_shares"] == {"dflash": 1.0}  # pinned 100/0
     assert cells["plain"]["pool_shares"] == {"plain": 1.0}  # pinned 0/100
@@ -53,10 +54,12 @@ def test_quick_run(tmp_path: Path) -> None:
     assert cells["by class"]["pool_shares"] == {"dflash": 0.5, "plain": 0.5}
     by_class = {"greedy": {"dflash": 1.0}, "sampled": {"plain": 1.0}}
     assert cells["by class"]["class_pool_shares"] == by_class
+    assert cells[CONTROL]["class_pool_shares"] == by_class  # the A/A: the same split again
+    assert row["control_over_by_class"] > 0
     assert cells["dflash"]["class_pool_shares"] == {k: {"dflash": 1.0} for k in CLASSES}
     assert set(row["class_over_best"]) == set(CLASSES)
     assert row["best_static"] in {*STATIC, "by class"}
-    assert "fastest/best" in run.stdout
+    assert "fastest/best" in run.stdout and "A/A" in run.stdout
 
 
 def test_rounds_add_up_into_one_cell_per_routing() -> None:
@@ -82,3 +85,17 @@ def test_the_goal_is_judged_against_the_best_static_split() -> None:
     assert row["met"]
     slow_class = judge(4, {**cells, "fastest": cell(200, 10)})
     assert not slow_class["met"]  # sampled at 0.5x of the best split's
+    assert row["control_over_by_class"] is None  # no --control
+
+
+def test_the_control_is_no_candidate_for_the_best_static_split() -> None:
+    """The split by class run twice: the second run reads its resolution, and is never the
+    split fastest is judged against (the better of two noisy readings of one routing)."""
+
+    def cell(tokens: int) -> Cell:
+        return Cell(wall_s=1.0, served=[Served(tokens, 1.0, "greedy", "x")])
+
+    cells = {"by class": cell(100), CONTROL: cell(104), "fastest": cell(101)}
+    row = judge(1, cells)
+    assert row["best_static"] == "by class" and row["fastest_over_best"] == 1.01
+    assert row["control_over_by_class"] == 1.04 and row["met"]

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from service.routing.fastest import (
+    EXPLORATION_PRICE_POWER,
     MIN_SAMPLES,
     UNSEEN_SLOPE,
     PoolLoad,
@@ -151,14 +152,24 @@ def test_in_a_burst_onto_loads_never_seen_each_class_goes_home() -> None:
 
 def test_no_estimate_or_exploring_routes_by_weights() -> None:
     """Exploring (the first draw under the share) goes to the pool drawn by weight (the
-    second draw: 0.1 is dflash, 0.9 plain) where a worker of it is idle; else the rule."""
+    second draw: 0.1 is dflash, 0.9 plain) where a worker of it is idle; onto a pool it
+    expects to run x times slower on, at odds x ** EXPLORATION_PRICE_POWER (the third draw);
+    else the rule."""
     draws: list[float] = []
     speed_map = taught(SpeedMap(draw=lambda: draws.pop(0)), GREEDY, 1, dflash=200.0)
+    draws[:] = [0.01, 0.9]  # exploring, and plain has no estimate: exploring it
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "plain"
     draws[:] = [0.9, 0.9]  # not exploring, but plain has no estimate: by weights
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "plain"
     taught(speed_map, GREEDY, 1, plain=100.0)
-    draws[:] = [0.01, 0.9]  # exploring, plain idle
+    odds = 0.5**EXPLORATION_PRICE_POWER  # half as fast on plain: 0.25 at power 2
+    draws[:] = [0.01, 0.9, odds - 0.01]  # exploring, plain idle, within the odds
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "plain"
+    draws[:] = [0.01, 0.9, odds + 0.01]  # beyond them: the rule's pool
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
+    assert 0.2 < odds < 0.3
+    draws[:] = [0.01, 0.1]  # exploring the pool the rule picks: no third draw
+    assert speed_map.choose(GREEDY, busy(dflash=0, plain=0), EVEN) == "dflash"
     draws[:] = [0.01, 0.9]  # exploring, plain busy: it would slow the request there
     assert speed_map.choose(GREEDY, busy(dflash=0, plain=1), EVEN) == "dflash"
     draws[:] = [0.9]
