@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import sys
@@ -62,6 +63,7 @@ from loadtest.harness import (
     pinned,
     positive_int,
     round_order,
+    share_of_one,
 )
 from loadtest.speedup_bench import worker_argv
 
@@ -85,18 +87,29 @@ def stream_prompts() -> list[str]:
     return prompts
 
 
-def request_body(i: int, prompts: Sequence[str], max_tokens: int) -> dict[str, Any]:
-    """Request i of the stream: greedy and temperature 1.0 interleaved."""
-    return {
-        "model": MODEL_NAME,
-        "messages": [{"role": "user", "content": prompts[i % len(prompts)]}],
-        "max_tokens": max_tokens,
-        "temperature": 0.0 if i % 2 == 0 else 1.0,
-    }
+@dataclass(frozen=True)
+class Stream:
+    """The mixed stream: `greedy_share` of the requests greedy, the others at temperature 1.0,
+    interleaved as evenly as they go; `max_tokens` new tokens each."""
 
+    prompts: Sequence[str]
+    max_tokens: int = 64
+    greedy_share: float = 0.5
 
-def klass(i: int) -> str:
-    return CLASSES[i % 2]
+    def greedy(self, i: int) -> bool:
+        share = self.greedy_share
+        return math.ceil((i + 1) * share) > math.ceil(i * share)  # request 0 greedy
+
+    def klass(self, i: int) -> str:
+        return CLASSES[0] if self.greedy(i) else CLASSES[1]
+
+    def body(self, i: int) -> dict[str, Any]:
+        return {
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": self.prompts[i % len(self.prompts)]}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0.0 if self.greedy(i) else 1.0,
+        }
 
 
 @dataclass
@@ -153,30 +166,30 @@ class Cell:
 FAILED = "failed"  # the `pool` of a request that got no answer
 
 
-async def one(client: httpx.AsyncClient, url: str, body: dict[str, Any], i: int) -> Served:
+async def one(client: httpx.AsyncClient, url: str, stream: Stream, i: int) -> Served:
     started = time.perf_counter()
+    klass = stream.klass(i)
     try:
-        reply = await client.post(url + "/v1/chat/completions", json=body)
+        reply = await client.post(url + "/v1/chat/completions", json=stream.body(i))
     except httpx.HTTPError:
-        return Served(0, 0.0, klass(i), FAILED)
+        return Served(0, 0.0, klass, FAILED)
     if reply.status_code != 200:
-        return Served(0, 0.0, klass(i), FAILED)
+        return Served(0, 0.0, klass, FAILED)
     tokens = int(reply.json()["usage"]["completion_tokens"])
     pool = reply.headers.get("x-dflash-pool", "direct")
-    return Served(tokens, time.perf_counter() - started, klass(i), pool)
+    return Served(tokens, time.perf_counter() - started, klass, pool)
 
 
-async def run_cell(
-    urls: Sequence[str], n: int, c: int, prompts: Sequence[str], max_tokens: int, offset: int
-) -> Cell:
-    """n requests of the stream at concurrency c; request i goes to urls[i % len(urls)] when
-    several (the client's split by class: greedy to the first, sampled to the second)."""
+async def run_cell(urls: Sequence[str], n: int, c: int, stream: Stream, offset: int) -> Cell:
+    """n requests of the stream at concurrency c, to urls[0]; with two, the client's split by
+    class: greedy requests to the first, sampled ones to the second."""
     limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits, trust_env=False) as client:
 
         async def send(i: int) -> Served:
             j = i + offset
-            return await one(client, urls[j % len(urls)], request_body(j, prompts, max_tokens), j)
+            url = urls[0] if len(urls) == 1 or stream.greedy(j) else urls[1]
+            return await one(client, url, stream, j)
 
         results, wall = await closed_loop(n, c, send)
     cell = Cell(wall_s=wall)
@@ -234,13 +247,13 @@ def gateways(workers: Sequence[RunningWorker], workdir: Path) -> Iterator[dict[s
 
 
 async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    prompts = stream_prompts()
-    # (name, the URLs request i goes to in turn, the weights gateway's pin or None)
+    stream = Stream(stream_prompts(), args.max_tokens, args.greedy_share)
+    # (name, the URL, or the greedy and the sampled requests' URLs, the weights gateway's pin)
     routings: list[tuple[str, list[str], float | None]] = [
         (name, [urls["weights"]], share) for name, share in STATIC.items()
     ]
     routings += [
-        ("by class", [urls["dflash"], urls["plain"]], None),  # greedy (even i) to DFlash
+        ("by class", [urls["dflash"], urls["plain"]], None),  # greedy to DFlash
         ("fastest", [urls["fastest"]], None),
     ]
     if args.control:
@@ -253,14 +266,14 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
         # Not measured: the estimates at this load form (each pool, class and load level
         # needs a few samples before it is used: service/routing/fastest.py MIN_SAMPLES).
         warm_n = max(n // 2, args.warmup_requests)
-        await run_cell([urls["fastest"]], warm_n, c, prompts, args.max_tokens, offset + n)
+        await run_cell([urls["fastest"]], warm_n, c, stream, offset + n)
         cells: dict[str, Cell] = {}
         for r in range(args.rounds):  # every routing once a round, on the same requests
             at = offset + r * chunk
             for name, targets, share in round_order(routings, r):
                 if share is not None:
                     pin(urls["weights"], share)
-                cell = await run_cell(targets, chunk, c, prompts, args.max_tokens, at)
+                cell = await run_cell(targets, chunk, c, stream, at)
                 cells.setdefault(name, Cell()).add(cell)
         offset += n + warm_n
         rows.append(judge(c, cells))
@@ -360,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--min-requests", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--greedy-share",
+        type=share_of_one,
+        default=0.5,
+        help="the stream's share of greedy requests (the others at temperature 1.0)",
+    )
     p.add_argument(
         "--rounds",
         type=positive_int,

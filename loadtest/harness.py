@@ -78,6 +78,18 @@ def positive_int(text: str) -> int:
     return value
 
 
+def share_of_one(text: str) -> float:
+    """argparse type: a share strictly between 0 and 1 (a mixed stream's share of a class:
+    both classes present)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"expected a share between 0 and 1: {text!r}")
+    return value
+
+
 def round_order(items: Sequence[T], r: int) -> list[T]:
     """Round r's order of the things compared side by side: in turn, then in reverse (A B C,
     C B A, ...), so that a drift over a round (a worker warming, a neighbour starting) falls

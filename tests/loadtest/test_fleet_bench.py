@@ -15,8 +15,8 @@ from loadtest.fleet_bench import (
     STATIC,
     Cell,
     Served,
+    Stream,
     judge,
-    request_body,
     stream_prompts,
 )
 
@@ -26,9 +26,13 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_stream_interleaves_greedy_and_sampled_requests() -> None:
     prompts = stream_prompts()
     assert len(prompts) >= 8
-    bodies = [request_body(i, prompts, 16) for i in range(4)]
+    bodies = [Stream(prompts, 16).body(i) for i in range(4)]
     assert [b["temperature"] for b in bodies] == [0.0, 1.0, 0.0, 1.0]
     assert len({b["messages"][0]["content"] for b in bodies}) == 4
+    assert {b["max_tokens"] for b in bodies} == {16}
+    quarter = Stream(prompts, greedy_share=0.25)  # --greedy-share 0.25: one in four, evenly
+    assert [quarter.klass(i) for i in range(8)] == (["greedy"] + ["sampled"] * 3) * 2
+    assert [quarter.body(i)["temperature"] for i in range(4)] == [0.0, 1.0, 1.0, 1.0]
 
 
 def test_quick_run(tmp_path: Path) -> None:

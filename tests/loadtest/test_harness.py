@@ -19,6 +19,7 @@ from loadtest.harness import (
     pinned,
     positive_int,
     round_order,
+    share_of_one,
     timed_loop,
 )
 
@@ -71,6 +72,13 @@ def test_positive_int_takes_one_positive_integer() -> None:
     for bad in ("", "0", "a", "-2", "1,2"):
         with pytest.raises(argparse.ArgumentTypeError):
             positive_int(bad)
+
+
+def test_share_of_one_lies_strictly_between_0_and_1() -> None:
+    assert share_of_one("0.25") == 0.25
+    for bad in ("", "0", "1", "1.5", "-0.1", "nan", "a"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            share_of_one(bad)
 
 
 def test_rounds_run_in_turn_then_in_reverse() -> None:
