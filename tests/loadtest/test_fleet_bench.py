@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from loadtest.fleet_bench import (
     CLASSES,
     CONTROL,
@@ -16,6 +18,7 @@ from loadtest.fleet_bench import (
     Cell,
     Served,
     Stream,
+    build_parser,
     judge,
     stream_prompts,
 )
@@ -103,3 +106,12 @@ def test_the_control_is_no_candidate_for_the_best_static_split() -> None:
     row = judge(1, cells)
     assert row["best_static"] == "by class" and row["fastest_over_best"] == 1.01
     assert row["control_over_by_class"] == 1.04 and row["met"]
+
+
+def test_the_mix_and_the_control_are_options() -> None:
+    args = build_parser().parse_args(["--greedy-share", "0.25", "--control"])
+    assert args.greedy_share == 0.25 and args.control
+    default = build_parser().parse_args([])
+    assert default.greedy_share == 0.5 and not default.control
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--greedy-share", "1"])  # the split by class needs both
