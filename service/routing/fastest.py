@@ -256,7 +256,8 @@ class SpeedMap:
         self, klass: str, loads: Mapping[str, PoolLoad], weights: Mapping[str, float]
     ) -> str:
         """The pool for a request of `klass`: by weights while some pool has no estimate for
-        it, or exploring onto an idle worker; else by the score (the module's docstring)."""
+        it, or exploring onto an idle worker (onto a slower one at its price); else by the
+        score (the module's docstring)."""
         explore: str | None = None
         if self.draw() < self.exploration:
             drawn = drawn_by_weight(weights, self.draw)
