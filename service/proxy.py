@@ -270,7 +270,7 @@ class Proxy:
             if attempt:
                 self.metrics.child(self.metrics.retries, call.label).inc()
             tried.add(worker.url)
-            outcome.load_mark = worker.admit()
+            outcome.load_mark = worker.admit(call.klass)
             outcome.pool = worker.pool
             in_flight = self.metrics.child(self.metrics.in_flight, call.label, worker.pool)
             in_flight.inc()
@@ -290,7 +290,7 @@ class Proxy:
                 await send_error(send, draining(self.settings), call, outcome)
                 return
             finally:
-                worker.release()
+                worker.release(call.klass)
                 in_flight.dec()
                 outcome.end_attempt()
         await send_error(send, final_error(last, self.settings), call, outcome)

@@ -60,19 +60,26 @@ class Worker:
     # load a request ran at is this area's growth over its lifetime (`ran_at`).
     load_area: float = 0.0
     load_at: float = 0.0
+    # Requests in flight here by class (promotion's request_class): ROUTING=fastest reads
+    # whether a pool already holds a request its class is not at home on.
+    in_flight_by_class: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pool_header = (b"x-dflash-pool", self.pool.encode())
 
-    def admit(self) -> LoadMark:
-        """One more request in flight here; its mark, for `ran_at` when it ends."""
+    def admit(self, klass: str = "") -> LoadMark:
+        """One more request (of `klass`) in flight here; its mark, for `ran_at` when it ends."""
         now = self._accrue()
         self.outstanding += 1
+        self.in_flight_by_class[klass] = self.in_flight_by_class.get(klass, 0) + 1
         return LoadMark(self.load_area, now)
 
-    def release(self) -> None:
+    def release(self, klass: str = "") -> None:
         self._accrue()
         self.outstanding -= 1
+        left = self.in_flight_by_class.pop(klass, 0) - 1
+        if left > 0:
+            self.in_flight_by_class[klass] = left
 
     def ran_at(self, mark: LoadMark) -> float:
         """The mean number of requests in flight here since `mark` (its own included), over

@@ -96,6 +96,40 @@ def test_a_class_leans_to_the_pool_of_its_comparative_advantage() -> None:
     assert alike.advantage(SAMPLED, pools) == pytest.approx({"dflash": 0.0, "plain": 0.0})
 
 
+def test_a_pool_already_mixed_on_every_worker_costs_its_home_class_nothing_more() -> None:
+    """The sampled class keeps off a DFlash pool whose batch drafts for greedy requests
+    (1.28x, the test above). Where every DFlash worker already holds a sampled request, its
+    greedy rows run plain already: the next sampled request goes where it is fastest for
+    itself, and so may a greedy one once the plain pool holds a greedy request."""
+    speed_map = SpeedMap(exploration=0.0)
+    taught(speed_map, GREEDY, 1, dflash=400.0, plain=160.0)
+    taught(speed_map, SAMPLED, 1, dflash=150.0, plain=160.0)
+    taught(speed_map, SAMPLED, 2, dflash=140.0, plain=130.0)  # 1.08x faster on DFlash
+    holding = {"dflash": frozenset({GREEDY}), "plain": frozenset({SAMPLED})}
+    pure = {pool: PoolLoad(1, 1, (held,)) for pool, held in holding.items()}
+    assert speed_map.choose(SAMPLED, pure, EVEN) == "plain"
+    mixed = {**pure, "dflash": PoolLoad(1, 1, (frozenset({GREEDY, SAMPLED}),))}
+    assert speed_map.choose(SAMPLED, mixed, EVEN) == "dflash"
+    only_sampled = {**pure, "dflash": PoolLoad(1, 1, (frozenset({SAMPLED}),))}
+    assert speed_map.choose(SAMPLED, only_sampled, EVEN) == "dflash"
+    # Two DFlash workers, one of them still drafting for greedy requests only: kept off.
+    half = {**pure, "dflash": PoolLoad(2, 2, (frozenset({SAMPLED}), frozenset({GREEDY})))}
+    assert speed_map.choose(SAMPLED, half, EVEN) == "plain"
+    # A class with no advantage anywhere (no evidence alone) is away from no pool.
+    unknown = {**pure, "dflash": PoolLoad(1, 1, (frozenset({"greedy/long"}),))}
+    assert speed_map.choose(SAMPLED, unknown, EVEN) == "plain"
+    # The greedy class: DFlash 2 in flight at 140 tokens/s, plain alone at 160 (1.14x).
+    taught(speed_map, GREEDY, 3, dflash=140.0)
+    two = {
+        "dflash": PoolLoad(1, 2, (frozenset({GREEDY}),)),
+        "plain": PoolLoad(1, 0, (frozenset(),)),
+    }
+    assert speed_map.choose(GREEDY, two, EVEN) == "dflash"
+    taught(speed_map, GREEDY, 2, plain=150.0)  # plain holding a greedy request: 1.07x
+    mixed_plain = {**two, "plain": PoolLoad(1, 1, (frozenset({GREEDY}),))}
+    assert speed_map.choose(GREEDY, mixed_plain, EVEN) == "plain"
+
+
 def test_beyond_its_evidence_a_class_declines_as_the_pools_other_classes_do(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -197,11 +231,16 @@ def test_the_alone_speed_is_read_from_requests_alone_throughout_else_ended_alone
 def test_load_levels_double() -> None:
     assert [load_level(x) for x in (1, 2, 3, 4, 5, 64, 65, 1000)] == [0, 1, 2, 2, 3, 6, 7, 7]
     a, b, c = (Worker(f"http://{n}:1", pool=p) for n, p in (("a", "x"), ("b", "x"), ("c", "y")))
-    a.outstanding, b.outstanding, c.outstanding = 3, 1, 0
+    for _ in range(3):
+        a.admit(GREEDY)
+    b.admit(SAMPLED)
     loads = pool_loads([a, b, c])
-    assert loads == {"x": PoolLoad(2, 4), "y": PoolLoad(1, 0)}
+    held = (frozenset({GREEDY}), frozenset({SAMPLED}))
+    assert loads == {"x": PoolLoad(2, 4, held), "y": PoolLoad(1, 0, (frozenset(),))}
     assert loads["x"].per_worker(1) == 2.5 and not loads["x"].idle and loads["y"].idle
-    a.outstanding = 0  # a's worker idle: least outstanding sends the next request there
+    for _ in range(3):  # a's worker idle: least outstanding sends the next request there
+        a.release(GREEDY)
+    assert pool_loads([a, b])["x"] == PoolLoad(2, 1, (frozenset(), frozenset({SAMPLED})))
     assert pool_loads([a, b])["x"].idle
 
 

@@ -125,7 +125,14 @@ def closed_loop(c: int, route: Route, learn: Learn, greedy_share: float = 0.5) -
 
     def issue() -> None:
         nonlocal issued
-        loads = {pool: PoolLoad(1, sum(f.pool == pool for f in flights)) for pool in POOLS}
+        loads = {
+            pool: PoolLoad(
+                1,
+                sum(f.pool == pool for f in flights),
+                (frozenset(f.klass for f in flights if f.pool == pool),),
+            )
+            for pool in POOLS
+        }
         klass = GREEDY if greedy_at(issued, greedy_share) else SAMPLED
         issued += 1
         flights.append(Flight(route(klass, loads), klass, now))
@@ -207,13 +214,14 @@ class OverClassesOnly(SpeedMap):
     of e4b7926, but for how loads beyond the evidence are read (today's). The sampled class
     leans nowhere; it goes wherever it is fastest for itself."""
 
-    def advantage(self, klass: str, pools: Collection[str]) -> dict[str, float]:
-        return self.class_edge(klass, pools)
+    def advantages(self, pools: Collection[str]) -> dict[str, dict[str, float]]:
+        return self.class_edges(pools)
 
 
 def fastest(rule: str, greedy_share: float, seed: int = 11) -> dict[int, Run]:
     """One speed map learning through every c in turn, under `rule`: "fastest" (the rule),
-    "over classes" (its advantage centred over the classes only) or "before"."""
+    "apart" (its lean held whatever the pools hold: the rule until 2026-11-29), "over
+    classes" (its advantage centred over the classes only) or "before"."""
     draw = random.Random(seed).random
     kind = OverClassesOnly if rule == "over classes" else SpeedMap
     speed_map = kind(draw=draw, home_bias=0.5 if rule == "over classes" else 1.0)
@@ -221,12 +229,14 @@ def fastest(rule: str, greedy_share: float, seed: int = 11) -> dict[int, Run]:
     def route(klass: str, loads: Mapping[str, PoolLoad]) -> str:
         if rule == "before":
             return own_speed(speed_map, klass, loads)
+        if rule == "apart":  # no pool seen to hold any class: none is ever already mixed
+            loads = {pool: PoolLoad(load.workers, load.in_flight) for pool, load in loads.items()}
         return speed_map.choose(klass, loads, WEIGHTS)
 
     return {c: closed_loop(c, route, speed_map.observe, greedy_share) for c in CONCURRENCY}
 
 
-RULES = ("before", "over classes", "fastest")
+RULES = ("before", "over classes", "apart", "fastest")
 
 
 def table(greedy_share: float) -> dict[str, dict[int, Run]]:
