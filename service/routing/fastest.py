@@ -138,6 +138,11 @@ UNSEEN_SLOPE = 1.0
 # probability x to this power: where the pools are alike, and the choice is in doubt, it explores
 # at the full share; where one is far faster, rarely (the module's docstring).
 EXPLORATION_PRICE_POWER = 2.0
+# The share of recent requests that must have found a pool already mixed before the lean is
+# waived there: a pool the lean keeps unmixed most of the time is not given up on for one
+# sampled request that got in (live, waived at once, sampled requests followed it into the
+# DFlash pool at c = 4 and the greedy class ran 0.78x).
+MOSTLY_MIXED = 0.75
 
 
 def load_level(in_flight_per_worker: float) -> int:
@@ -185,6 +190,9 @@ class SpeedMap:
     # before; the alone speed of a gateway that has seen few requests alone throughout.
     ended_alone: dict[tuple[str, str], Estimate] = field(default_factory=dict)
     classes: set[str] = field(default_factory=set)
+    # Per pool, the share of recent requests routed by the rule that found it already mixed
+    # (a moving average, SMOOTHING a request): how often the lean failed to keep it unmixed.
+    mixed_share: dict[str, float] = field(default_factory=dict)
 
     def observe(
         self, pool: str, klass: str, load: float, speed: float, ended_alone: bool = False
@@ -260,10 +268,6 @@ class SpeedMap:
             for j, speeds in known.items()
         }
 
-    def class_edge(self, klass: str, pools: Collection[str]) -> dict[str, float]:
-        """`klass`'s edge per pool (class_edges); zeros without one."""
-        return self.class_edges(pools).get(klass) or dict.fromkeys(pools, 0.0)
-
     def advantages(self, pools: Collection[str]) -> dict[str, dict[str, float]]:
         """Per class and pool, its comparative advantage there (log, the module's docstring):
         its class edge less that edge's mean over the pools; none for a class without one."""
@@ -276,6 +280,19 @@ class SpeedMap:
     def advantage(self, klass: str, pools: Collection[str]) -> dict[str, float]:
         """`klass`'s comparative advantage per pool (advantages); zeros without one."""
         return self.advantages(pools).get(klass) or dict.fromkeys(pools, 0.0)
+
+    def mostly_mixed(
+        self, loads: Mapping[str, PoolLoad], advantages: Mapping[str, Mapping[str, float]]
+    ) -> dict[str, bool]:
+        """Per pool: already mixed now (already_mixed), and at MOSTLY_MIXED of the recent
+        requests that looked (each look is counted)."""
+        out = {}
+        for pool, load in loads.items():
+            now = already_mixed(pool, load, advantages)
+            share = self.mixed_share.get(pool, 0.0)
+            share = self.mixed_share[pool] = share + SMOOTHING * (float(now) - share)
+            out[pool] = now and share >= MOSTLY_MIXED
+        return out
 
     def choose(
         self, klass: str, loads: Mapping[str, PoolLoad], weights: Mapping[str, float]
@@ -297,11 +314,13 @@ class SpeedMap:
         every = self.advantages(list(loads))
         edge = every.get(klass) or dict.fromkeys(loads, 0.0)
         home = max(edge.values())
-        # The lean spares the other pools' home classes a request away from its home; where
-        # each of those pools already holds one on every worker, another costs them nothing.
+        # The lean spares the other pools' home classes a request away from its home. Where
+        # each of those pools already holds one on every worker, and has at MOSTLY_MIXED of
+        # recent requests (the lean cannot keep it unmixed anyway), another costs them
+        # nothing: no lean.
         away = [pool for pool in loads if edge[pool] < home]
-        mixed = bool(away) and all(already_mixed(pool, loads[pool], every) for pool in away)
-        lean = 0.0 if mixed else self.home_bias
+        mixed = self.mostly_mixed(loads, every)
+        lean = 0.0 if away and all(mixed[pool] for pool in away) else self.home_bias
         # Where no class has been seen at such a load, away from home: a pool's tokens/s
         # held (UNSEEN_SLOPE); at home, as fast as at the highest load seen. In doubt, home.
         own = {
@@ -321,9 +340,10 @@ class SpeedMap:
                 return explore
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "%s to %s: %s",
+                "%s to %s%s: %s",
                 klass,
                 chosen,
+                " (no lean: every pool away from home mixed)" if lean == 0 < self.home_bias else "",
                 ", ".join(
                     f"{pool} at {loads[pool].per_worker(1):g} in flight: "
                     f"{math.exp(own[pool] or 0.0):.0f} tokens/s, advantage {edge[pool]:+.3f}"

@@ -13,6 +13,8 @@ import pytest
 from service.routing.fastest import (
     EXPLORATION_PRICE_POWER,
     MIN_SAMPLES,
+    MOSTLY_MIXED,
+    SMOOTHING,
     UNSEEN_SLOPE,
     PoolLoad,
     SpeedMap,
@@ -65,7 +67,7 @@ def test_a_class_leans_to_the_pool_of_its_comparative_advantage() -> None:
     taught(speed_map, GREEDY, 1, dflash=400.0, plain=160.0)
     taught(speed_map, SAMPLED, 1, dflash=150.0, plain=160.0)
     pools = ["dflash", "plain"]
-    assert speed_map.class_edge(GREEDY, pools) == pytest.approx(
+    assert speed_map.class_edges(pools)[GREEDY] == pytest.approx(
         {"dflash": math.log(400 / 150) / 2, "plain": 0.0}
     )
     quarter = math.log(400 / 150) / 4
@@ -98,9 +100,10 @@ def test_a_class_leans_to_the_pool_of_its_comparative_advantage() -> None:
 
 def test_a_pool_already_mixed_on_every_worker_costs_its_home_class_nothing_more() -> None:
     """The sampled class keeps off a DFlash pool whose batch drafts for greedy requests
-    (1.28x, the test above). Where every DFlash worker already holds a sampled request, its
-    greedy rows run plain already: the next sampled request goes where it is fastest for
-    itself, and so may a greedy one once the plain pool holds a greedy request."""
+    (1.28x, the test above). Where every DFlash worker already holds a sampled request, and
+    did for most recent requests, its greedy rows run plain already: the next sampled
+    request goes where it is fastest for itself, and so may a greedy one where the plain
+    pool holds a greedy request."""
     speed_map = SpeedMap(exploration=0.0)
     taught(speed_map, GREEDY, 1, dflash=400.0, plain=160.0)
     taught(speed_map, SAMPLED, 1, dflash=150.0, plain=160.0)
@@ -109,7 +112,13 @@ def test_a_pool_already_mixed_on_every_worker_costs_its_home_class_nothing_more(
     pure = {pool: PoolLoad(1, 1, (held,)) for pool, held in holding.items()}
     assert speed_map.choose(SAMPLED, pure, EVEN) == "plain"
     mixed = {**pure, "dflash": PoolLoad(1, 1, (frozenset({GREEDY, SAMPLED}),))}
+    # Not for the first sampled request that got in: only once the pool has been found
+    # mixed by MOSTLY_MIXED of the recent requests (a moving average, SMOOTHING a request).
+    looks = math.ceil(math.log(1 - MOSTLY_MIXED) / math.log(1 - SMOOTHING))
+    for _ in range(looks - 1):
+        assert speed_map.choose(SAMPLED, mixed, EVEN) == "plain"
     assert speed_map.choose(SAMPLED, mixed, EVEN) == "dflash"
+    assert speed_map.mixed_share["dflash"] >= MOSTLY_MIXED > speed_map.mixed_share["plain"]
     only_sampled = {**pure, "dflash": PoolLoad(1, 1, (frozenset({SAMPLED}),))}
     assert speed_map.choose(SAMPLED, only_sampled, EVEN) == "dflash"
     # Two DFlash workers, one of them still drafting for greedy requests only: kept off.
@@ -127,6 +136,7 @@ def test_a_pool_already_mixed_on_every_worker_costs_its_home_class_nothing_more(
     assert speed_map.choose(GREEDY, two, EVEN) == "dflash"
     taught(speed_map, GREEDY, 2, plain=150.0)  # plain holding a greedy request: 1.07x
     mixed_plain = {**two, "plain": PoolLoad(1, 1, (frozenset({GREEDY}),))}
+    speed_map.mixed_share["plain"] = 1.0
     assert speed_map.choose(GREEDY, mixed_plain, EVEN) == "plain"
 
 
