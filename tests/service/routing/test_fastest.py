@@ -113,12 +113,16 @@ def test_a_pool_already_mixed_on_every_worker_costs_its_home_class_nothing_more(
     assert speed_map.choose(SAMPLED, pure, EVEN) == "plain"
     mixed = {**pure, "dflash": PoolLoad(1, 1, (frozenset({GREEDY, SAMPLED}),))}
     # Not for the first sampled request that got in: only once the pool has been found
-    # mixed by MOSTLY_MIXED of the recent requests (a moving average, SMOOTHING a request).
+    # mixed by MOSTLY_MIXED of the recent requests that found it busy (a moving average).
     looks = math.ceil(math.log(1 - MOSTLY_MIXED) / math.log(1 - SMOOTHING))
     for _ in range(looks - 1):
         assert speed_map.choose(SAMPLED, mixed, EVEN) == "plain"
     assert speed_map.choose(SAMPLED, mixed, EVEN) == "dflash"
     assert speed_map.mixed_share["dflash"] >= MOSTLY_MIXED > speed_map.mixed_share["plain"]
+    share = speed_map.mixed_share["dflash"]
+    idle = {**pure, "dflash": PoolLoad(1, 0, (frozenset(),))}
+    speed_map.choose(SAMPLED, idle, EVEN)  # a burst onto an idle worker: not counted
+    assert speed_map.mixed_share["dflash"] == share
     only_sampled = {**pure, "dflash": PoolLoad(1, 1, (frozenset({SAMPLED}),))}
     assert speed_map.choose(SAMPLED, only_sampled, EVEN) == "dflash"
     # Two DFlash workers, one of them still drafting for greedy requests only: kept off.
