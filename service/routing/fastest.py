@@ -144,8 +144,8 @@ EXPLORATION_PRICE_POWER = 2.0
 # The share of recent requests that must have found a busy pool already mixed before the
 # lean is waived there: a pool the lean keeps unmixed most of the time is not given up on for
 # one sampled request that got in (live, waived at once, sampled requests followed it into
-# the DFlash pool at c = 4 and the greedy class ran 0.78x). In the model, with the lean held,
-# the DFlash pool is mixed at 4 % of such requests at c = 4 and at all of them at c = 16.
+# the DFlash pool at c = 4 and the greedy class ran 0.78x). In the model (a quarter greedy,
+# the lean held), the DFlash pool was mixed for 4 % of the requests at c = 4, all at c = 16.
 MOSTLY_MIXED = 0.5
 
 
@@ -194,8 +194,9 @@ class SpeedMap:
     # before; the alone speed of a gateway that has seen few requests alone throughout.
     ended_alone: dict[tuple[str, str], Estimate] = field(default_factory=dict)
     classes: set[str] = field(default_factory=set)
-    # Per pool, the share of recent requests routed by the rule that found it already mixed
-    # (a moving average, SMOOTHING a request): how often the lean failed to keep it unmixed.
+    # Per pool, the share of the recent requests routed by the rule that found every worker of
+    # it busy and it already mixed (a moving average, SMOOTHING a request): how often the lean
+    # failed to keep it unmixed.
     mixed_share: dict[str, float] = field(default_factory=dict)
 
     def observe(
@@ -321,9 +322,9 @@ class SpeedMap:
         edge = every.get(klass) or dict.fromkeys(loads, 0.0)
         home = max(edge.values())
         # The lean spares the other pools' home classes a request away from its home. Where
-        # each of those pools already holds one on every worker, and has at MOSTLY_MIXED of
-        # recent requests (the lean cannot keep it unmixed anyway), another costs them
-        # nothing: no lean.
+        # each of those pools already holds one on every worker, and did for MOSTLY_MIXED of
+        # the recent requests that found it busy (the lean cannot keep it unmixed anyway),
+        # another costs them nothing: no lean.
         away = [pool for pool in loads if edge[pool] < home]
         mixed = self.mostly_mixed(loads, every)
         lean = 0.0 if away and all(mixed[pool] for pool in away) else self.home_bias
