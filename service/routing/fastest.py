@@ -327,7 +327,8 @@ class SpeedMap:
         # another costs them nothing: no lean.
         away = [pool for pool in loads if edge[pool] < home]
         mixed = self.mostly_mixed(loads, every)
-        lean = 0.0 if away and all(mixed[pool] for pool in away) else self.home_bias
+        waived = bool(away) and all(mixed[pool] for pool in away)
+        lean = 0.0 if waived else self.home_bias
         # Where no class has been seen at such a load, away from home: a pool's tokens/s
         # held (UNSEEN_SLOPE); at home, as fast as at the highest load seen. In doubt, home.
         own = {
@@ -350,7 +351,7 @@ class SpeedMap:
                 "%s to %s%s: %s",
                 klass,
                 chosen,
-                " (no lean: every pool away from home mixed)" if lean == 0 < self.home_bias else "",
+                " (no lean: every pool away from home mixed)" if waived else "",
                 ", ".join(
                     f"{pool} at {loads[pool].per_worker(1):g} in flight: "
                     f"{math.exp(own[pool] or 0.0):.0f} tokens/s, advantage {edge[pool]:+.3f}"
