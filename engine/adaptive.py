@@ -414,8 +414,8 @@ def _toward(average: float, ratio: float, weight: float) -> float:
 
 @dataclass
 class CostFeedback:
-    """Observed over modelled step seconds at one grid batch size: EWMAs of the log ratio,
-    over every k and per grid k."""
+    """Observed over modelled step seconds at one grid batch size: moving averages of the
+    log ratio (robust ones: `observe`), over every k and per grid k."""
 
     overall: float | None = None
     per_k: dict[int, float] = field(default_factory=dict)
@@ -427,7 +427,8 @@ class CostFeedback:
         not price its k out of later plans, since a k priced out is not run again to
         correct it. Started from its first ratio, a k's factor was whatever its first step
         met: in a replay of the planner on recorded acceptance, with the first step of
-        each k at 3x, adaptive ran plain for good (0.68x the best fixed k at the median)."""
+        each k at 3x, adaptive read 0.68x the best fixed k at the median, and in the worst
+        cases never drafted again (loadtest/RESULTS.md)."""
         self._per_k = None
         self.overall = _toward(self.overall or 0.0, ratio, weight)
         self.per_k[grid_k] = _toward(self.per_k.get(grid_k, 0.0), ratio, weight)
