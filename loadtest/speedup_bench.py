@@ -468,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
         "ratio over plain and over DFlash: issue 45's worst-cell goal)",
     )
     p.add_argument(
+        "--reverse-starts",
+        action="store_true",
+        help="--matrix: start the workers in the reverse order (the later started read a few "
+        "percent faster here: compare both orders)",
+    )
+    p.add_argument(
         "--starts",
         type=int,
         default=1,
@@ -507,8 +513,12 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (MATRIX_MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
-    if (args.fixed or args.tree or args.control or args.shapes or args.dflash2) and not args.matrix:
-        parser.error("--fixed, --tree, --control, --dflash2 and --shapes are --matrix options")
+    matrix_only = (args.fixed, args.tree, args.control, args.shapes, args.dflash2)
+    if (any(matrix_only) or args.reverse_starts) and not args.matrix:
+        parser.error(
+            "--fixed, --tree, --control, --dflash2, --shapes and --reverse-starts are --matrix "
+            "options"
+        )
     if args.tree is not None and not (args.tree / "engine" / "worker" / "cli.py").is_file():
         parser.error(f"--tree {args.tree}: not a dflash-serving checkout")
     for name in ("rounds", "num_requests", "requests_per_slot", "starts"):

@@ -192,6 +192,8 @@ def test_matrix_options() -> None:
     assert sm.modes(sb.parse_args(["--matrix", "--fixed", "7,15", "--tree", str(bb.REPO)])) == [
         "dflash", "plain", "fixed-7", "fixed-15", "tree"
     ]  # fmt: skip
+    reverse = sb.parse_args(["--matrix", "--control", "--fixed", "7", "--reverse-starts"])
+    assert sm.modes(reverse) == ["fixed-7", "control", "plain", "dflash"]
     with_control = sb.parse_args(["--matrix", "--control", "--fixed", "7"])
     assert sm.modes(with_control) == ["dflash", "plain", "control", "fixed-7"]
     control = sb.worker_argv(bb.WorkerSpec("embedded", "control"), 0, with_control)
@@ -202,7 +204,13 @@ def test_matrix_options() -> None:
     config = json.loads(second[second.index("--speculative-config") + 1])
     assert config == {"method": "dflash2", "model": str(BUNDLED_DFLASH2)}
     assert "--speculation" not in second  # the worker's default (adaptive), as DFlash's
-    bad_ones = (["--fixed", "7"], ["--control"], ["--dflash2"], ["--matrix", "--tree", "/none"])
+    bad_ones = (
+        ["--fixed", "7"],
+        ["--control"],
+        ["--dflash2"],
+        ["--reverse-starts"],
+        ["--matrix", "--tree", "/none"],
+    )
     for bad in bad_ones:
         with pytest.raises(SystemExit):
             sb.parse_args(bad)
