@@ -513,8 +513,15 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (MATRIX_MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
-    matrix_only = (args.fixed, args.tree, args.control, args.shapes, args.dflash2)
-    if (any(matrix_only) or args.reverse_starts) and not args.matrix:
+    matrix_only = (
+        args.fixed,
+        args.tree,
+        args.control,
+        args.shapes,
+        args.dflash2,
+        args.reverse_starts,
+    )
+    if any(matrix_only) and not args.matrix:
         parser.error(
             "--fixed, --tree, --control, --dflash2, --shapes and --reverse-starts are --matrix "
             "options"

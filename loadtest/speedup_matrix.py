@@ -169,8 +169,8 @@ def modes(args: argparse.Namespace) -> list[str]:
     second plain worker and with --dflash2 the bundled DFlash2 drafter's worker; at c=1 also
     DFlash verifying K drafts every step for each --fixed K, and a --tree checkout's DFlash.
     In the order they start (one at a time), reversed by --reverse-starts: a worker started
-    later can read faster than its identical twin started earlier (4-11 % for two DFlash
-    workers here), so a comparison at that resolution is run both ways (loadtest/README.md)."""
+    later can read faster than its identical twin started earlier, so a fine comparison is
+    read from both orders (loadtest/README.md has the numbers)."""
     extra = [f"fixed-{k}" for k in args.fixed] + (["tree"] if args.tree is not None else [])
     base = ["dflash", "plain", *(["control"] if args.control else [])]
     order = [*base, *(["dflash2"] if args.dflash2 else []), *extra]
