@@ -400,21 +400,38 @@ EXPLORE_CATCH_UP = 0.25
 EXPLORE_BACKOFF = 8
 
 
+# The most one step's log(observed / modelled) seconds moves a feedback average by, times
+# its weight: a step more than twice as slow (or fast) as the average counts as twice.
+MAX_STEP_RATIO = math.log(2.0)
+
+
+def _toward(average: float, ratio: float, weight: float) -> float:
+    """A moving average's next value: `weight` of the way to `ratio`, the step bounded by
+    MAX_STEP_RATIO (a robust mean: an error the steps share is learnt in full, at most
+    weight * MAX_STEP_RATIO a step; one outlier moves it by no more than that)."""
+    return average + weight * min(max(ratio - average, -MAX_STEP_RATIO), MAX_STEP_RATIO)
+
+
 @dataclass
 class CostFeedback:
-    """Observed over modelled step seconds at one grid batch size: EWMAs of the log ratio,
-    over every k and per grid k."""
+    """Observed over modelled step seconds at one grid batch size: moving averages of the
+    log ratio (robust ones: `observe`), over every k and per grid k."""
 
     overall: float | None = None
     per_k: dict[int, float] = field(default_factory=dict)
     _per_k: list[float] | None = None  # at_each_k() until the next observation
 
     def observe(self, grid_k: int, ratio: float, weight: float) -> None:
+        """One step's log(observed / modelled) seconds. Every average starts from the model
+        (0) and moves `_toward` each ratio: one slow step (a stall, another process) must
+        not price its k out of later plans, since a k priced out is not run again to
+        correct it. Started from its first ratio, a k's factor was whatever its first step
+        met: in a replay of the planner on recorded acceptance, with the first step of
+        each k at 3x, adaptive read 0.68x the best fixed k at the median, and in the worst
+        cases never drafted again (loadtest/RESULTS.md)."""
         self._per_k = None
-        old = self.overall
-        self.overall = ratio if old is None else (1 - weight) * old + weight * ratio
-        before = self.per_k.get(grid_k)
-        self.per_k[grid_k] = ratio if before is None else (1 - weight) * before + weight * ratio
+        self.overall = _toward(self.overall or 0.0, ratio, weight)
+        self.per_k[grid_k] = _toward(self.per_k.get(grid_k, 0.0), ratio, weight)
 
     def factors(self) -> dict[int, float]:
         """Per grid k: how much dearer than the model it ran, relative to all k."""

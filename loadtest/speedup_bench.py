@@ -452,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         help="--matrix: also the DFlash worker of another checkout (e.g. a git worktree of an "
-        "older commit), at c=1",
+        "older commit), in every cell",
     )
     p.add_argument(
         "--control",

@@ -167,18 +167,19 @@ def shapes_for(args: argparse.Namespace) -> tuple[Shape, ...]:
 def modes(args: argparse.Namespace) -> list[str]:
     """The workers: DFlash (adaptive) and plain at every concurrency, with --control a
     second plain worker and with --dflash2 the bundled DFlash2 drafter's worker; at c=1 also
-    DFlash verifying K drafts every step for each --fixed K, and a --tree checkout's DFlash.
-    In the order they start (one at a time), reversed by --reverse-starts: a worker started
-    later can read faster than its identical twin started earlier, so a fine comparison is
-    read from both orders (loadtest/README.md has the numbers)."""
+    DFlash verifying K drafts every step for each --fixed K; in every cell a --tree
+    checkout's DFlash (a change can win at c=1 and lose in mixed batches). In the order
+    they start (one at a time), reversed by --reverse-starts: a worker started later can
+    read faster than its identical twin started earlier, so a fine comparison is read from
+    both orders (loadtest/README.md has the numbers)."""
     extra = [f"fixed-{k}" for k in args.fixed] + (["tree"] if args.tree is not None else [])
     base = ["dflash", "plain", *(["control"] if args.control else [])]
     order = [*base, *(["dflash2"] if args.dflash2 else []), *extra]
     return order[::-1] if args.reverse_starts else order
 
 
-# In every cell (the control and DFlash2 if started).
-BASE_MODES = ("dflash", "plain", "control", "dflash2")
+# In every cell (the control, DFlash2 and the --tree checkout's DFlash if started).
+BASE_MODES = ("dflash", "plain", "control", "dflash2", "tree")
 
 
 # ---- cells ----------------------------------------------------------------------------------
@@ -409,19 +410,26 @@ def _shares(cell: MatrixCell) -> dict[str, float]:
 
 
 def _against_others(cells: dict[Key, MatrixCell], shape: Shape, c: int) -> dict[str, Any]:
-    """At c=1: adaptive DFlash over each fixed-K worker, over the best of them, and over
-    the --tree checkout's DFlash (tokens/s)."""
-    fast = cells[("dflash", shape.name, c)].tokens_per_second
-    others = {m: cell.tokens_per_second for (m, name, cc), cell in cells.items()
-              if name == shape.name and cc == c and m not in BASE_MODES}  # fmt: skip
-    if not others:
-        return {}
-    fixed = {m: _ratio(fast, v) for m, v in others.items() if m.startswith("fixed-")}
-    out: dict[str, Any] = {"vs_fixed": fixed}
+    """Adaptive DFlash over each fixed-K worker and over the best of them (c=1), and over
+    the --tree checkout's DFlash, overall and per round (tokens/s)."""
+    speeds = {m: cell.tokens_per_second for (m, name, cc), cell in cells.items()
+              if name == shape.name and cc == c}  # fmt: skip
+    fast = speeds["dflash"]
+    fixed = {m: v for m, v in speeds.items() if m.startswith("fixed-")}
+    out: dict[str, Any] = {}
     if fixed:
-        out["vs_best_fixed"] = _ratio(fast, max(v for m, v in others.items() if m in fixed))
-    if "tree" in others:
-        out["vs_tree"] = _ratio(fast, others["tree"])
+        out["vs_fixed"] = {m: _ratio(fast, v) for m, v in fixed.items()}
+        out["vs_best_fixed"] = _ratio(fast, max(fixed.values()))
+    tree = cells.get(("tree", shape.name, c))
+    if tree is not None:
+        ours = cells[("dflash", shape.name, c)]
+        out["tree_tokens_per_second"] = tree.tokens_per_second
+        out["tree_ratio"] = _ratio(tree.tokens_per_second, speeds["plain"])
+        out["tree_mean_acceptance_length"] = _mean(tree.acceptance_lengths)
+        out["vs_tree"] = _ratio(fast, tree.tokens_per_second)
+        out["vs_tree_per_round"] = [
+            f / t for f, t in zip(ours.rounds, tree.rounds, strict=True) if t > 0
+        ]
     return out
 
 
@@ -455,7 +463,7 @@ def summary(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "worst_sampled_vs_plain": _least(r.get("sampled_vs_plain") for r in mixed),
         "worst_greedy_vs_greedy_only": _least(r.get("greedy_vs_greedy_only") for r in mixed),
         "worst_vs_best_fixed_c1": _least(r.get("vs_best_fixed") for r in rows),
-        "worst_vs_tree_c1": _least(r.get("vs_tree") for r in rows),
+        "worst_vs_tree": _least(r.get("vs_tree") for r in rows),
         "control_range": [min(controls), max(controls)] if controls else None,
         "control_cells_below_0.98": sum(v < 0.98 for v in controls) if controls else None,
         # --dflash2: its worst cell against DFlash's (issue 45: no worse), and per cell
@@ -505,8 +513,8 @@ def format_matrix(report: dict[str, Any]) -> str:
         f"{_fmt(s['mean_ratio'], '.2f')}; {s['cells_below_0.98']} of {s['cells']} cells below "
         f"0.98; mixed streams: sampled vs plain >= {_fmt(s['worst_sampled_vs_plain'], '.2f')}, "
         f"greedy vs greedy-only >= {_fmt(s['worst_greedy_vs_greedy_only'], '.2f')}; "
-        f"c=1: vs best fixed k >= {_fmt(s['worst_vs_best_fixed_c1'], '.2f')}, "
-        f"vs --tree >= {_fmt(s['worst_vs_tree_c1'], '.2f')}"
+        f"c=1: vs best fixed k >= {_fmt(s['worst_vs_best_fixed_c1'], '.2f')}; "
+        f"vs --tree >= {_fmt(s['worst_vs_tree'], '.2f')}"
     )
     if s.get("control_range"):
         low, high = s["control_range"]
@@ -516,6 +524,31 @@ def format_matrix(report: dict[str, Any]) -> str:
         )
     if s.get("dflash2_vs_dflash_range"):
         lines += ["", _dflash2_table(report["results"], s)]
+    if s.get("worst_vs_tree") is not None:
+        lines += ["", _tree_table(report["results"])]
+    return "\n".join(lines)
+
+
+def _tree_table(rows: Sequence[dict[str, Any]]) -> str:
+    """--tree: each cell's DFlash over plain for this checkout and the other, and this
+    checkout's DFlash over the other's, overall and its spread over the rounds."""
+    head = (
+        f"{'shape':<28} {'c':>3} {'tree tok/s':>10} {'tree/plain':>10} {'DFlash/plain':>12} "
+        f"{'DFlash/tree':>11} {'rounds':>11} {'accept':>6} {'tree accept':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get("vs_tree") is None:
+            continue
+        rounds = r["vs_tree_per_round"]
+        span = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
+        lines.append(
+            f"{r['shape']:<28} {r['concurrency']:>3} {r['tree_tokens_per_second']:>10.1f} "
+            f"{_fmt(r['tree_ratio'], '.2f'):>10} {_fmt(r['ratio'], '.2f'):>12} "
+            f"{_fmt(r['vs_tree'], '.2f'):>11} {span:>11} "
+            f"{_fmt(r['mean_acceptance_length'], '.2f'):>6} "
+            f"{_fmt(r['tree_mean_acceptance_length'], '.2f'):>11}"
+        )
     return "\n".join(lines)
 
 

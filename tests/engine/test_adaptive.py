@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from itertools import pairwise
 
@@ -12,6 +13,7 @@ from engine.adaptive import (
     FADE_CHUNK,
     AcceptanceStats,
     ContextTerm,
+    CostFeedback,
     CostModel,
     SpecPolicy,
     calibrate,
@@ -217,6 +219,30 @@ def test_observed_step_times_repair_a_wrong_calibration() -> None:
         policy.observe_cost(4, 0, policy.costs.cost(4, 0))
     assert policy.cost(4, 15) > 2.0 * policy.costs.cost(4, 15)
     assert policy.choose(4, stats) < 15
+
+
+def test_one_slow_step_does_not_price_its_k_out() -> None:
+    """A stall on a k's first step (another process, a collection) is one step: it must not
+    set that k's cost, or the policy never runs the k again to correct it."""
+    stats = AcceptanceStats(max_k=15, prior_rate=0.95, prior_weight=1e9)
+    policy = SpecPolicy(_linear_costs(per_token=0.005), 15, explore_every=0)
+    for _ in range(10):
+        policy.observe_cost(1, 0, policy.costs.cost(1, 0))
+    policy.observe_cost(1, 15, 5.0 * policy.costs.cost(1, 15))
+    assert policy.cost(1, 15) < 1.1 * policy.costs.cost(1, 15)
+    assert policy.choose(1, stats) == 15
+
+
+def test_an_error_every_step_shares_is_learnt_in_full() -> None:
+    """Each step moves the feedback by a bounded amount, but a k that always runs 10x its
+    model is learnt as 10x, however many steps that takes."""
+    feedback = CostFeedback()
+    for _ in range(200):
+        feedback.observe(15, math.log(10.0), 0.1)
+        feedback.observe(0, 0.0, 0.1)
+    assert feedback.per_k[15] == pytest.approx(math.log(10.0), rel=0.01)
+    assert feedback.per_k[0] == pytest.approx(0.0, abs=1e-9)
+    assert feedback.factors()[15] / feedback.factors()[0] == pytest.approx(10.0, rel=0.02)
 
 
 def test_cost_model_json_round_trip_and_counter_rates() -> None:

@@ -97,14 +97,33 @@ def test_c1_rows_compare_adaptive_with_each_fixed_k_and_another_tree() -> None:
         (m, "s", 1): sm.MatrixCell() for m in ("dflash", "plain", "fixed-7", "fixed-15", "tree")
     }
     for mode, tokens in (("dflash", 30), ("plain", 15), ("fixed-7", 25), ("fixed-15", 32),
-                         ("tree", 30)):  # fmt: skip
+                         ("tree", 24)):  # fmt: skip
         cells[(mode, "s", 1)].add([_out(tokens, 1.0)], ["greedy"], 1.0)
+        cells[(mode, "s", 1)].add([_out(tokens, 1.0)], ["greedy"], 2.0 if mode == "tree" else 1.0)
     (row,) = sm.matrix_rows(cells, [shape], [1])
     assert row["vs_fixed"] == pytest.approx({"fixed-7": 1.2, "fixed-15": 30 / 32})
-    assert row["vs_best_fixed"] == pytest.approx(30 / 32) and row["vs_tree"] == pytest.approx(1)
+    assert row["vs_best_fixed"] == pytest.approx(30 / 32)
+    assert row["vs_tree"] == pytest.approx(30 / 16)
+    assert row["vs_tree_per_round"] == pytest.approx([30 / 24, 30 / 12])  # 24 then 12 tok/s
+    assert row["tree_ratio"] == pytest.approx(16 / 15)
     summary = sm.summary([row])
     assert summary["worst_vs_best_fixed_c1"] == pytest.approx(30 / 32)
-    assert "vs best fixed k >= 0.94" in sm.format_matrix({"results": [row], "summary": summary})
+    assert summary["worst_vs_tree"] == pytest.approx(30 / 16)
+    table = sm.format_matrix({"results": [row], "summary": summary})
+    assert "vs best fixed k >= 0.94; vs --tree >= 1.88" in table
+    assert "DFlash/tree" in table and "1.25-2.50" in table  # the tree's table and its rounds
+
+
+def test_a_tree_checkout_is_compared_in_every_cell_and_fixed_k_only_at_c1() -> None:
+    shape = sm.Shape("s", (8, 48), (32, 96), False, "burst", "0")
+    cells = {(m, "s", 4): sm.MatrixCell() for m in ("dflash", "plain", "tree")}
+    for mode, tokens in (("dflash", 30), ("plain", 20), ("tree", 40)):
+        cells[(mode, "s", 4)].add([_out(tokens, 1.0)], ["greedy"], 1.0)
+    (row,) = sm.matrix_rows(cells, [shape], [4])
+    assert "vs_fixed" not in row and "vs_best_fixed" not in row
+    assert row["vs_tree"] == pytest.approx(0.75) and row["tree_ratio"] == pytest.approx(2.0)
+    args = sb.parse_args(["--matrix", "--fixed", "7", "--tree", str(bb.REPO)])
+    assert sm.modes(args) == ["dflash", "plain", "fixed-7", "tree"]
 
 
 def test_a_control_worker_reports_the_bench_own_scatter() -> None:
@@ -234,9 +253,10 @@ def test_quick_matrix_against_embedded_workers(
     mixed = [r for r in rows if r["shape"] == "quick-mixed"]
     assert all(r["sampled_vs_plain"] and r["greedy_vs_greedy_only"] for r in mixed)
     assert report["summary"]["cells"] == 4
-    c1 = [r for r in rows if r["concurrency"] == 1]  # the extra workers ran at c=1 only
-    assert all(r["vs_best_fixed"] and r["vs_tree"] for r in c1)
+    c1 = [r for r in rows if r["concurrency"] == 1]  # the fixed-k workers ran at c=1 only
+    assert all(r["vs_best_fixed"] for r in c1)
     assert all("vs_fixed" not in r for r in rows if r["concurrency"] == 2)
+    assert all(r["vs_tree"] and r["tree_ratio"] for r in rows)  # the tree: in every cell
     controls = [r["control_ratio"] for r in rows]  # the second plain worker: every cell
     assert all(v > 0 for v in controls)
     assert report["summary"]["control_range"] == [min(controls), max(controls)]
