@@ -33,7 +33,7 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -529,45 +529,56 @@ def format_matrix(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# A side table's column: its title, its width and its text in a row.
+Column = tuple[str, int, Callable[[dict[str, Any]], str]]
+
+
+def _column(title: str, key: str, spec: str = ".2f") -> Column:
+    """A column of one row field, as wide as its title."""
+    return (title, len(title), lambda r: _fmt(r[key], spec))
+
+
+def _side_table(rows: Sequence[dict[str, Any]], key: str, columns: Sequence[Column]) -> list[str]:
+    """A table of the rows that have `key`: shape, c, then `columns`."""
+    head = " ".join([f"{'shape':<28} {'c':>3}", *(f"{title:>{w}}" for title, w, _ in columns)])
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if r.get(key) is not None:
+            cells = (f"{text(r):>{w}}" for _, w, text in columns)
+            lines.append(" ".join([f"{r['shape']:<28} {r['concurrency']:>3}", *cells]))
+    return lines
+
+
+def _round_span(r: dict[str, Any]) -> str:
+    rounds = r["vs_tree_per_round"]
+    return f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
+
+
 def _tree_table(rows: Sequence[dict[str, Any]]) -> str:
     """--tree: each cell's DFlash over plain for this checkout and the other, and this
     checkout's DFlash over the other's, overall and its spread over the rounds."""
-    head = (
-        f"{'shape':<28} {'c':>3} {'tree tok/s':>10} {'tree/plain':>10} {'DFlash/plain':>12} "
-        f"{'DFlash/tree':>11} {'rounds':>11} {'accept':>6} {'tree accept':>11}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if r.get("vs_tree") is None:
-            continue
-        rounds = r["vs_tree_per_round"]
-        span = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else "-"
-        lines.append(
-            f"{r['shape']:<28} {r['concurrency']:>3} {r['tree_tokens_per_second']:>10.1f} "
-            f"{_fmt(r['tree_ratio'], '.2f'):>10} {_fmt(r['ratio'], '.2f'):>12} "
-            f"{_fmt(r['vs_tree'], '.2f'):>11} {span:>11} "
-            f"{_fmt(r['mean_acceptance_length'], '.2f'):>6} "
-            f"{_fmt(r['tree_mean_acceptance_length'], '.2f'):>11}"
-        )
-    return "\n".join(lines)
+    columns = [
+        _column("tree tok/s", "tree_tokens_per_second", ".1f"),
+        _column("tree/plain", "tree_ratio"),
+        _column("DFlash/plain", "ratio"),
+        _column("DFlash/tree", "vs_tree"),
+        ("rounds", 11, _round_span),
+        _column("accept", "mean_acceptance_length"),
+        _column("tree accept", "tree_mean_acceptance_length"),
+    ]
+    return "\n".join(_side_table(rows, "vs_tree", columns))
 
 
 def _dflash2_table(rows: Sequence[dict[str, Any]], s: dict[str, Any]) -> str:
     """--dflash2: each cell's DFlash2 and DFlash over plain, and DFlash2 over DFlash."""
-    head = (
-        f"{'shape':<28} {'c':>3} {'DFlash2 tok/s':>13} {'DFlash2/plain':>13} "
-        f"{'DFlash/plain':>12} {'DFlash2/DFlash':>14} {'accept':>6}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        if r.get("dflash2_ratio") is None:
-            continue
-        lines.append(
-            f"{r['shape']:<28} {r['concurrency']:>3} {r['dflash2_tokens_per_second']:>13.1f} "
-            f"{_fmt(r['dflash2_ratio'], '.2f'):>13} {_fmt(r['ratio'], '.2f'):>12} "
-            f"{_fmt(r['dflash2_vs_dflash'], '.2f'):>14} "
-            f"{_fmt(r['dflash2_mean_acceptance_length'], '.2f'):>6}"
-        )
+    columns = [
+        _column("DFlash2 tok/s", "dflash2_tokens_per_second", ".1f"),
+        _column("DFlash2/plain", "dflash2_ratio"),
+        _column("DFlash/plain", "ratio"),
+        _column("DFlash2/DFlash", "dflash2_vs_dflash"),
+        _column("accept", "dflash2_mean_acceptance_length"),
+    ]
+    lines = _side_table(rows, "dflash2_ratio", columns)
     low, high = s["dflash2_vs_dflash_range"]
     lines.append(
         f"DFlash2 worst cell: {_fmt(s['dflash2_worst_ratio'], '.2f')} "
