@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -58,7 +60,7 @@ def test_passes_go_on_until_the_minima_settle(monkeypatch: pytest.MonkeyPatch) -
     calls: list[int] = []
     cells = 4  # 2 batch sizes x 2 draft counts
 
-    def timed(state: SpecState, rows: list[object], k: int) -> float:
+    def timed(state: SpecState, rows: list[object], k: int, settle: bool = False) -> float:
         calls.append(k)
         busy = len(calls) <= cells * 6  # the warm-up and five passes
         return (2.0 if busy else 1.0) * (1 + len(rows) + k)
@@ -69,10 +71,33 @@ def test_passes_go_on_until_the_minima_settle(monkeypatch: pytest.MonkeyPatch) -
     assert len(calls) == cells * (1 + 6 + 1)  # one more pass, which settled
     calls.clear()
 
-    def ever_faster(state: SpecState, rows: list[object], k: int) -> float:
+    def ever_faster(state: SpecState, rows: list[object], k: int, settle: bool = False) -> float:
         calls.append(k)
         return 100.0 / len(calls)  # a machine that never settles
 
     monkeypatch.setattr(calibration, "_timed_step", ever_faster)
     measure_grid(_state(), [1, 2], [0, 3], context_tokens=16, passes=2, vocab=60)
     assert len(calls) == cells * (1 + 2 * (1 + calibration.MORE_PASSES))  # bounded
+
+
+def test_each_batch_size_s_plain_cell_is_timed_after_a_step_like_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step right after a larger one runs slower (on a CPU: its caches hold the larger
+    step's data), and a pass puts each batch size's plain cell right after the largest
+    step of the batch size before. On a clock where such a step costs twice its tokens,
+    every cell still reads its own cost: the plain cells are timed after an untimed step
+    of their own kind, the others follow a smaller step of their own batch size."""
+    clock = {"now": 0.0, "last": 0}
+
+    def step(state: SpecState, rows: list[object], sampling: object, num_draft: int) -> None:
+        tokens = len(rows) * (num_draft + 1)
+        clock["now"] += tokens * (2.0 if clock["last"] > tokens else 1.0)
+        clock["last"] = tokens
+
+    monkeypatch.setattr(calibration, "spec_step", step)
+    monkeypatch.setattr(calibration, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    best, _ = measure_grid(_state(), [1, 2], [0, 3], context_tokens=16, passes=2, vocab=60)
+    assert best == {(b, k): float(b * (k + 1)) for b in (1, 2) for k in (0, 3)}
+    seconds = measure_context(_state(), 2, [0, 1, 3], 16, passes=1)
+    assert seconds == [2.0, 4.0, 8.0]  # its plain step, too, follows its largest
