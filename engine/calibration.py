@@ -7,13 +7,13 @@ of load from another process lands on one sample of many cells rather than on al
 samples of one; each cell keeps its fastest sample (other processes only ever add time,
 and the policy needs the steps' relative costs). A batch size's first cell, its plain one,
 follows the largest step of the batch size before, so it is timed after an untimed step of
-its own (`_timed_step`). The rows do not advance between steps
-(same positions each time: what a step writes past a row's length is dead), so every
-cell sees the same context. After the grid, the drafter context of the rows' prompts is
-dropped and projected again (`catch_up`) a few times: the per-position cost of catching
-up context that plain steps put off. Last, a few rows at a long context give the slopes of
-the cost's growth with context (`ContextTerm`): the grid's context is one of many a live
-batch has, and a long context makes plain steps dearer relative to drafting ones.
+its own (`_timed_step`). The rows do not advance between steps (same positions each time:
+what a step writes past a row's length is dead), so every cell sees the same context.
+After the grid, the drafter context of the rows' prompts is dropped and projected again
+(`catch_up`) a few times: the per-position cost of catching up context that plain steps
+put off. Last, a few rows at a long context give the slopes of the cost's growth with
+context (`ContextTerm`): the grid's context is one of many a live batch has, and a long
+context makes plain steps dearer relative to drafting ones.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_c1_rows_compare_adaptive_with_each_fixed_k_and_another_tree() -> None:
     assert summary["worst_vs_best_fixed_c1"] == pytest.approx(30 / 32)
     assert summary["worst_vs_tree"] == pytest.approx(30 / 16)
     table = sm.format_matrix({"results": [row], "summary": summary})
-    assert "vs best fixed k >= 0.94; vs --tree >= 1.88" in table
+    assert "vs best fixed k >= 0.94; every cell: vs --tree >= 1.88" in table
     assert "DFlash/tree" in table and "1.25-2.50" in table  # the tree's table and its rounds
 
 
