@@ -513,19 +513,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args.max_model_len = args.max_model_len or (MATRIX_MAX_MODEL_LEN if args.matrix else 1024)
     if args.matrix and args.starts > 1:
         parser.error("--starts measures one workload: not with --matrix")
-    matrix_only = (
-        args.fixed,
-        args.tree,
-        args.control,
-        args.shapes,
-        args.dflash2,
-        args.reverse_starts,
-    )
-    if any(matrix_only) and not args.matrix:
-        parser.error(
-            "--fixed, --tree, --control, --dflash2, --shapes and --reverse-starts are --matrix "
-            "options"
-        )
+    matrix_only = {
+        "--fixed": args.fixed,
+        "--tree": args.tree,
+        "--control": args.control,
+        "--dflash2": args.dflash2,
+        "--shapes": args.shapes,
+        "--reverse-starts": args.reverse_starts,
+    }
+    given = [name for name, value in matrix_only.items() if value]
+    if given and not args.matrix:
+        parser.error(f"{', '.join(given)}: --matrix options only")
     if args.tree is not None and not (args.tree / "engine" / "worker" / "cli.py").is_file():
         parser.error(f"--tree {args.tree}: not a dflash-serving checkout")
     for name in ("rounds", "num_requests", "requests_per_slot", "starts"):
