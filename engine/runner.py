@@ -7,6 +7,7 @@ back; nothing here decides who runs.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -39,6 +40,15 @@ from engine.speculative import (
 )
 
 STEP_KINDS = ("prefill", "drafting", "plain", "catch_up")
+
+# After the engine has idled this long between decode steps (requests far apart, the first
+# step of a burst, a long prefill), the caches are cold: its next COLD_STEPS decode steps
+# do not feed the cost feedback. They cost more whatever they verify (one row, 0.3 s
+# apart: 1.42, 1.28, 1.21, 1.20x the model, then 1.09x; back to back, 1.16x, then 1.09x),
+# and at one row they are always drafting ones (a new request's probes), so learnt as a
+# draft count's cost they priced drafting 13 % dearer against plain than it runs.
+COLD_GAP_S = 0.05
+COLD_STEPS = 4
 
 
 @dataclass
@@ -91,6 +101,8 @@ class ModelRunner:
         self._sampling: dict[int, RowSampling] = {}  # by id(sequence), while it runs
         self._shared_generator = torch.Generator(device=config.device).manual_seed(config.seed)
         self.profile = StepProfile()
+        self._last_decode = -math.inf  # perf_counter() at the end of the last decode step
+        self._cold_steps = 0  # decode steps still to run before step costs are observed
         self.policy: SpecPolicy | None = None
         self.planner: RowPlanner | None = None
         if config.adaptive and drafter is not None:
@@ -129,9 +141,10 @@ class ModelRunner:
         """One speculative step over every running sequence. Adaptive: the rows split into
         a drafting group and a plain group (engine/row_speculation.py) by their own
         acceptance and the step's costs, one
-        forward each; each group's time feeds the cost model and each row's acceptance
-        its own estimates (the catch-up of context put off by plain steps is not charged
-        to the group's k: the plan counts it from its own measure)."""
+        forward each; each group's time feeds the cost model (but for the first
+        COLD_STEPS after the engine idled) and each row's acceptance its own estimates (the
+        catch-up of context put off by plain steps is not charged to the group's k: the
+        plan counts it from its own measure)."""
         rows = [
             DecodeRow(slot_of(s), s.last_token, s.position, s.prompt_token_ids, s.output_token_ids)
             for s in seqs
@@ -144,6 +157,8 @@ class ModelRunner:
             kind = "drafting" if max_draft_tokens(self._state) else "plain"
             self.profile.record(kind, time.perf_counter() - start)
             return every
+        if time.perf_counter() - self._last_decode > COLD_GAP_S:
+            self._cold_steps = COLD_STEPS
         plan = self._plan(seqs, rows)
         if plan.any_drafting and not all(plan.drafting):
             rows = self._group_slots(seqs, rows, plan.drafting)
@@ -157,6 +172,8 @@ class ModelRunner:
                     results[i] = result
         final = [r for r in results if r is not None]
         self._observe(seqs, final)
+        self._cold_steps = max(0, self._cold_steps - 1)
+        self._last_decode = time.perf_counter()
         return final
 
     def _group_slots(
@@ -202,7 +219,8 @@ class ModelRunner:
         synchronize(self._state)
         seconds = time.perf_counter() - start
         self.profile.record("drafting" if k else "plain", seconds)
-        self.policy.observe_cost(len(rows), k, seconds, max(r.position for r in rows))
+        if not self._cold_steps:
+            self.policy.observe_cost(len(rows), k, seconds, max(r.position for r in rows))
         return results
 
     def _observe(self, seqs: list[Sequence], results: list[RowResult]) -> None:

@@ -3,16 +3,19 @@ step, slots coming back, and per-request generators for seeded sampling."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from engine import runner as runner_module
 from engine.config import EngineConfig
-from engine.runner import ModelRunner, torch_dtype
+from engine.runner import COLD_GAP_S, COLD_STEPS, ModelRunner, torch_dtype
 from engine.sequence import SamplingParams, Sequence
 from tests.fixtures.tiny_models import TinyCheckpoint
 
 
-def _runner(ckpt: TinyCheckpoint, k: int | None) -> ModelRunner:
+def _runner(ckpt: TinyCheckpoint, k: int | None, adaptive: bool = False) -> ModelRunner:
     return ModelRunner(
         EngineConfig(
             target_path=ckpt.target_dir,
@@ -20,6 +23,7 @@ def _runner(ckpt: TinyCheckpoint, k: int | None) -> ModelRunner:
             num_speculative_tokens=k,
             max_num_seqs=2,
             max_model_len=64,
+            adaptive=adaptive,
         )
     )
 
@@ -87,6 +91,42 @@ def test_seeded_requests_draw_by_their_own_seed(tiny_checkpoint: TinyCheckpoint)
 
     assert first_tokens(7) == first_tokens(7)
     assert first_tokens(7) != first_tokens(1000)
+
+
+def test_step_costs_are_not_learnt_from_the_first_steps_after_an_idle_spell(
+    tiny_checkpoint: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first COLD_STEPS decode steps after the engine idled run on cold caches: the
+    cost feedback skips them, and learns from every step after, until the next idle spell."""
+    runner = _runner(tiny_checkpoint, 3, adaptive=True)
+    assert runner.policy is not None
+    now = [0.0]
+
+    def tick() -> float:
+        now[0] += 0.001  # a step: far less than COLD_GAP_S
+        return now[0]
+
+    monkeypatch.setattr(runner_module, "time", SimpleNamespace(perf_counter=tick))
+    observed: list[float] = []
+    monkeypatch.setattr(
+        runner.policy, "observe_cost", lambda b, k, seconds, context=None: observed.append(now[0])
+    )
+    seq = _seq(0, [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=40))
+    runner.add(seq)
+    seq.output_token_ids += runner.prefill([seq])[0].token_ids
+
+    def decode_steps(n: int) -> int:
+        """n decode steps; how many fed the cost feedback."""
+        before = len(observed)
+        for _ in range(n):
+            seq.output_token_ids += runner.decode([seq])[0].token_ids
+        return len(observed) - before
+
+    assert decode_steps(COLD_STEPS) == 0  # the first steps ever: cold
+    assert decode_steps(2) == 2
+    now[0] += 2 * COLD_GAP_S  # idle
+    assert decode_steps(COLD_STEPS) == 0
+    assert decode_steps(1) == 1
 
 
 def test_dtype_names() -> None:
