@@ -25,6 +25,13 @@ greedy request after them. So every running request carries its own `AcceptanceS
   plain (`AcceptanceStats.fade`, toward its band's prior): a few rejections early on keep
   it plain for some steps, not to the end (it returns to where a new request starts,
   without the probes below, which a request takes once).
+- Acceptance comes in stretches: where the drafter predicts the text (a name repeated, a
+  line it has seen), every draft of a block is accepted and the next block mostly is too,
+  while elsewhere the first drafts are mostly rejected. So a row whose last block was
+  accepted whole is planned by what followed such blocks (its own estimates from those
+  steps, started from its band's), which drafts further than its estimates over all its
+  steps. Replayed on recorded greedy acceptance at one row (four of the bench's workloads),
+  this read 0.5-2 % more tokens per second (loadtest/RESULTS.md).
 - Drafts past a row's last token (`max_tokens`, the context) are verified for nothing: a
   row's expected tokens stop at its `tokens_left`, so a short answer's last steps verify
   few drafts or none.
@@ -73,7 +80,8 @@ def band_of(temperature: float) -> str:
 
 @dataclass
 class BandPriors:
-    """Recent acceptance per temperature band, the starting point of each new request."""
+    """Recent acceptance per temperature band, the starting point of each new request; kept
+    apart for steps right after one that accepted every draft (`after_run`, see RowPlanner)."""
 
     max_k: int
     # Weight of the band's estimate in a new request's own: a request's first drafting
@@ -81,15 +89,17 @@ class BandPriors:
     # step), so they refine the band's estimate rather than replace it.
     prior_trials: float = 4.0
     bands: dict[str, AcceptanceStats] = field(default_factory=dict)
+    after_run: dict[str, AcceptanceStats] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in BANDS:
             self.bands.setdefault(name, AcceptanceStats(self.max_k))
+            self.after_run.setdefault(name, AcceptanceStats(self.max_k))
 
-    def stats_for(self, temperature: float) -> AcceptanceStats:
+    def stats_for(self, temperature: float, after_run: bool = False) -> AcceptanceStats:
         """A new request's own estimates: its band's current rates as the prior, behind
         `prior_trials` pseudo-trials (a fresh band's rates are the optimistic prior)."""
-        band = self.bands[band_of(temperature)]
+        band = (self.after_run if after_run else self.bands)[band_of(temperature)]
         return AcceptanceStats(
             self.max_k,
             band.halflife_steps,
@@ -97,14 +107,15 @@ class BandPriors:
             prior_rates=tuple(band.rates()),
         )
 
-    def observe_step(self, rows: Sequence[tuple[float, int, int]]) -> None:
+    def observe_step(self, rows: Sequence[tuple[float, int, int]], after_run: bool = False) -> None:
         """One step's (temperature, num_drafted, num_accepted) of its drafting rows: one
         observation per band, so a band's memory goes by steps as a request's does."""
         by_band: dict[str, list[tuple[int, int]]] = {}
         for temperature, drafted, accepted in rows:
             by_band.setdefault(band_of(temperature), []).append((drafted, accepted))
+        bands = self.after_run if after_run else self.bands
         for name, seen in by_band.items():
-            self.bands[name].observe(seen)
+            bands[name].observe(seen)
 
 
 class RowView(NamedTuple):
@@ -359,14 +370,26 @@ class RowPlanner:
 
     policy: SpecPolicy
     priors: BandPriors
-    _own: dict[Hashable, AcceptanceStats] = field(default_factory=dict)
+    _own: dict[Hashable, AcceptanceStats] = field(default_factory=dict)  # every drafting step
+    # A request's estimates from its steps right after a block it accepted whole (a stretch
+    # the drafter predicts, which the next block likely continues), started from its band's
+    # of the same kind; and the requests whose last step was such a block: planned by those.
+    _after_run: dict[Hashable, AcceptanceStats] = field(default_factory=dict)
+    _in_run: set[Hashable] = field(default_factory=set)
     _kept: tuple[tuple[Hashable, ...], StepPlan, int] | None = None  # keys, plan, age
 
     def add(self, key: Hashable, temperature: float) -> None:
         self._own[key] = self.priors.stats_for(temperature)
+        self._after_run[key] = self.priors.stats_for(temperature, after_run=True)
 
     def remove(self, key: Hashable) -> None:
         self._own.pop(key, None)
+        self._after_run.pop(key, None)
+        self._in_run.discard(key)
+
+    def _estimates(self, key: Hashable) -> AcceptanceStats:
+        """What a row's next step is planned by (see `observe`)."""
+        return self._after_run[key] if key in self._in_run else self._own[key]
 
     def plan(
         self,
@@ -388,7 +411,14 @@ class RowPlanner:
         # What a row's drafting teaches is paid by every row waiting for its forward.
         doubt = OPTIMISM / len(batch)
         views = [
-            _view(self._own[key], doubt, pending(i), contexts[i], left[i])
+            _view(
+                self._estimates(key),
+                doubt,
+                pending(i),
+                contexts[i],
+                left[i],
+                self._own[key].drafted_steps < PROBATION_STEPS,
+            )
             for i, key in enumerate(batch)
         ]
         planned = plan_step(self.policy, views)
@@ -408,7 +438,14 @@ class RowPlanner:
         keep plain (a greedy row beside a sampled one: a split's two forwards, or a block
         the sampled row accepts nothing of, slow it past `SLOWDOWN`) is not taken."""
         hopeful = [
-            _view(self._own[key], OPTIMISM, view.pending, view.context, view.tokens_left)
+            _view(
+                self._estimates(key),
+                OPTIMISM,
+                view.pending,
+                view.context,
+                view.tokens_left,
+                view.probation,
+            )
             if looking
             else view
             for key, view, looking in zip(batch, views, looked.drafting, strict=True)
@@ -422,21 +459,37 @@ class RowPlanner:
         results: Sequence[tuple[int, int]],
     ) -> None:
         """Each row's (num_drafted, num_accepted) into its own estimates, and per band into
-        the priors of the requests still to come."""
-        seen = []
+        the priors of the requests still to come; a step right after a block accepted whole
+        also into the row's (and band's) estimates after such blocks. A row whose every draft
+        was accepted is planned next by those; after any other step, by all its steps (a
+        plain step ends a run: the text moved on with no block to tell whether it held)."""
+        seen: tuple[list[tuple[float, int, int]], list[tuple[float, int, int]]] = ([], [])
         for key, temperature, (drafted, accepted) in zip(keys, temperatures, results, strict=True):
             if drafted:
                 self._own[key].observe([(drafted, accepted)])
-                seen.append((temperature, drafted, accepted))
+                seen[0].append((temperature, drafted, accepted))
+                if key in self._in_run:
+                    self._after_run[key].observe([(drafted, accepted)])
+                    seen[1].append((temperature, drafted, accepted))
             else:
                 self._own[key].fade()
-        if seen:
-            self._kept = None  # estimates moved: weigh the rows again
-            self.priors.observe_step(seen)
+            if drafted and accepted == drafted and key in self._after_run:
+                self._in_run.add(key)
+            else:
+                self._in_run.discard(key)
+        for after_run, rows in enumerate(seen):
+            if rows:
+                self._kept = None  # estimates moved: weigh the rows again
+                self.priors.observe_step(rows, after_run=bool(after_run))
 
 
 def _view(
-    stats: AcceptanceStats, doubt: float, pending: int, context: int | None, left: int
+    stats: AcceptanceStats,
+    doubt: float,
+    pending: int,
+    context: int | None,
+    left: int,
+    probation: bool,
 ) -> RowView:
     """A running request's row as the plan sees it, its token curves kept by its stats."""
     return RowView(
@@ -444,7 +497,7 @@ def _view(
         stats.rates(),
         pending,
         context=context,
-        probation=stats.drafted_steps < PROBATION_STEPS,
+        probation=probation,
         tokens_left=left,
         gains=stats.tokens_by_k(doubt, left),
         point_gains=stats.tokens_by_k(0.0, left),

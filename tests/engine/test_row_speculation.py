@@ -499,3 +499,19 @@ def test_a_lone_request_drafts_as_fixed_k_does_though_step_times_scatter(
     best = max(_replay(costs, k, 0) for k in (7, 15))
     for seed in range(4):
         assert _replay(costs, None, seed) >= 0.9 * best, seed
+
+
+def test_after_a_block_accepted_whole_a_row_plans_by_what_followed_such_blocks() -> None:
+    """A row's acceptance comes in stretches: after a block it accepted whole the next one
+    mostly is too (here 4 in 5), while over all its steps one block in five is. Planned by
+    all its steps, it would decode plain throughout; planned after a whole block by what
+    followed its whole blocks, it drafts the whole block there and only there."""
+    planner = RowPlanner(_policy(forward=1.0, per_token=0.02, drafter=6.0), BandPriors(MAX_K))
+    planner.add("r", 0.0)
+    for accepted in ([0] * 20 + [MAX_K] * 5) * 30 + [0] * 20 + [MAX_K]:
+        planner.observe(["r"], [0.0], [(MAX_K, accepted)])
+    after_whole = planner.plan(["r"], [64], lambda i: 0, [10_000])
+    planner.observe(["r"], [0.0], [(MAX_K, 0)])
+    after_miss = planner.plan(["r"], [64], lambda i: 0, [10_000])
+    assert after_whole == StepPlan(MAX_K, (True,))
+    assert after_miss == StepPlan.plain(1)
