@@ -463,24 +463,26 @@ class RowPlanner:
         also into the row's (and band's) estimates after such blocks. A row whose every draft
         was accepted is planned next by those; after any other step, by all its steps (a
         plain step ends a run: the text moved on with no block to tell whether it held)."""
-        seen: tuple[list[tuple[float, int, int]], list[tuple[float, int, int]]] = ([], [])
+        seen: list[tuple[float, int, int]] = []
+        seen_after_run: list[tuple[float, int, int]] = []
         for key, temperature, (drafted, accepted) in zip(keys, temperatures, results, strict=True):
             if drafted:
                 self._own[key].observe([(drafted, accepted)])
-                seen[0].append((temperature, drafted, accepted))
+                seen.append((temperature, drafted, accepted))
                 if key in self._in_run:
                     self._after_run[key].observe([(drafted, accepted)])
-                    seen[1].append((temperature, drafted, accepted))
+                    seen_after_run.append((temperature, drafted, accepted))
             else:
                 self._own[key].fade()
-            if drafted and accepted == drafted and key in self._after_run:
+            if drafted and accepted == drafted:
                 self._in_run.add(key)
             else:
                 self._in_run.discard(key)
-        for after_run, rows in enumerate(seen):
-            if rows:
-                self._kept = None  # estimates moved: weigh the rows again
-                self.priors.observe_step(rows, after_run=bool(after_run))
+        if seen:
+            self._kept = None  # estimates moved: weigh the rows again
+            self.priors.observe_step(seen)
+        if seen_after_run:
+            self.priors.observe_step(seen_after_run, after_run=True)
 
 
 def _view(
