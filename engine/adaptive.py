@@ -414,30 +414,44 @@ def _toward(average: float, ratio: float, weight: float) -> float:
 
 @dataclass
 class CostFeedback:
-    """Observed over modelled step seconds at one grid batch size: moving averages of the
-    log ratio (robust ones: `observe`), over every k and per grid k."""
+    """Observed over modelled step seconds at one grid batch size, as robust moving averages
+    of the log ratio (`observe`): `overall` over every k, and per grid k its deviation from
+    the overall of its own steps' time."""
 
     overall: float | None = None
-    per_k: dict[int, float] = field(default_factory=dict)
+    per_k: dict[int, float] = field(default_factory=dict)  # log deviation from `overall`
     _per_k: list[float] | None = None  # at_each_k() until the next observation
 
     def observe(self, grid_k: int, ratio: float, weight: float) -> None:
-        """One step's log(observed / modelled) seconds. Every average starts from the model
-        (0) and moves `_toward` each ratio: one slow step (a stall, another process) must
+        """One step's log(observed / modelled) seconds. Every average moves `_toward` each
+        ratio from where the model puts it: one slow step (a stall, another process) must
         not price its k out of later plans, since a k priced out is not run again to
         correct it. Started from its first ratio, a k's factor was whatever its first step
         met: in a replay of the planner on recorded acceptance, with the first step of
         each k at 3x, adaptive read 0.68x the best fixed k at the median, and in the worst
-        cases never drafted again (loadtest/RESULTS.md)."""
+        cases never drafted again (loadtest/RESULTS.md).
+
+        A k's deviation is taken from the overall as it stood at its step (the mean of the
+        overall before and after it, which leaves no bias when ks alternate): the whole
+        machine's speed moves (a neighbour, the clock, a calibration off by a factor) while
+        some k does not run, and an average of the k's own ratios, not relative to the
+        overall of their time, kept that move as the k's own error. Replayed on recorded
+        acceptance with a calibration 25 % slower than the machine, a draft count seen a
+        few times early was then priced 1.25x the rest, the monotone curve priced every
+        count up to 11 as high, and adaptive read 0.98-0.99x the best fixed k at one row
+        (1.03-1.05x with the calibration at the machine's speed, and either way with the
+        deviations kept relative)."""
         self._per_k = None
-        self.overall = _toward(self.overall or 0.0, ratio, weight)
-        self.per_k[grid_k] = _toward(self.per_k.get(grid_k, 0.0), ratio, weight)
+        before = self.overall or 0.0
+        self.overall = _toward(before, ratio, weight)
+        then = (before + self.overall) / 2
+        self.per_k[grid_k] = _toward(self.per_k.get(grid_k, 0.0), ratio - then, weight)
 
     def factors(self) -> dict[int, float]:
         """Per grid k: how much dearer than the model it ran, relative to all k."""
         if self.overall is None:
             return {}
-        return {g: math.exp(v - self.overall) for g, v in self.per_k.items()}
+        return {g: math.exp(v) for g, v in self.per_k.items()}
 
     def at_each_k(self, nearest: Sequence[int]) -> list[float] | None:
         """factors() at each k = 0..len(nearest)-1 through its nearest grid k (None: no

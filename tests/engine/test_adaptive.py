@@ -240,9 +240,20 @@ def test_an_error_every_step_shares_is_learnt_in_full() -> None:
     for _ in range(200):
         feedback.observe(15, math.log(10.0), 0.1)
         feedback.observe(0, 0.0, 0.1)
-    assert feedback.per_k[15] == pytest.approx(math.log(10.0), rel=0.01)
-    assert feedback.per_k[0] == pytest.approx(0.0, abs=1e-9)
     assert feedback.factors()[15] / feedback.factors()[0] == pytest.approx(10.0, rel=0.02)
+
+
+def test_the_machine_speeding_up_while_a_k_is_not_run_leaves_that_k_priced_as_before() -> None:
+    """A k's error is kept relative to the machine's speed of its time: steps at k = 7 as
+    modelled, then the machine a quarter faster at k = 0 alone, leave k = 7 priced as
+    modelled relative to k = 0. Kept apart from the overall, k = 7 read 1.33x."""
+    feedback = CostFeedback()
+    for _ in range(5):
+        feedback.observe(7, 0.0, 0.1)
+    for _ in range(300):
+        feedback.observe(0, math.log(0.75), 0.1)
+    assert feedback.overall == pytest.approx(math.log(0.75), rel=0.01)
+    assert feedback.factors()[7] / feedback.factors()[0] == pytest.approx(1.0, abs=0.01)
 
 
 def test_cost_model_json_round_trip_and_counter_rates() -> None:

@@ -446,14 +446,21 @@ def test_a_probe_no_plan_could_use_is_not_taken(monkeypatch: pytest.MonkeyPatch)
 REPLAY = Path(__file__).resolve().parents[1] / "fixtures" / "planner_replay.json"
 
 
-def _replay(costs: CostModel, fixed_k: int | None, seed: int, stall: float = 3.0) -> float:
+def _replay(
+    costs: CostModel,
+    fixed_k: int | None,
+    seed: int,
+    stall: float = 3.0,
+    believed: CostModel | None = None,
+) -> float:
     """Tokens per modelled second of the fixture's requests served one at a time, four
     rounds after the bench's warm-up (two 4-token requests), drafting as a RowPlanner
-    plans (`fixed_k` None) or always `fixed_k`. The planner's cost feedback sees each step's
-    modelled seconds with a spread (a shared machine: log-normal, sigma 0.3) and the first
-    step at each k `stall` times slower (a collection, a neighbour starting)."""
+    plans (`fixed_k` None) or always `fixed_k`. The planner believes `believed` (None:
+    `costs`), and its cost feedback sees each step's modelled seconds with a spread (a
+    shared machine: log-normal, sigma 0.3) and the first step at each k `stall` times
+    slower (a collection, a neighbour starting)."""
     requests = json.loads(REPLAY.read_text(encoding="utf-8"))["requests"]
-    policy = SpecPolicy(costs, MAX_K)
+    policy = SpecPolicy(believed or costs, MAX_K)
     planner = RowPlanner(policy, BandPriors(MAX_K))
     draw, stalled = random.Random(seed), set()
     served = [(0, 4), (1, 4)] + [(i, 64) for _ in range(4) for i in range(len(requests))]
@@ -515,3 +522,20 @@ def test_after_a_block_accepted_whole_a_row_plans_by_what_followed_such_blocks()
     after_miss = planner.plan(["r"], [64], lambda i: 0, [10_000])
     assert after_whole == StepPlan(MAX_K, (True,))
     assert after_miss == StepPlan.plain(1)
+
+
+@pytest.mark.parametrize("calibration", ["c1-a", "c1-before1", "before-greedy"])
+def test_a_calibration_slower_than_the_machine_throughout_plans_as_well(calibration: str) -> None:
+    """The feedback learns a uniform error of the calibration as the machine's speed, which
+    changes no plan. It once kept each draft count's error apart from the overall's, so a
+    count seen a few times before the overall had learnt the error was priced that much
+    above the rest (and, the curve kept monotone, every count below it too): with the
+    calibration 1.3x slower than the steps, the replay read 0.96-0.97x what it read with the
+    calibration at the steps' speed, 0.90x the best fixed k in the worst seed."""
+    costs = CostModel.from_json(
+        json.loads(REPLAY.read_text(encoding="utf-8"))["costs"][calibration]
+    )
+    slower = replace(costs, seconds=tuple(tuple(1.3 * s for s in row) for row in costs.seconds))
+    seeds = range(6)
+    right = sum(_replay(costs, None, seed) for seed in seeds)
+    assert sum(_replay(costs, None, seed, believed=slower) for seed in seeds) >= 0.99 * right
