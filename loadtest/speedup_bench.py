@@ -474,6 +474,13 @@ def build_parser() -> argparse.ArgumentParser:
         "up to about 10 %% faster than its twin here: compare both orders)",
     )
     p.add_argument(
+        "--restarts",
+        action="store_true",
+        help="--matrix: start the workers afresh for every round, in the reverse order every "
+        "other round, so that a reading spans as many processes as rounds (a process can run "
+        "its steps a few %% faster or slower than its twin for the whole of its life)",
+    )
+    p.add_argument(
         "--starts",
         type=int,
         default=1,
@@ -520,6 +527,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         "--dflash2": args.dflash2,
         "--shapes": args.shapes,
         "--reverse-starts": args.reverse_starts,
+        "--restarts": args.restarts,
     }
     given = [name for name, value in matrix_only.items() if value]
     if given and not args.matrix:

@@ -33,7 +33,7 @@ import os
 import platform
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -278,10 +278,15 @@ async def measure_matrix(
     workers: Sequence[RunningWorker],
     requests: dict[str, list[Request]],
     args: argparse.Namespace,
+    rounds: Iterable[int] | None = None,
+    cells: dict[Key, MatrixCell] | None = None,
 ) -> dict[Key, MatrixCell]:
+    """Every cell's `rounds` (default: all of --rounds), added to `cells` (default: new)."""
     shapes = shapes_for(args)
-    cells = {(w.spec.mode, s.name, c): MatrixCell() for w in workers for s in shapes
-             for c in args.concurrency if c == 1 or w.spec.mode in BASE_MODES}  # fmt: skip
+    cells = {} if cells is None else cells
+    for key in ((w.spec.mode, s.name, c) for w in workers for s in shapes
+                for c in args.concurrency if c == 1 or w.spec.mode in BASE_MODES):  # fmt: skip
+        cells.setdefault(key, MatrixCell())
     # Idle connections are dropped before the worker's 5 s keep-alive ends: a request sent
     # on one the worker is closing fails with a ReadError, which is the client's race.
     limits = httpx.Limits(max_connections=max(args.concurrency) * 2, keepalive_expiry=2.0)
@@ -289,7 +294,7 @@ async def measure_matrix(
         for w in workers:  # first-call allocations out of the timing
             warm = shapes[0]
             await _run(client, w.url, warm, requests[warm.name][:2], 2)
-        for r in range(args.rounds):
+        for r in range(args.rounds) if rounds is None else rounds:
             for shape in shapes:
                 for c in args.concurrency:
                     workload = requests[shape.name]  # the cell's batches are its slices
@@ -625,6 +630,30 @@ def matrix_report(
     }
 
 
+def measure_restarting(
+    specs: Sequence[WorkerSpec],
+    requests: dict[str, list[Request]],
+    args: argparse.Namespace,
+    log_dir: Path,
+    env: Callable[[WorkerSpec, int], dict[str, str]],
+    cwd: Callable[[WorkerSpec], Path],
+) -> dict[Key, MatrixCell]:
+    """`--restarts`: each round on workers started afresh, in the reverse order every other
+    round (each round's logs in a folder of its own). A worker process can run its steps a
+    few percent faster or slower than its twin for its whole life (two adaptive workers of
+    one commit, started first and last: 2-6 % apart per step, loadtest/RESULTS.md), which
+    no number of rounds on the same processes averages out."""
+    cells: dict[Key, MatrixCell] = {}
+    for r in range(args.rounds):
+        order = list(specs) if r % 2 == 0 else list(specs)[::-1]
+        folder = log_dir / f"round-{r + 1}"
+        folder.mkdir(parents=True, exist_ok=True)
+        launch = running_workers(order, args, folder, argv=worker_argv, env=env, cwd=cwd)
+        with launch as workers:
+            asyncio.run(measure_matrix(workers, requests, args, range(r, r + 1), cells))
+    return cells
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`dflash-bench speedup --matrix`: every shape, A/B, one table."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -643,9 +672,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
-        launch = running_workers(specs, args, log_dir, argv=worker_argv, env=env, cwd=cwd)
-        with launch as workers:
-            cells = asyncio.run(measure_matrix(workers, requests, args))
+        if not args.restarts:
+            launch = running_workers(specs, args, log_dir, argv=worker_argv, env=env, cwd=cwd)
+            with launch as workers:
+                cells = asyncio.run(measure_matrix(workers, requests, args))
+        else:
+            cells = measure_restarting(specs, requests, args, log_dir, env, cwd)
     argvs = {s.mode: worker_argv(s, 0, args)[1:] for s in specs}
     report = matrix_report(args, requests, cells, list(os.getloadavg()), argvs)
     print(format_matrix(report))

@@ -5,7 +5,9 @@ never asserted)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +202,50 @@ def test_a_cell_interleaves_the_workers_batch_by_batch(monkeypatch: pytest.Monke
         cell = cells[(m, burst.name, 1)]
         assert cell.rounds == [20.0, 20.0] and cell.tokens == 60  # one entry per round
         assert cell.profile["prefill"] == 6  # each batch's own before/after, summed
+
+
+def test_restarts_start_the_workers_afresh_each_round_in_alternating_order(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--restarts`: every round runs on workers started for it, in the reverse order every
+    other round, and every cell gathers one reading per round across them."""
+    starts: list[list[str]] = []
+
+    @contextlib.contextmanager
+    def launch(specs: list[bb.WorkerSpec], *args: object, **kwargs: object) -> Iterator[Any]:
+        starts.append([s.mode for s in specs])
+        process: Any = None  # never started: `_run` is replaced
+        yield [bb.RunningWorker(s, s.mode, process, Path()) for s in specs]
+
+    async def run(
+        client: object, url: str, shape: sm.Shape, batch: list[sb.Request], c: int
+    ) -> tuple[list[sb.Outcome | None], float]:
+        return [_out(10, 0.5)] * len(batch), 0.5
+
+    async def quiet(workers: object) -> float:
+        return 0.0
+
+    async def seconds(client: object, url: str) -> dict[str, float]:
+        return dict.fromkeys(sm.KINDS, 0.0)
+
+    monkeypatch.setattr(sm, "running_workers", launch)
+    monkeypatch.setattr(sm, "_run", run)
+    monkeypatch.setattr(sm, "settle", quiet)
+    monkeypatch.setattr(sm, "step_seconds", seconds)
+    argv = ["--matrix", "--restarts", "--rounds", "3", "--concurrency", "1"]
+    args = sb.parse_args([*argv, "--shapes", "short-burst-t0", "--fixed", "7"])
+    specs = [bb.WorkerSpec("embedded", m) for m in sm.modes(args)]
+    requests = sm.workloads(args)
+    cells = sm.measure_restarting(
+        specs, requests, args, tmp_path, bb.worker_env, lambda s: tmp_path
+    )
+    forward = ["dflash", "plain", "fixed-7"]
+    assert starts == [forward, forward[::-1], forward]
+    assert {mode for mode, _, _ in cells} == set(forward)
+    assert all(len(cell.rounds) == 3 for cell in cells.values())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["round-1", "round-2", "round-3"]
+    with pytest.raises(SystemExit):
+        sb.parse_args(["--restarts"])  # a --matrix option
 
 
 def test_matrix_options() -> None:
