@@ -96,10 +96,13 @@ class BandPriors:
             self.bands.setdefault(name, AcceptanceStats(self.max_k))
             self.after_run.setdefault(name, AcceptanceStats(self.max_k))
 
+    def _bands(self, after_run: bool) -> dict[str, AcceptanceStats]:
+        return self.after_run if after_run else self.bands
+
     def stats_for(self, temperature: float, after_run: bool = False) -> AcceptanceStats:
         """A new request's own estimates: its band's current rates as the prior, behind
         `prior_trials` pseudo-trials (a fresh band's rates are the optimistic prior)."""
-        band = (self.after_run if after_run else self.bands)[band_of(temperature)]
+        band = self._bands(after_run)[band_of(temperature)]
         return AcceptanceStats(
             self.max_k,
             band.halflife_steps,
@@ -113,7 +116,7 @@ class BandPriors:
         by_band: dict[str, list[tuple[int, int]]] = {}
         for temperature, drafted, accepted in rows:
             by_band.setdefault(band_of(temperature), []).append((drafted, accepted))
-        bands = self.after_run if after_run else self.bands
+        bands = self._bands(after_run)
         for name, seen in by_band.items():
             bands[name].observe(seen)
 

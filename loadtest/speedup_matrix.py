@@ -278,12 +278,11 @@ async def measure_matrix(
     workers: Sequence[RunningWorker],
     requests: dict[str, list[Request]],
     args: argparse.Namespace,
-    rounds: Iterable[int] | None = None,
-    cells: dict[Key, MatrixCell] | None = None,
-) -> dict[Key, MatrixCell]:
-    """Every cell's `rounds` (default: all of --rounds), added to `cells` (default: new)."""
+    rounds: Iterable[int],
+    cells: dict[Key, MatrixCell],
+) -> None:
+    """Every cell's `rounds` on these workers, added to `cells`."""
     shapes = shapes_for(args)
-    cells = {} if cells is None else cells
     for key in ((w.spec.mode, s.name, c) for w in workers for s in shapes
                 for c in args.concurrency if c == 1 or w.spec.mode in BASE_MODES):  # fmt: skip
         cells.setdefault(key, MatrixCell())
@@ -294,12 +293,11 @@ async def measure_matrix(
         for w in workers:  # first-call allocations out of the timing
             warm = shapes[0]
             await _run(client, w.url, warm, requests[warm.name][:2], 2)
-        for r in range(args.rounds) if rounds is None else rounds:
+        for r in rounds:
             for shape in shapes:
                 for c in args.concurrency:
                     workload = requests[shape.name]  # the cell's batches are its slices
                     await _measure_cell(client, workers, cells, workload, shape, c, r, args)
-    return cells
 
 
 async def _measure_cell(
@@ -630,7 +628,24 @@ def matrix_report(
     }
 
 
-def measure_restarting(
+def launches(
+    specs: Sequence[WorkerSpec], args: argparse.Namespace, log_dir: Path
+) -> list[tuple[list[WorkerSpec], range, Path]]:
+    """Each start of the workers (in its order), the rounds it serves and its log folder:
+    one start for every round, or with `--restarts` one per round, in the reverse order
+    every other round and its logs in a folder of its own. A worker process can run its
+    steps a few percent faster or slower than its twin for its whole life (two adaptive
+    workers of one commit, started first and last: 2-6 % apart per step,
+    loadtest/RESULTS.md), which no number of rounds on the same processes averages out."""
+    if not args.restarts:
+        return [(list(specs), range(args.rounds), log_dir)]
+    return [
+        (list(specs)[:: 1 if r % 2 == 0 else -1], range(r, r + 1), log_dir / f"round-{r + 1}")
+        for r in range(args.rounds)
+    ]
+
+
+def measure_started(
     specs: Sequence[WorkerSpec],
     requests: dict[str, list[Request]],
     args: argparse.Namespace,
@@ -638,19 +653,12 @@ def measure_restarting(
     env: Callable[[WorkerSpec, int], dict[str, str]],
     cwd: Callable[[WorkerSpec], Path],
 ) -> dict[Key, MatrixCell]:
-    """`--restarts`: each round on workers started afresh, in the reverse order every other
-    round (each round's logs in a folder of its own). A worker process can run its steps a
-    few percent faster or slower than its twin for its whole life (two adaptive workers of
-    one commit, started first and last: 2-6 % apart per step, loadtest/RESULTS.md), which
-    no number of rounds on the same processes averages out."""
+    """Every cell over every round, the workers started as `launches` says."""
     cells: dict[Key, MatrixCell] = {}
-    for r in range(args.rounds):
-        order = list(specs) if r % 2 == 0 else list(specs)[::-1]
-        folder = log_dir / f"round-{r + 1}"
+    for order, rounds, folder in launches(specs, args, log_dir):
         folder.mkdir(parents=True, exist_ok=True)
-        launch = running_workers(order, args, folder, argv=worker_argv, env=env, cwd=cwd)
-        with launch as workers:
-            asyncio.run(measure_matrix(workers, requests, args, range(r, r + 1), cells))
+        with running_workers(order, args, folder, argv=worker_argv, env=env, cwd=cwd) as workers:
+            asyncio.run(measure_matrix(workers, requests, args, rounds, cells))
     return cells
 
 
@@ -672,12 +680,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         log_dir = args.log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         log_dir.mkdir(parents=True, exist_ok=True)
-        if not args.restarts:
-            launch = running_workers(specs, args, log_dir, argv=worker_argv, env=env, cwd=cwd)
-            with launch as workers:
-                cells = asyncio.run(measure_matrix(workers, requests, args))
-        else:
-            cells = measure_restarting(specs, requests, args, log_dir, env, cwd)
+        cells = measure_started(specs, requests, args, log_dir, env, cwd)
     argvs = {s.mode: worker_argv(s, 0, args)[1:] for s in specs}
     report = matrix_report(args, requests, cells, list(os.getloadavg()), argvs)
     print(format_matrix(report))

@@ -236,9 +236,7 @@ def test_restarts_start_the_workers_afresh_each_round_in_alternating_order(
     args = sb.parse_args([*argv, "--shapes", "short-burst-t0", "--fixed", "7"])
     specs = [bb.WorkerSpec("embedded", m) for m in sm.modes(args)]
     requests = sm.workloads(args)
-    cells = sm.measure_restarting(
-        specs, requests, args, tmp_path, bb.worker_env, lambda s: tmp_path
-    )
+    cells = sm.measure_started(specs, requests, args, tmp_path, bb.worker_env, lambda s: tmp_path)
     forward = ["dflash", "plain", "fixed-7"]
     assert starts == [forward, forward[::-1], forward]
     assert {mode for mode, _, _ in cells} == set(forward)
