@@ -55,11 +55,16 @@ class RedisPyClient:
     async def call(self, *args: Any) -> Any:
         try:
             command = self.redis.execute_command(*args)  # type: ignore[no-untyped-call]
-            return await asyncio.wait_for(command, self.deadline_s)
+            reply = await asyncio.wait_for(command, self.deadline_s)
         except redis.exceptions.ResponseError as exc:
             raise ReplyError(str(exc)) from None
         except (redis.exceptions.RedisError, OSError, TimeoutError) as exc:
             raise RedisUnavailable(repr(exc)) from None
+        # redis-py reads HGETALL into a dict; the lean client returns RESP's flat list, which
+        # the gateway's callers read (the promotion store's pins).
+        if isinstance(reply, dict):
+            return [item for pair in reply.items() for item in pair]
+        return reply
 
     async def evalsha(self, script: Script, keys: list[str], args: list[Any]) -> Any:
         try:
