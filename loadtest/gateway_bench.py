@@ -59,8 +59,8 @@ class RawClient:
     """A minimal keep-alive HTTP/1.1 client: the load generator must cost less than the
     thing it measures (httpx would dominate the numbers on a small machine)."""
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, port: int, key: str = BENCH_KEY) -> None:
+        self.port, self.key = port, key
         self._conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def post(self, path: str, body: bytes, on_chunk: Any = None) -> int:
@@ -71,7 +71,7 @@ class RawClient:
         # (`--peers --limits`) is measured on the same bytes.
         head = (
             f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"authorization: Bearer {BENCH_KEY}\r\ncontent-length: {len(body)}\r\n\r\n"
+            f"authorization: Bearer {self.key}\r\ncontent-length: {len(body)}\r\n\r\n"
         ).encode()
         writer.write(head + body)
         status, headers = await self._read_head(reader)
@@ -134,13 +134,13 @@ def body(stream: bool, gap_ms: float = 0.0) -> bytes:
 
 
 async def closed_loop(
-    port: int, payload: bytes, users: int, duration: float, stream: bool
+    port: int, payload: bytes, users: int, duration: float, stream: bool, key: str = BENCH_KEY
 ) -> Sample:
     """`users` clients, each sending its next request as soon as the last one finished."""
     sample = Sample()
 
     async def user(deadline: float) -> None:
-        client = RawClient(port)
+        client = RawClient(port, key)
         try:
             while time.perf_counter() < deadline:
                 await one_request(client, payload, stream, sample)

@@ -98,11 +98,38 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
         assert row["unary_errors"] == row["stream_errors"] == row["burst_errors"] == 0, row
         # Read after each round: whether memory plateaus while the store is down.
         assert len(row["rss_mb_by_round"]) == 1 and row["rss_mb"] > 0  # --rounds 1
-    assert set(report["costs"]["capture"]) >= {"unary_cpu_us_per_request", "goal", "met"}
+    # Every request a capturing gateway served is counted once, as written or as dropped.
     down = report["capture"]["dflash-gateway (capture, store down)"]
     assert down.get("written", 0) == 0
+    assert sum(down.values()) == rows["dflash-gateway (capture, store down)"]["requests_served"]
     captured = report["capture"]["dflash-gateway (capture)"]
-    assert sum(captured.values()) > 0 and captured.get("unusable", 0) == 0
+    assert captured["written"] == rows["dflash-gateway (capture)"]["requests_served"] > 0
+    # Capture by tenant, in one process: the captured tenant's requests, all written, and
+    # none of the other two tenants' (they are counted on the same process).
+    by_tenant = report["capture"]["dflash-gateway (tenants, captured)"]
+    assert by_tenant["written"] == sum(by_tenant.values())
+    assert by_tenant["written"] == rows["dflash-gateway (tenants, captured)"]["requests_served"]
+    for name in (
+        "dflash-gateway (tenants, not captured)",
+        "dflash-gateway (tenants, not captured, A/A)",
+    ):
+        assert rows[name]["requests_served"] > 0 and rows[name]["unary_errors"] == 0
+    costs = report["costs"]
+    assert set(costs["capture"]) == {
+        "unary_cpu_us_per_request",
+        "stream_cpu_us_per_stream",
+        "goal",
+        "met",
+    }
+    assert costs["capture"]["goal"] == 1.10
+    assert (
+        set(costs["capture's A/A"])
+        == set(costs["capture, another process"])
+        == {
+            "unary_cpu_us_per_request",
+            "stream_cpu_us_per_stream",
+        }
+    )
 
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
