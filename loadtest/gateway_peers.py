@@ -372,8 +372,8 @@ def capture_peers(args: argparse.Namespace, upstream: int, workdir: Path) -> lis
     port = free_port()
     settings = {"capture_uri": str(workdir / "capture"), "capture_flush_s": "1"}
     process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings)
-    capturing: dict[str, Any] = {"settle_s": SETTLE_S, "captures": True}
-    peers = [Peer("dflash-gateway (capture)", port, process, "/ready", **capturing)]
+    name = "dflash-gateway (capture)"
+    peers = [Peer(name, port, process, "/ready", settle_s=SETTLE_S, captures=True)]
     down = {
         "AWS_ACCESS_KEY_ID": "bench",
         "AWS_SECRET_ACCESS_KEY": "bench",
@@ -383,7 +383,8 @@ def capture_peers(args: argparse.Namespace, upstream: int, workdir: Path) -> lis
     port = free_port()
     settings = {"capture_uri": "s3://bench/capture", "capture_flush_s": "1"}
     process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings, env_extra=down)
-    peers.append(Peer("dflash-gateway (capture, store down)", port, process, "/ready", **capturing))
+    name = "dflash-gateway (capture, store down)"
+    peers.append(Peer(name, port, process, "/ready", settle_s=SETTLE_S, captures=True))
     return peers + tenant_capture_peers(args, upstream, workdir)
 
 

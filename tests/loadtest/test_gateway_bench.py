@@ -115,21 +115,11 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
     ):
         assert rows[name]["requests_served"] > 0 and rows[name]["unary_errors"] == 0
     costs = report["costs"]
-    assert set(costs["capture"]) == {
-        "unary_cpu_us_per_request",
-        "stream_cpu_us_per_stream",
-        "goal",
-        "met",
-    }
     assert costs["capture"]["goal"] == 1.10
-    assert (
-        set(costs["capture's A/A"])
-        == set(costs["capture, another process"])
-        == {
-            "unary_cpu_us_per_request",
-            "stream_cpu_us_per_stream",
-        }
-    )
+    ratios = {"unary_cpu_us_per_request", "stream_cpu_us_per_stream"}
+    assert set(costs["capture"]) == ratios | {"goal", "met"}
+    assert set(costs["capture, another process"]) == ratios  # read, with no goal
+    assert set(costs["capture's A/A"]) == ratios
 
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
