@@ -9,13 +9,13 @@ They start one after the other and then all stay up: a quiet worker costs memory
 so the measurement rounds can alternate between them. Each round sends the same greedy
 `/v1/completions` requests (held-out code prompts, `ignore_eos`, so every request generates
 exactly `--max-tokens`) to one worker at a time in a closed loop at each concurrency, and the
-order of the workers rotates from round to round: a change in the machine's load weighs on
-every worker alike. Before each round the benchmark waits until every worker is quiet (real
-vLLM polls on a busy core for about a second after its last request), and it records the
-CPU each worker used, during its own rounds and during the others'. Reported per (worker,
-concurrency): generated tokens/s (completion tokens from `usage` over the rounds' wall
-time), per-user tokens/s, and the mean acceptance length the worker reports per request
-(`metrics.speculative_decoding`). Prints a table and writes JSON.
+order of the workers changes from round to round (`round_order`): a change in the machine's
+load weighs on every worker alike. Before each round the benchmark waits until every worker
+is quiet (real vLLM polls on a busy core for about a second after its last request), and it
+records the CPU each worker used, during its own rounds and during the others'. Reported
+per (worker, concurrency): generated tokens/s (completion tokens from `usage` over the
+rounds' wall time), per-user tokens/s, and the mean acceptance length the worker reports per
+request (`metrics.speculative_decoding`). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 import httpx
 
 from launcher.processes import cpu_seconds, free_port, rss_mib, stop, wait_healthy
-from loadtest.harness import closed_loop, git_commit, int_list
+from loadtest.harness import closed_loop, git_commit, int_list, round_order
 
 REPO = Path(__file__).resolve().parents[1]
 BACKENDS = ("embedded", "vllm")
@@ -422,7 +422,7 @@ async def measure(
     workers: Sequence[RunningWorker], prompts: Sequence[str], args: argparse.Namespace
 ) -> tuple[dict[tuple[str, int], Cell], Idle]:
     """Warm every worker, then `--rounds` rounds: in each, every concurrency, and at each
-    concurrency every worker once, in an order that rotates from round to round."""
+    concurrency every worker once, in an order that changes from round to round."""
     cells = {(w.spec.name, c): Cell(w.spec.name, c) for w in workers for c in args.concurrency}
     idle = Idle({w.spec.name: 0.0 for w in workers}, {w.spec.name: 0.0 for w in workers})
     timeout = httpx.Timeout(args.request_timeout)
@@ -434,8 +434,7 @@ async def measure(
         for r in range(args.rounds):
             for c in args.concurrency:
                 batch = [prompts[i % len(prompts)] for i in range(_round_size(c, args))]
-                order = [*workers[r % len(workers) :], *workers[: r % len(workers)]]
-                for w in order:
+                for w in round_order(workers, r):
                     cell = cells[(w.spec.name, c)]
                     await _measured_round(client, w, workers, batch, cell, idle, args)
                     print(

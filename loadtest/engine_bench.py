@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from loadtest.harness import BUNDLED, bench_prompts, int_list
+from loadtest.harness import BUNDLED, bench_prompts, int_list, round_order
 
 MIXES = ("greedy", "mixed")
 SAMPLED = 1.0  # the mixed shape's other half (as speedup_matrix's): drafts rarely accepted
@@ -409,7 +409,7 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
         n = max(len(prompts), c * args.requests_per_slot)
         batch = [prompts[i % len(prompts)] for i in range(n)]
         for repeat in range(args.repeats):
-            for v in rotated(variants, repeat):
+            for v in round_order(variants, repeat):
                 outs = _measure(engines[v], cells[(c, v)], batch, c, args)
                 if not reference:
                     reference = {i: outs[i] for i in greedy + seeded}
@@ -427,14 +427,6 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
             report["adaptive_costs"], report["adaptive_rates"] = info["costs"], info["rates"]
             report["adaptive_table"] = info["table"]
     return report
-
-
-def rotated(variants: list[Variant], repeat: int) -> list[Variant]:
-    """The variants in the order of round `repeat`: each round starts one further on, so
-    no variant always runs first (after the cell's warm-up) or right after the same one,
-    which the A/A control read as 1.01x when it always ran last."""
-    shift = repeat % len(variants)
-    return variants[shift:] + variants[:shift]
 
 
 def _measure(

@@ -91,10 +91,30 @@ def share_of_one(text: str) -> float:
 
 
 def round_order(items: Sequence[T], r: int) -> list[T]:
-    """Round r's order of the things compared side by side: in turn, then in reverse (A B C,
-    C B A, ...), so that a drift over a round (a worker warming, a neighbour starting) falls
-    on every one alike, not on the one that runs last."""
-    return list(items) if r % 2 == 0 else list(items)[::-1]
+    """Round r's order of the things compared side by side, from a Williams design: over a
+    cycle of n rounds (2n when n is odd) each runs in every position equally often, so a
+    drift over a round (a worker warming, a neighbour starting) falls on every one alike,
+    and right after every other one equally often. Rotating one order (A B C, B C A, ...)
+    would keep its neighbours: C would run just before A in almost every turn, so whatever
+    a turn leaves behind (caches, a busy tail) would fall on A alone. Two things alternate
+    (A B, B A)."""
+    rows = williams_rows(len(items))
+    return [items[i] for i in rows[r % len(rows)]]
+
+
+def williams_rows(n: int) -> list[list[int]]:
+    """The orders of a Williams design on n things: 0, 1, n-1, 2, n-2, ... shifted by each
+    of 0..n-1, and for odd n the same reversed (each thing follows each other one exactly
+    once per n rows, or twice per 2n)."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + shift) % n for x in first] for shift in range(n)] if n else [[]]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
 
 
 def aligned(rows: Sequence[Sequence[str]], sep: str = "  ") -> str:

@@ -6,7 +6,7 @@ Two `dflash-worker`s serve the bundled tiny-coder, started as a user starts them
     dflash-worker --max-num-seqs 32 ...                      (DFlash, bundled drafter)
     dflash-worker --max-num-seqs 32 --no-speculation ...     (plain)
 
-Both stay up; the rounds alternate between them (one at a time, the order rotating from round
+Both stay up; the rounds alternate between them (one at a time, the order alternating from round
 to round, each round waiting until both workers are quiet), so a change in the machine's load
 weighs on both alike. Every round sends, at each concurrency (closed loop), the same requests
 to each worker: prompts cut from held-out code (never trained on) to 32..512 tokens, 64..256
@@ -46,7 +46,7 @@ from loadtest.backends_bench import (
     worker_env,
 )
 from loadtest.chat_stream import iter_sse_data
-from loadtest.harness import closed_loop, git_commit, int_list
+from loadtest.harness import closed_loop, git_commit, int_list, round_order
 
 REPO = Path(__file__).resolve().parents[1]
 # --matrix (loadtest/speedup_matrix.py): its longest prompt and answer, and the context for it.
@@ -362,7 +362,7 @@ async def measure(
             for stream in args.streams:
                 for c in args.concurrency:
                     batch = [requests[i % len(requests)] for i in range(_round_size(c, args))]
-                    for w in [*workers[r % 2 :], *workers[: r % 2]]:
+                    for w in round_order(workers, r):
                         await settle(workers)
                         results, seconds = await run_round(
                             client, w.url, batch, c, stream, args.temperature

@@ -11,8 +11,9 @@ One workload tunes a policy; users send many. The matrix crosses, over the same 
   shape every sampled request carries a seed);
 - streaming for some shapes.
 
-Every shape runs at every concurrency, A/B interleaved (the order rotating by round, each
-run waiting until both workers are quiet), so load on the machine weighs on both alike. A
+Every shape runs at every concurrency, A/B interleaved (the order changing by round so that
+each worker runs after every other one alike: `round_order`; each run waiting until both
+workers are quiet), so load on the machine weighs on both alike. A
 cell sends at least `--min-requests` requests per worker and round: a small burst (one
 request at c=1) is repeated, with the next requests of the workload, once the previous one
 has ended, so that a cell is not one request's half second on a shared machine.
@@ -48,7 +49,7 @@ from loadtest.backends_bench import (
     settle,
     worker_env,
 )
-from loadtest.harness import closed_loop, git_commit
+from loadtest.harness import closed_loop, git_commit, round_order
 from loadtest.speedup_bench import (
     MATRIX_LONGEST,
     MATRIX_MAX_MODEL_LEN,
@@ -311,9 +312,9 @@ async def _measure_cell(
     args: argparse.Namespace,
 ) -> None:
     """One round of one cell: each worker serves the same batches, interleaved batch by
-    batch (worker order rotating with the round and the batch), so that a cell of small
-    bursts compares the workers request by request and a slow spell of the shared machine
-    falls on all of them, not on whichever ran in its window."""
+    batch (the workers' order changing with the round and the batch: `round_order`), so
+    that a cell of small bursts compares the workers request by request and a slow spell of
+    the shared machine falls on all of them, not on whichever ran in its window."""
     present = [w for w in workers if (w.spec.mode, shape.name, c) in cells]
     n = shape.num_requests(c, args.requests_per_slot)
     repeats = shape.repeats(c, args.requests_per_slot, args.min_requests)
@@ -321,8 +322,7 @@ async def _measure_cell(
     seconds = dict.fromkeys(done, 0.0)
     for j in range(repeats):
         batch = requests[j * n : (j + 1) * n]
-        turn = (r + j) % len(present)
-        for w in [*present[turn:], *present[:turn]]:
+        for w in round_order(present, r * repeats + j):
             await settle(workers)
             before = await step_seconds(client, w.url)
             results, took = await _run(client, w.url, shape, batch, c)

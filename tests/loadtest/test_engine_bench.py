@@ -176,16 +176,3 @@ def test_a_forced_plain_planner_plans_plain_by_its_own_rules() -> None:
         assert kept is not None and kept[1] == StepPlan.plain(2)  # a plain plan, kept
         fresh += kept[2] == 0
     assert 1 <= fresh <= 4  # weighed again only when the kept plan ran out
-
-
-def test_rounds_rotate_the_order_of_the_variants() -> None:
-    plain, dflash, control = (
-        engine_bench.Variant(1),
-        engine_bench.Variant(16, adaptive=True, forced_plain=True),
-        engine_bench.Variant(1, control=True),
-    )
-    variants = [plain, dflash, control]
-    orders = [engine_bench.rotated(variants, r) for r in range(4)]
-    assert orders[0] == variants and orders[3] == variants
-    assert [order[0] for order in orders[:3]] == variants  # each leads one round in three
-    assert all(sorted(order) == sorted(variants) for order in orders)

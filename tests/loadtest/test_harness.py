@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -81,11 +83,25 @@ def test_share_of_one_lies_strictly_between_0_and_1() -> None:
             share_of_one(bad)
 
 
-def test_rounds_run_in_turn_then_in_reverse() -> None:
-    """A drift over a round falls on everything compared alike (A B C, C B A), not on the
-    one that runs last: the fleet, drafters and adapt benches order their rounds so."""
-    orders = [round_order("ABC", r) for r in range(4)]
-    assert orders == [list("ABC"), list("CBA"), list("ABC"), list("CBA")]
+def test_two_things_alternate() -> None:
+    assert [round_order("AB", r) for r in range(3)] == [list("AB"), list("BA"), list("AB")]
+
+
+@pytest.mark.parametrize("n", [3, 4, 5, 6])
+def test_every_thing_runs_in_every_position_and_after_every_other_alike(n: int) -> None:
+    """Over a cycle of rounds each runs in each position, and right after each other one,
+    equally often: a drift over a round, or what a turn leaves behind for the next, falls
+    on all alike. Rotating one order (A B C, B C A, C A B) fails the second half: B always
+    follows A."""
+    items = "ABCDEF"[:n]
+    cycle = [round_order(items, r) for r in range(2 * n)]
+    assert all(sorted(order) == list(items) for order in cycle)
+    positions = Counter((i, x) for order in cycle for i, x in enumerate(order))
+    assert set(positions.values()) == {2}
+    follows = Counter(pair for order in cycle for pair in itertools.pairwise(order))
+    assert len(follows) == n * (n - 1)
+    assert len(set(follows.values())) == 1
+    assert round_order(items, 2 * n) == cycle[0]
 
 
 def test_aligned_pads_columns() -> None:

@@ -166,7 +166,7 @@ def test_a_dflash2_worker_is_compared_with_plain_and_with_dflash_in_every_cell()
 
 
 def test_a_cell_interleaves_the_workers_batch_by_batch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each worker serves the same batches; the order rotates from batch to batch (and from
+    """Each worker serves the same batches; the order changes from batch to batch (and from
     round to round), so a slow spell of the machine is shared rather than one worker's."""
     calls: list[tuple[str, str]] = []
 
