@@ -170,9 +170,10 @@ def modes(args: argparse.Namespace) -> list[str]:
     second plain worker and with --dflash2 the bundled DFlash2 drafter's worker; at c=1 also
     DFlash verifying K drafts every step for each --fixed K; in every cell a --tree
     checkout's DFlash (a change can win at c=1 and lose in mixed batches). In the order
-    they start (one at a time), reversed by --reverse-starts: a worker started later can
-    read faster than its identical twin started earlier, so a fine comparison is read from
-    both orders (loadtest/README.md has the numbers)."""
+    they start (one at a time, unless --together), reversed by --reverse-starts: a worker
+    started later can read faster than its identical twin started earlier, so a fine
+    comparison is read from both orders, or with the workers started together
+    (loadtest/README.md has the numbers)."""
     extra = [f"fixed-{k}" for k in args.fixed] + (["tree"] if args.tree is not None else [])
     base = ["dflash", "plain", *(["control"] if args.control else [])]
     order = [*base, *(["dflash2"] if args.dflash2 else []), *extra]
@@ -657,7 +658,9 @@ def measure_started(
     cells: dict[Key, MatrixCell] = {}
     for order, rounds, folder in launches(specs, args, log_dir):
         folder.mkdir(parents=True, exist_ok=True)
-        with running_workers(order, args, folder, argv=worker_argv, env=env, cwd=cwd) as workers:
+        with running_workers(
+            order, args, folder, argv=worker_argv, env=env, cwd=cwd, together=args.together
+        ) as workers:
             asyncio.run(measure_matrix(workers, requests, args, rounds, cells))
     return cells
 

@@ -208,12 +208,15 @@ def test_restarts_start_the_workers_afresh_each_round_in_alternating_order(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """`--restarts`: every round runs on workers started for it, in the reverse order every
-    other round, and every cell gathers one reading per round across them."""
+    other round, and every cell gathers one reading per round across them; `--together`
+    starts each round's workers at the same moment."""
     starts: list[list[str]] = []
+    together: list[object] = []
 
     @contextlib.contextmanager
     def launch(specs: list[bb.WorkerSpec], *args: object, **kwargs: object) -> Iterator[Any]:
         starts.append([s.mode for s in specs])
+        together.append(kwargs.get("together"))
         process: Any = None  # never started: `_run` is replaced
         yield [bb.RunningWorker(s, s.mode, process, Path()) for s in specs]
 
@@ -242,8 +245,13 @@ def test_restarts_start_the_workers_afresh_each_round_in_alternating_order(
     assert {mode for mode, _, _ in cells} == set(forward)
     assert all(len(cell.rounds) == 3 for cell in cells.values())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["round-1", "round-2", "round-3"]
-    with pytest.raises(SystemExit):
-        sb.parse_args(["--restarts"])  # a --matrix option
+    assert together == [False] * 3  # one at a time, unless --together
+    args = sb.parse_args([*argv, "--shapes", "short-burst-t0", "--together"])
+    sm.measure_started(specs, requests, args, tmp_path / "t", bb.worker_env, lambda s: tmp_path)
+    assert together[3:] == [True] * 3
+    for matrix_only in ("--restarts", "--together"):
+        with pytest.raises(SystemExit):
+            sb.parse_args([matrix_only])
 
 
 def test_matrix_options() -> None:
