@@ -18,9 +18,9 @@ the cost of tracing and capture over the gateway without them is printed after t
 A peer that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
-others (`--aux-cpus`); each round runs every phase against every proxy in turn, each round
-starting one proxy further down the list, so that the machine's load (shared, noisy) and a
-proxy's place in the round weigh on all of them alike. Per proxy:
+others (`--aux-cpus`); each round runs every phase against every proxy in turn, in an order
+that changes each round (`round_order`), so that the machine's load (shared, noisy), a
+proxy's place in the round and the proxy before it weigh on all of them alike. Per proxy:
 - CPU µs per unary request: the proxy's CPU time (all its processes) over a closed loop of
   `--concurrency` clients, divided by the requests completed; and those requests/s (a
   capturing gateway's CPU is read 1.5 s after the loop: its writer's work on the phase's
@@ -63,7 +63,7 @@ from loadtest.gateway_bench import (
     without_collector,
     write_report,
 )
-from loadtest.harness import aligned, percentile, pinned
+from loadtest.harness import aligned, percentile, pinned, round_order
 from wire.http import package_version
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -736,10 +736,9 @@ async def run(args: argparse.Namespace, stub: int, peers: list[Peer]) -> list[di
             merge(results[peer.name].warmup, part)
     await bursts(args, peers, results, stub, first=True)
     for number in range(args.rounds):
-        # Each round starts one proxy further down the list: what a proxy's place in the
-        # round does to it (the machine's drift, the proxy before it) falls on every proxy.
-        turn = number % len(peers)
-        await one_round(args, peers[turn:] + peers[:turn], results, stub)
+        # The proxies' order changes each round (`round_order`): what a proxy's place in
+        # the round does to it (the machine's drift, the proxy before it) falls on all.
+        await one_round(args, round_order(peers, number), results, stub)
     for peer in peers:
         results[peer.name].rss_mb = rss_mib(peer.process.pid)
         if peer.name.startswith("dflash-gateway"):
