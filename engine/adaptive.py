@@ -257,9 +257,12 @@ class AcceptanceStats:
     idle: int = 0  # plain steps not yet faded into the counts (fade())
     drafted_steps: int = 0  # observations with a draft in them (fading leaves it be)
     _rates: list[float] | None = field(default=None, repr=False)  # until the next observe
-    # optimistic_rates(z) for the last z asked, until the next observe: the planner asks
-    # for every row at every step it weighs, and a row's estimates move only when it drafts
-    _optimistic: tuple[float, list[float]] | None = field(default=None, repr=False)
+    # optimistic_rates(z) per z asked, until the next observe: the planner asks for every
+    # row at every step it weighs, and a row's estimates move only when it drafts. Per z, not
+    # the last one: z is OPTIMISM over the batch size, which a busy batch's arrivals and
+    # departures move between two values from step to step, and a look asks at OPTIMISM too
+    # (one slot recomputed a row's rates at most re-plans of a 32-row churning batch).
+    _optimistic: dict[float, list[float]] = field(default_factory=dict, repr=False)
     # tokens_by_k per (doubt, reach), until the next observe or fade: read for every row
     # at every step the planner weighs (15 products each, 32 rows)
     _curves: dict[tuple[float, int], list[float]] = field(default_factory=dict, repr=False)
@@ -302,7 +305,8 @@ class AcceptanceStats:
 
     def _forget_estimates(self) -> None:
         """The kept estimates are stale: the counts moved (or will at the next read)."""
-        self._rates = self._optimistic = None
+        self._rates = None
+        self._optimistic.clear()
         self._curves.clear()
 
     def _settle(self) -> None:
@@ -338,14 +342,14 @@ class AcceptanceStats:
         from point estimates that two early rejections put just under break-even drafts no
         more and so never learns otherwise; with the bonus it drafts until its own trials
         have shrunk the doubt, and only then stays plain."""
-        if self._optimistic is not None and self._optimistic[0] == z:
-            return self._optimistic[1]
+        found = self._optimistic.get(z)
+        if found is not None:
+            return found
         w, point = self.prior_weight, self.rates()  # settled: self.tried is current
-        rates = [
+        rates = self._optimistic[z] = [
             min(1.0, r + z * math.sqrt(r * (1.0 - r) / (t + w)))
             for r, t in zip(point, self.tried, strict=True)
         ]
-        self._optimistic = (z, rates)
         return rates
 
     def expected_tokens(self, k: int) -> float:

@@ -315,6 +315,23 @@ def test_a_request_s_own_evidence_fades_over_its_plain_steps() -> None:
     assert stats.idle == 0 and stats.drafted_steps == 3
 
 
+def test_optimistic_rates_are_kept_per_doubt_until_the_estimates_move() -> None:
+    """A churning batch asks at OPTIMISM over 31 rows, then over 32, and a look at OPTIMISM:
+    each doubt's rates are computed once, not again whenever another doubt came between;
+    a drafting step moves them all."""
+    stats = AcceptanceStats(max_k=4, prior_rates=(0.9, 0.8, 0.7, 0.6))
+    stats.observe([(4, 2)])
+    asked = {z: stats.optimistic_rates(z) for z in (1 / 31, 1 / 32, 1.0)}
+    for _ in range(3):
+        for z, first in asked.items():
+            assert stats.optimistic_rates(z) is first
+    assert asked[1.0][0] > asked[1 / 31][0] > asked[1 / 32][0] > stats.rates()[0]
+    stats.observe([(4, 0)])
+    for z, first in asked.items():
+        moved = stats.optimistic_rates(z)
+        assert moved is not first and moved[0] < first[0]
+
+
 def test_a_request_s_token_curves_are_kept_until_its_estimates_move() -> None:
     """tokens_by_k: cumulative_tokens of the (raised) estimates, cut at the tokens left,
     the same list until a drafting step or a whole chunk of fading moves the counts; a
