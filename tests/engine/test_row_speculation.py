@@ -13,6 +13,7 @@ import pytest
 from engine import row_speculation
 from engine.adaptive import AcceptanceStats, ContextTerm, CostModel, SpecPolicy, cumulative_tokens
 from engine.row_speculation import (
+    CHURN_SHARE,
     OPTIMISM,
     PROBE_K,
     REPLAN_EVERY,
@@ -320,6 +321,27 @@ def test_a_plain_plan_is_kept_while_its_batch_stays_the_same(
     planner.observe(["a"], [1.0], [(3, 3)])
     plan(("a",))
     assert len(asked) == 6  # its estimates moved
+
+
+def test_a_big_batch_s_plain_plan_stands_while_few_of_its_rows_change() -> None:
+    """A closed loop at 16 rows changes a row every few steps: the kept plain plan stands
+    for the new batch while fewer than 16 / CHURN_SHARE rows have changed since it was
+    weighed (an arrival and a departure: one row), and no longer."""
+    planner = RowPlanner(_policy(), BandPriors(MAX_K))
+    asked: list[int] = []
+    for n in range(19):
+        planner.add(n, 1.0)
+        planner._own[n] = AcceptanceStats(MAX_K, prior_rates=tuple(LOW), prior_weight=1e9)
+
+    def plan(keys: range | list[int]) -> StepPlan:
+        return planner.plan(list(keys), [64] * len(keys), lambda i: asked.append(i) or 0)
+
+    assert plan(range(16)) == StepPlan.plain(16) and len(asked) == 16
+    assert plan(range(1, 17)) == StepPlan.plain(16) and len(asked) == 16  # one row changed
+    assert plan(range(2, 17)) == StepPlan.plain(15) and len(asked) == 16  # one and a half
+    assert CHURN_SHARE == 8
+    assert plan(range(2, 18)) == StepPlan.plain(16) and len(asked) == 32  # two: weighed again
+    assert plan([*range(3, 18), 18]) == StepPlan.plain(16) and len(asked) == 32
 
 
 def test_a_drafting_plan_is_weighed_every_step() -> None:
