@@ -242,7 +242,7 @@ VARIANT_MARKS = {"adaptive": "a", "drafter_int8": "q", "forced_plain": "p", "con
 class ForcedPlain:
     """A DFlash engine's row planner that never drafts, for `--forced-plain`: its policy
     finds no plan worth drafting (an infinite margin), so it plans plain by its own rules,
-    as it does when drafting does not pay (a plain plan kept while its batch stays the
+    as it does when drafting does not pay (a plain plan kept while its batch stays about the
     same, looks and probes weighed when due), and the looks and probes it takes are
     decoded plain too. Overruling a planner that still wants to draft instead re-plans at
     every step: that is the planning cost of a drafting step, not of a plain one."""
