@@ -292,16 +292,17 @@ class AcceptanceStats:
                 if j < num_accepted:
                     self.accepted[j] += 1.0
 
-    def fade(self) -> None:
+    def fade(self, steps: int = 1) -> None:
         """A step on which this request did not draft. A request's own evidence fades by
         such steps toward its prior, at the rate of drafting ones: its acceptance moves
         within an answer (a short prompt's first tokens are guessed worse than what
         follows), so two rejections early on must not keep it plain to the end. Applied
         `FADE_CHUNK` steps at a time (the planner reads the estimates of every row it
-        weighs)."""
-        self.idle += 1
-        if self.idle % FADE_CHUNK == 0 and any(self.tried):  # no evidence: nothing fades
-            self._forget_estimates()
+        weighs). `steps`: that many such steps at once."""
+        before = self.idle
+        self.idle += steps
+        if self.idle // FADE_CHUNK > before // FADE_CHUNK and any(self.tried):
+            self._forget_estimates()  # a chunk completed (no evidence: nothing fades)
 
     def _forget_estimates(self) -> None:
         """The kept estimates are stale: the counts moved (or will at the next read)."""

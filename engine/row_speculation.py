@@ -404,19 +404,35 @@ class RowPlanner:
     _after_run: dict[Hashable, AcceptanceStats] = field(default_factory=dict)
     _in_run: set[Hashable] = field(default_factory=set)
     _kept: _Kept | None = None
+    # Steps on which every request plain-decoded, and per request how many of them its own
+    # estimates have faded by: such a step's fades are applied when the request is next
+    # read or observed (a busy batch's plain steps then cost one count, not a fade a row).
+    _plain_steps: int = 0
+    _faded_to: dict[Hashable, int] = field(default_factory=dict)
 
     def add(self, key: Hashable, temperature: float) -> None:
         self._own[key] = self.priors.stats_for(temperature)
         self._after_run[key] = self.priors.stats_for(temperature, after_run=True)
+        self._faded_to[key] = self._plain_steps
 
     def remove(self, key: Hashable) -> None:
         self._own.pop(key, None)
         self._after_run.pop(key, None)
+        self._faded_to.pop(key, None)
         self._in_run.discard(key)
+
+    def _faded(self, key: Hashable) -> AcceptanceStats:
+        """A request's own estimates, with the plain steps it has not faded by yet."""
+        own = self._own[key]
+        behind = self._plain_steps - self._faded_to[key]
+        if behind:
+            own.fade(behind)
+            self._faded_to[key] = self._plain_steps
+        return own
 
     def _estimates(self, key: Hashable) -> AcceptanceStats:
         """What a row's next step is planned by (see `observe`)."""
-        return self._after_run[key] if key in self._in_run else self._own[key]
+        return self._after_run[key] if key in self._in_run else self._faded(key)
 
     def plan(
         self,
@@ -429,13 +445,34 @@ class RowPlanner:
         up (asked only when the rows are weighed again); `tokens_left`: the most each may
         still generate (None: no probation probes)."""
         batch = tuple(keys)
+        kept = self.kept_plan(batch)
+        if kept is not None:
+            return kept
+        return self.weigh(batch, contexts, pending, tokens_left)
+
+    def kept_plan(self, batch: Sequence[Hashable]) -> StepPlan | None:
+        """The kept plain plan, if it still stands for these rows (counted as a step of
+        it); None: the rows must be weighed. The engine asks this first, at every step, and
+        builds what weighing reads only when it must."""
         kept = self._kept
-        if kept is not None and kept.stands_for(batch):
-            self.policy.exploration_due(False)  # counted: a look due is weighed at the re-plan
-            n = len(batch)
-            plan = kept.plan if len(kept.plan.drafting) == n else StepPlan.plain(n)
-            self._kept = kept._replace(plan=plan, age=kept.age + 1)
-            return plan
+        if kept is None or not kept.stands_for(batch):
+            return None
+        self.policy.exploration_due(False)  # counted: a look due is weighed at the re-plan
+        n = len(batch)
+        plan = kept.plan if len(kept.plan.drafting) == n else StepPlan.plain(n)
+        self._kept = kept._replace(plan=plan, age=kept.age + 1)
+        return plan
+
+    def weigh(
+        self,
+        keys: Sequence[Hashable],
+        contexts: Sequence[int],
+        pending: Callable[[int], int],
+        tokens_left: Sequence[int] | None = None,
+    ) -> StepPlan:
+        """The rows weighed afresh (`plan`'s arguments); a plain plan is kept for the
+        next steps."""
+        batch = tuple(keys)
         left = [0] * len(batch) if tokens_left is None else tokens_left
         # What a row's drafting teaches is paid by every row waiting for its forward.
         doubt = OPTIMISM / len(batch)
@@ -494,9 +531,12 @@ class RowPlanner:
         plain step ends a run: the text moved on with no block to tell whether it held)."""
         seen: list[tuple[float, int, int]] = []
         seen_after_run: list[tuple[float, int, int]] = []
+        if not any(drafted for drafted, _ in results):
+            self.observe_plain(keys)
+            return
         for key, temperature, (drafted, accepted) in zip(keys, temperatures, results, strict=True):
             if drafted:
-                self._own[key].observe([(drafted, accepted)])
+                self._faded(key).observe([(drafted, accepted)])
                 seen.append((temperature, drafted, accepted))
                 if key in self._in_run:
                     self._after_run[key].observe([(drafted, accepted)])
@@ -512,6 +552,18 @@ class RowPlanner:
             self.priors.observe_step(seen)
         if seen_after_run:
             self.priors.observe_step(seen_after_run, after_run=True)
+
+    def observe_plain(self, keys: Sequence[Hashable]) -> None:
+        """`observe` for a step on which no row drafted: each row's estimates fade, and no
+        row is in a run (the engine's every plain step; spared the per-row results)."""
+        if len(keys) == len(self._own):  # every request: one count
+            self._plain_steps += 1
+        else:  # some request not in this step (one admitted for prefill)
+            own = self._own
+            for key in keys:
+                own[key].fade()
+        if self._in_run:
+            self._in_run.difference_update(keys)
 
 
 def _view(

@@ -159,7 +159,31 @@ class ModelRunner:
             return every
         if time.perf_counter() - self._last_decode > COLD_GAP_S:
             self._cold_steps = COLD_STEPS
-        plan = self._plan(seqs, rows)
+        assert self.planner is not None
+        keys = [id(s) for s in seqs]
+        plan = self.planner.kept_plan(keys)
+        if plan is None:
+            plan = self._weigh(seqs, rows, keys)
+        if not plan.any_drafting and _in_slot_order(rows):
+            # Every row plain, in order: one forward as a plain worker's (most steps of a
+            # busy batch), and only fades to observe.
+            final = self._run_group(rows, sampling, 0)
+            self.planner.observe_plain(keys)
+        else:
+            final = self._run_groups(seqs, rows, sampling, plan)
+            self._observe(seqs, keys, final)
+        self._cold_steps = max(0, self._cold_steps - 1)
+        self._last_decode = time.perf_counter()
+        return final
+
+    def _run_groups(
+        self,
+        seqs: list[Sequence],
+        rows: list[DecodeRow],
+        sampling: list[RowSampling],
+        plan: StepPlan,
+    ) -> list[RowResult]:
+        """The drafting group's forward, then the plain group's; each row's result."""
         if plan.any_drafting and not all(plan.drafting):
             rows = self._group_slots(seqs, rows, plan.drafting)
         results: list[RowResult | None] = [None] * len(rows)
@@ -170,11 +194,7 @@ class ModelRunner:
                 done = self._run_group([rows[i] for i in group], [sampling[i] for i in group], k)
                 for i, result in zip(group, done, strict=True):
                     results[i] = result
-        final = [r for r in results if r is not None]
-        self._observe(seqs, final)
-        self._cold_steps = max(0, self._cold_steps - 1)
-        self._last_decode = time.perf_counter()
-        return final
+        return [r for r in results if r is not None]
 
     def _group_slots(
         self, seqs: list[Sequence], rows: list[DecodeRow], drafting: tuple[bool, ...]
@@ -196,10 +216,10 @@ class ModelRunner:
             rows[i], rows[j] = replace(rows[i], slot=b), replace(rows[j], slot=a)
         return rows
 
-    def _plan(self, seqs: list[Sequence], rows: list[DecodeRow]) -> StepPlan:
+    def _weigh(self, seqs: list[Sequence], rows: list[DecodeRow], keys: list[int]) -> StepPlan:
         assert self.planner is not None
-        return self.planner.plan(
-            [id(s) for s in seqs],
+        return self.planner.weigh(
+            keys,
             [row.position for row in rows],
             lambda i: pending_context(self._state, [rows[i]]),
             [s.tokens_left for s in seqs],
@@ -223,10 +243,10 @@ class ModelRunner:
             self.policy.observe_cost(len(rows), k, seconds, max(r.position for r in rows))
         return results
 
-    def _observe(self, seqs: list[Sequence], results: list[RowResult]) -> None:
+    def _observe(self, seqs: list[Sequence], keys: list[int], results: list[RowResult]) -> None:
         assert self.planner is not None
         self.planner.observe(
-            [id(s) for s in seqs],
+            keys,
             [s.params.temperature for s in seqs],
             [(r.num_drafted, r.num_accepted) for r in results],
         )
@@ -260,6 +280,12 @@ class ModelRunner:
             logprobs=params.logprobs,
             prompt_logprobs=params.prompt_logprobs,
         )
+
+
+def _in_slot_order(rows: list[DecodeRow]) -> bool:
+    """Whether the rows are consecutive slots in order (a forward then reads views)."""
+    first = rows[0].slot
+    return all(row.slot == first + i for i, row in enumerate(rows))
 
 
 def _processors(seq: Sequence) -> LogitsProcessing | None:

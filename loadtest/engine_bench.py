@@ -252,9 +252,13 @@ class ForcedPlain:
         self._planner = planner
 
     def plan(self, keys: Seq[Any], *args: Any, **kwargs: Any) -> Any:
+        kept = self._planner.kept_plan(keys)
+        return kept if kept is not None else self.weigh(keys, *args, **kwargs)
+
+    def weigh(self, keys: Seq[Any], *args: Any, **kwargs: Any) -> Any:
         from engine.row_speculation import StepPlan
 
-        self._planner.plan(keys, *args, **kwargs)
+        self._planner.weigh(keys, *args, **kwargs)
         return StepPlan.plain(len(keys))
 
     def __getattr__(self, name: str) -> Any:

@@ -315,6 +315,26 @@ def test_a_request_s_own_evidence_fades_over_its_plain_steps() -> None:
     assert stats.idle == 0 and stats.drafted_steps == 3
 
 
+def test_fading_several_plain_steps_at_once_is_fading_each() -> None:
+    """fade(n) is n fades: the same counts once read, and the kept estimates dropped
+    exactly when a FADE_CHUNK completes within the n steps."""
+    one, many = (
+        AcceptanceStats(max_k=3, halflife_steps=8.0, prior_rates=(0.7, 0.6, 0.5)) for _ in range(2)
+    )
+    for stats in (one, many):
+        stats.observe([(3, 1)])
+    for steps in (1, 2, FADE_CHUNK - 1, FADE_CHUNK, 3 * FADE_CHUNK + 1):
+        kept = many.rates()
+        for _ in range(steps):
+            one.fade()
+        many.fade(steps)
+        assert many.idle == one.idle
+        assert (many.rates() is kept) == (
+            one.idle // FADE_CHUNK == (one.idle - steps) // FADE_CHUNK
+        )
+        assert many.rates() == one.rates() and many.tried == one.tried
+
+
 def test_optimistic_rates_are_kept_per_doubt_until_the_estimates_move() -> None:
     """A churning batch asks at OPTIMISM over 31 rows, then over 32, and a look at OPTIMISM:
     each doubt's rates are computed once, not again whenever another doubt came between;

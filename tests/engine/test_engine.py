@@ -536,7 +536,8 @@ def test_split_steps_exchange_slots_and_stay_lossless(
         swaps.append((a, b))
         exchange(state, a, b)
 
-    monkeypatch.setattr(engine.runner.planner, "plan", odd_requests_draft)
+    monkeypatch.setattr(engine.runner.planner, "kept_plan", lambda keys: None)
+    monkeypatch.setattr(engine.runner.planner, "weigh", odd_requests_draft)
     monkeypatch.setattr(engine_runner, "swap_slots", counted)
     got = _outputs(engine, code_prompts, BASE)
     assert {rid: o.token_ids_delta for rid, o in got.items()} == {

@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 
 from engine import row_speculation
-from engine.adaptive import AcceptanceStats, ContextTerm, CostModel, SpecPolicy, cumulative_tokens
+from engine.adaptive import (
+    FADE_CHUNK,
+    AcceptanceStats,
+    ContextTerm,
+    CostModel,
+    SpecPolicy,
+    cumulative_tokens,
+)
 from engine.row_speculation import (
     CHURN_SHARE,
     OPTIMISM,
@@ -342,6 +349,29 @@ def test_a_big_batch_s_plain_plan_stands_while_few_of_its_rows_change() -> None:
     assert CHURN_SHARE == 8
     assert plan(range(2, 18)) == StepPlan.plain(16) and len(asked) == 32  # two: weighed again
     assert plan([*range(3, 18), 18]) == StepPlan.plain(16) and len(asked) == 32
+
+
+def test_a_batch_s_plain_steps_fade_its_rows_as_each_row_s_own_fades_would() -> None:
+    """observe_plain: a step on which every request decoded plain is one count, applied to
+    each request when it is next read or drafts; the estimates are those of a fade per row
+    and step. A step that leaves a request out (admitted for prefill) fades only its rows."""
+    counted, per_row = (RowPlanner(_policy(), BandPriors(MAX_K)) for _ in range(2))
+    keys = ["a", "b", "c"]
+    for planner in (counted, per_row):
+        for key in keys:
+            planner.add(key, 0.0)
+        planner.observe(keys, [0.0] * 3, [(MAX_K, 1), (MAX_K, 4), (MAX_K, 0)])
+    for step in range(3 * FADE_CHUNK + 1):
+        stepping = keys if step % 5 else keys[:2]  # now and then "c" sits a step out
+        counted.observe_plain(stepping)
+        per_row.observe(stepping, [0.0] * len(stepping), [(0, 0)] * len(stepping))
+    counted.observe(["b"], [0.0], [(MAX_K, 2)])  # "b" drafts: its fades first
+    per_row.observe(["b"], [0.0], [(MAX_K, 2)])
+    for key in keys:
+        got, want = counted._estimates(key), per_row._estimates(key)
+        assert got.idle == want.idle and got.tried == want.tried
+        assert got.rates() == want.rates()
+    assert 0.0 < counted._own["a"].tried[0] < 1.0  # its one trial, faded
 
 
 def test_a_drafting_plan_is_weighed_every_step() -> None:

@@ -133,3 +133,31 @@ def test_dtype_names() -> None:
     assert torch_dtype("bfloat16") is torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         torch_dtype("banana")
+
+
+def test_a_plain_step_gives_each_row_its_own_result_in_any_slot_order(
+    tiny_checkpoint: TinyCheckpoint,
+) -> None:
+    """A step the planner keeps plain is one forward over the batch: taken as it is when
+    its rows are in slot order, through the grouped path otherwise; either way each row's
+    result is its own, in the order the rows were given."""
+    got = []
+    for order in ((0, 1), (1, 0)):
+        runner = _runner(tiny_checkpoint, 3, adaptive=True)
+        assert runner.policy is not None
+        runner.policy.margin = float("inf")  # no plan is worth drafting
+        runner.policy.explore_every = 0
+        seqs = [_seq(i, [3, 4, 5 + 2 * i], SamplingParams(temperature=0.0)) for i in (0, 1)]
+        for seq in seqs:
+            runner.add(seq)
+        for seq, result in zip(seqs, runner.prefill(seqs), strict=True):
+            seq.output_token_ids += result.token_ids
+        for _ in range(3):
+            stepped = [seqs[i] for i in order]
+            for seq, result in zip(stepped, runner.decode(stepped), strict=True):
+                assert result.num_drafted == 0
+                seq.output_token_ids += result.token_ids
+        assert runner.profile.counts["plain"] == 3 and runner.profile.counts["drafting"] == 0
+        got.append([seq.output_token_ids for seq in seqs])
+    assert got[0] == got[1]
+    assert got[0][0] != got[0][1]  # the rows differ: a mix-up would show
