@@ -29,7 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from launcher.processes import free_port, healthy, stop_all
 from service.capture.policy import CaptureShare
-from service.cli import GatewayServer, configure_logging, describe_invalid, key_file_problem
+from service.cli import (
+    GatewayServer,
+    configure_logging,
+    describe_invalid,
+    key_file_problem,
+    set_log_levels,
+)
 from service.routing.promotion import PromotionSpec
 from service.settings import POOL_NAME, GatewaySettings, PoolSpec, check_pools
 from wire.http import run_servers
@@ -427,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 for g in gateways
             ]
+            for server in servers:  # DFLASH_GATEWAY_LOG_LEVELS, read with the rest of env
+                set_log_levels(server.settings.log_levels)
         run_servers(servers, on_started=lambda: announce(gateways))
     except (RuntimeError, TimeoutError) as exc:
         print(f"dflash-serve: {exc}", file=sys.stderr)

@@ -24,7 +24,10 @@ whichever cell ran in it, nor on the one that runs last. Each cell also gives ea
 pool shares (equal pool shares can hide classes crossing over). `--control` runs the split
 by class twice, an A/A control: two identical routings differ by noise alone. Goals
 (issue: speculation-aware fleet): `fastest` at least the best static split at every c, and no
-class below 0.9x its speed under that split. Prints a table and writes JSON.
+class below 0.9x its speed under that split. Prints a table and writes JSON. The JSON also
+says why `fastest` sent each measured request where it did (`fastest_choices`: per class and
+pool, how many by its rule, with its lean waived, exploring, or by weights), read from that
+gateway's own debug log of its choices (logger `dflash.gateway.fastest`, alone at debug).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -165,6 +169,56 @@ class Cell:
 
 FAILED = "failed"  # the `pool` of a request that got no answer
 
+# The `fastest` gateway's log of its choices (service/routing/fastest.py's debug lines):
+# "<class> to <pool>[ (no lean: ...)]: <why, or each pool's speed>"; a class is the gateway's
+# (service/routing/promotion.py request_class: "greedy/short", ...).
+CHOICE = re.compile(r"dflash\.gateway\.fastest: ([\w/]+) to ([\w-]+)( \(no lean[^)]*\))?: (.*)$")
+FASTEST_LOGGER = "dflash.gateway.fastest=debug"
+
+
+def choice_reason(waived: bool, said: str) -> str:
+    if said.startswith("exploring"):
+        return "exploring"
+    if said.startswith("by weights"):
+        return "by weights"
+    return "rule, no lean" if waived else "rule"
+
+
+@dataclass
+class ChoiceLog:
+    """The `fastest` gateway's output file, read by span: each cell's choices are the lines
+    written while it ran (a choice is logged as its request is routed, before any reply)."""
+
+    path: Path
+
+    def mark(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def since(self, offset: int) -> dict[str, dict[str, dict[str, int]]]:
+        """Per class, pool and reason, the choices logged after `offset`."""
+        with self.path.open("rb") as log:
+            log.seek(offset)
+            text = log.read().decode(errors="replace")
+        counts: dict[str, dict[str, dict[str, int]]] = {}
+        for line in text.splitlines():
+            found = CHOICE.search(line)
+            if found:
+                klass, pool, waived, said = found.groups()
+                reasons = counts.setdefault(klass, {}).setdefault(pool, {})
+                reason = choice_reason(waived is not None, said)
+                reasons[reason] = reasons.get(reason, 0) + 1
+        return counts
+
+
+def add_choices(
+    into: dict[str, dict[str, dict[str, int]]], more: dict[str, dict[str, dict[str, int]]]
+) -> None:
+    for klass, pools in more.items():
+        for pool, reasons in pools.items():
+            mine = into.setdefault(klass, {}).setdefault(pool, {})
+            for reason, n in reasons.items():
+                mine[reason] = mine.get(reason, 0) + n
+
 
 async def one(client: httpx.AsyncClient, url: str, stream: Stream, i: int) -> Served:
     started = time.perf_counter()
@@ -229,14 +283,16 @@ def gateways(workers: Sequence[RunningWorker], workdir: Path) -> Iterator[dict[s
         return path
 
     both = pools_file("both", list(by_mode))
-    fronts = [("weights", [], both), ("fastest", ["--routing", "fastest"], both)]
+    fastest = ["--routing", "fastest", "--log-levels", FASTEST_LOGGER]
+    fronts = [("weights", [], both), ("fastest", fastest, both)]
     fronts += [(mode, [], pools_file(mode, [mode])) for mode in by_mode]
     started = []
     urls = {}
     try:
         for name, extra, pools in fronts:
             port = free_port()
-            process = start_gateway(port, 0, extra, None, REPO, pools)
+            log = workdir / "fastest.log" if name == "fastest" else None
+            process = start_gateway(port, 0, extra, None, REPO, pools, log=log)
             started.append(process)
             urls[name] = f"http://127.0.0.1:{port}"
             wait_healthy(urls[name] + "/ready", process, 60, interval=0.2)
@@ -246,7 +302,9 @@ def gateways(workers: Sequence[RunningWorker], workdir: Path) -> Iterator[dict[s
             stop(process)
 
 
-async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[str, Any]]:
+async def measure(
+    urls: dict[str, str], args: argparse.Namespace, choices: ChoiceLog | None = None
+) -> list[dict[str, Any]]:
     stream = Stream(stream_prompts(), args.max_tokens, args.greedy_share)
     # (name, the URL, or the greedy and the sampled requests' URLs, the weights gateway's pin)
     routings: list[tuple[str, list[str], float | None]] = [
@@ -268,15 +326,21 @@ async def measure(urls: dict[str, str], args: argparse.Namespace) -> list[dict[s
         warm_n = max(n // 2, args.warmup_requests)
         await run_cell([urls["fastest"]], warm_n, c, stream, offset + n)
         cells: dict[str, Cell] = {}
+        chosen: dict[str, dict[str, dict[str, int]]] = {}
         for r in range(args.rounds):  # every routing once a round, on the same requests
             at = offset + r * chunk
             for name, targets, share in round_order(routings, r):
                 if share is not None:
                     pin(urls["weights"], share)
+                before = choices.mark() if choices and name == "fastest" else None
                 cell = await run_cell(targets, chunk, c, stream, at)
                 cells.setdefault(name, Cell()).add(cell)
+                if choices and before is not None:
+                    add_choices(chosen, choices.since(before))
         offset += n + warm_n
         rows.append(judge(c, cells))
+        if choices:
+            rows[-1]["fastest_choices"] = chosen
         print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -419,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             running_workers(specs, args, workdir, pinned_argv, worker_env) as workers,
             gateways(workers, workdir) as urls,
         ):
-            rows = asyncio.run(measure(urls, args))
+            rows = asyncio.run(measure(urls, args, ChoiceLog(workdir / "fastest.log")))
     print(table(rows))
     report = {
         "benchmark": "fleet",

@@ -211,10 +211,11 @@ def start_gateway(
     settings: dict[str, str] | None = None,
     module: str = "service.cli",
     env_extra: dict[str, str] | None = None,
+    log: Path | None = None,
 ) -> subprocess.Popen[bytes]:
     """`dflash-gateway` from source tree `src` in front of the stub, without API keys (unless
     `settings`, DFLASH_GATEWAY_* values, give some); with `pools`, configured by that pools
-    file instead of one --worker."""
+    file instead of one --worker; with `log`, its output appended to that file."""
     # The stub shares its core with the load generator: under a closed loop its /health can
     # take longer than the default 1 s, and a gateway would then mark it down (503s that
     # measure the bench, not the proxy); nginx has no active checks to trip.
@@ -236,7 +237,10 @@ def start_gateway(
     argv = [sys.executable, "-m", module, "--port", str(port)]
     argv += ["--pools", str(pools)] if pools else ["--worker", f"http://127.0.0.1:{upstream}"]
     argv += ["--log-level", "warning", *extra]
-    return subprocess.Popen(pinned(cpus, argv), env=env, cwd=src)
+    if log is None:
+        return subprocess.Popen(pinned(cpus, argv), env=env, cwd=src)
+    with log.open("ab") as out:  # the child holds its own descriptor
+        return subprocess.Popen(pinned(cpus, argv), env=env, cwd=src, stdout=out, stderr=out)
 
 
 def start_peers(

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -121,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or gs:// (docs/capture.md; with tenants, only those whose capture is set)",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-levels",
+        metavar="NAME=LEVEL,...",
+        help="single loggers' levels over --log-level, e.g. dflash.gateway.fastest=debug",
+    )
     p.add_argument("--access-log", action="store_true")
     return p
 
@@ -222,12 +227,20 @@ async def settled(proxy: Proxy, within_s: float) -> None:
         await asyncio.sleep(0.02)
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, levels: Mapping[str, str] | None = None) -> None:
+    """The root level, and single loggers' levels over it (`log_levels`)."""
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     # httpx logs every upstream request at INFO: far too costly on the request path.
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    set_log_levels(levels or {})
+
+
+def set_log_levels(levels: Mapping[str, str]) -> None:
+    """Single loggers' levels (the `log_levels` setting), over the root's."""
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level.upper())
 
 
 CHILD_ENV = "DFLASH_GATEWAY_CHILD_INDEX"  # set by the supervisor for its processes
@@ -267,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is not None:
         print(f"dflash-gateway: {refusal}", file=sys.stderr)
         return 2
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_levels)
     if settings.processes > 1 and os.environ.get(CHILD_ENV) is None:
         if settings.port == 0:
             print("dflash-gateway: --processes needs a fixed --port", file=sys.stderr)

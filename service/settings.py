@@ -26,6 +26,8 @@ DEFAULT_POOL = "default"
 # A pool's name is a metrics label and part of Kubernetes object names: a DNS label.
 POOL_NAME = r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$"
 
+LogLevel = Literal["debug", "info", "warning", "error"]
+
 
 def worker_urls(value: list[str]) -> list[str]:
     for url in value:
@@ -233,7 +235,10 @@ class GatewaySettings(BaseSettings):
     # to drain_timeout_s; streams still open then end with an in-band error and [DONE].
     shutdown_delay_s: float = Field(default=0.0, ge=0)
     drain_timeout_s: float = Field(default=30.0, ge=0)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: LogLevel = "info"
+    # Single loggers' levels over log_level, "name=level,...": one part's detail without
+    # every other's (`dflash.gateway.fastest=debug`: each `fastest` choice and why).
+    log_levels: Annotated[dict[str, LogLevel], NoDecode] = Field(default_factory=dict)
     access_log: bool = False
     # Traffic capture for drafter training (docs/capture.md): a dataset URI (a folder, s3://,
     # gs://) the served requests are written to; None: off. With tenants, only those whose
@@ -257,6 +262,19 @@ class GatewaySettings(BaseSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("log_levels", mode="before")
+    @classmethod
+    def _split_log_levels(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        levels = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            name, sep, level = part.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"expected logger=level, got {part!r}")
+            levels[name.strip()] = level.strip().lower()
+        return levels
 
     @field_validator("redis_url")
     @classmethod

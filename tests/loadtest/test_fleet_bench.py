@@ -16,6 +16,7 @@ from loadtest.fleet_bench import (
     CONTROL,
     STATIC,
     Cell,
+    ChoiceLog,
     Served,
     Stream,
     build_parser,
@@ -67,6 +68,11 @@ def test_quick_run(tmp_path: Path) -> None:
     assert set(row["class_over_best"]) == set(CLASSES)
     assert row["best_static"] in {*STATIC, "by class"}
     assert "fastest/best" in run.stdout and "A/A" in run.stdout
+    # Why fastest sent each measured request where it did, from its own log: one choice each.
+    chosen = row["fastest_choices"]
+    counted = sum(n for pools in chosen.values() for why in pools.values() for n in why.values())
+    assert counted == cells["fastest"]["requests"]
+    assert {klass.split("/")[0] for klass in chosen} == set(CLASSES)
 
 
 def test_rounds_add_up_into_one_cell_per_routing() -> None:
@@ -115,3 +121,26 @@ def test_the_mix_and_the_control_are_options() -> None:
     assert default.greedy_share == 0.5 and not default.control
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--greedy-share", "1"])  # the split by class needs both
+
+
+def test_fastest_s_choices_are_read_from_its_log_by_span(tmp_path: Path) -> None:
+    """Each cell counts the choices logged while it ran, by class, pool and reason; other
+    loggers' lines and lines before the mark are not counted."""
+    log = ChoiceLog(tmp_path / "fastest.log")
+    assert log.mark() == 0
+    prefix = "2026-11-30 12:00:00,000 DEBUG dflash.gateway.fastest: "
+    log.path.write_text(prefix + "greedy/short to dflash: by weights, no estimate on every pool\n")
+    mark = log.mark()
+    with log.path.open("a") as out:
+        out.write(prefix + "greedy/short to dflash: dflash at 2 in flight: 90 tokens/s, ...\n")
+        out.write(
+            prefix + "sampled/short to dflash (no lean: every pool away from home mixed): x\n"
+        )
+        out.write(prefix + "sampled/short to plain: exploring onto an idle worker\n")
+        out.write(prefix + "sampled/short to plain: plain at 1 in flight: 80 tokens/s, ...\n")
+        out.write("2026-11-30 12:00:00,000 WARNING dflash.gateway.fleet: a worker is down\n")
+    assert log.since(mark) == {
+        "greedy/short": {"dflash": {"rule": 1}},
+        "sampled/short": {"dflash": {"rule, no lean": 1}, "plain": {"exploring": 1, "rule": 1}},
+    }
+    assert log.since(0)["greedy/short"]["dflash"] == {"by weights": 1, "rule": 1}

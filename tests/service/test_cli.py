@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -15,8 +16,8 @@ import httpx
 import pytest
 
 from launcher.local_stack import build_parser, plan
+from service.cli import configure_logging, settings_from_args
 from service.cli import main as gateway_main
-from service.cli import settings_from_args
 from tests.fixtures.worker import WorkerHandle, free_port
 from tests.service.conftest import MODEL, scrape, wait_until
 from tests.service.fake_upstream import MODEL as FAKE
@@ -33,6 +34,21 @@ def test_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (settings.port, settings.routing) == (9200, "prefix_affinity")
     assert settings.workers == ["http://a:1", "http://b:2"]
     assert settings_from_args(["--worker-dns", "w.ns.svc:8000"]).worker_dns == "w.ns.svc:8000"
+
+
+def test_single_loggers_levels_are_set_over_the_root_s() -> None:
+    """--log-levels: one logger at debug under a root at warning (its records reach the
+    root's handler), the others as the root."""
+    settings = settings_from_args(
+        ["--worker", "http://a:1", "--log-level", "warning", "--log-levels", "dflash.x=debug"]
+    )
+    assert settings.log_levels == {"dflash.x": "debug"}
+    try:
+        configure_logging(settings.log_level, settings.log_levels)
+        assert logging.getLogger("dflash.x").isEnabledFor(logging.DEBUG)
+        assert not logging.getLogger("dflash.y").isEnabledFor(logging.INFO)
+    finally:
+        logging.getLogger("dflash.x").setLevel(logging.NOTSET)
 
 
 def test_bad_settings_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:

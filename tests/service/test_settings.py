@@ -41,6 +41,14 @@ def test_bad_values_are_refused(field: str, value: object) -> None:
         GatewaySettings(**{field: value})  # type: ignore[arg-type]
 
 
+def test_single_loggers_levels_come_as_name_equals_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_GATEWAY_LOG_LEVELS", "dflash.gateway.fastest=DEBUG, uvicorn=warning")
+    assert GatewaySettings().log_levels == {"dflash.gateway.fastest": "debug", "uvicorn": "warning"}
+    for bad in ("dflash.gateway.fastest", "=debug", "dflash.gateway.fastest=loud"):
+        with pytest.raises(ValidationError, match="log_levels"):
+            GatewaySettings(log_levels=bad)
+
+
 POOL = {"name": "a", "model": "m", "workers": ["http://w:1"]}
 
 
