@@ -43,6 +43,7 @@ import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,30 +195,28 @@ class ChoiceLog:
     def mark(self) -> int:
         return self.path.stat().st_size if self.path.exists() else 0
 
-    def since(self, offset: int) -> dict[str, dict[str, dict[str, int]]]:
-        """Per class, pool and reason, the choices logged after `offset`."""
+    def counts(self, offset: int) -> Counter[tuple[str, str, str]]:
+        """The choices logged after `offset`, by (class, pool, reason)."""
         with self.path.open("rb") as log:
             log.seek(offset)
             text = log.read().decode(errors="replace")
-        counts: dict[str, dict[str, dict[str, int]]] = {}
-        for line in text.splitlines():
-            found = CHOICE.search(line)
-            if found:
-                klass, pool, waived, said = found.groups()
-                reasons = counts.setdefault(klass, {}).setdefault(pool, {})
-                reason = choice_reason(waived is not None, said)
-                reasons[reason] = reasons.get(reason, 0) + 1
-        return counts
+        found = (CHOICE.search(line) for line in text.splitlines())
+        return Counter(
+            (klass, pool, choice_reason(waived is not None, said))
+            for klass, pool, waived, said in (m.groups() for m in found if m)
+        )
+
+    def since(self, offset: int) -> dict[str, dict[str, dict[str, int]]]:
+        """Per class, pool and reason, the choices logged after `offset`."""
+        return nested(self.counts(offset))
 
 
-def add_choices(
-    into: dict[str, dict[str, dict[str, int]]], more: dict[str, dict[str, dict[str, int]]]
-) -> None:
-    for klass, pools in more.items():
-        for pool, reasons in pools.items():
-            mine = into.setdefault(klass, {}).setdefault(pool, {})
-            for reason, n in reasons.items():
-                mine[reason] = mine.get(reason, 0) + n
+def nested(counts: Counter[tuple[str, str, str]]) -> dict[str, dict[str, dict[str, int]]]:
+    """{class: {pool: {reason: n}}}, as the JSON reads them."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for (klass, pool, reason), n in sorted(counts.items()):
+        out.setdefault(klass, {}).setdefault(pool, {})[reason] = n
+    return out
 
 
 async def one(client: httpx.AsyncClient, url: str, stream: Stream, i: int) -> Served:
@@ -326,7 +325,7 @@ async def measure(
         warm_n = max(n // 2, args.warmup_requests)
         await run_cell([urls["fastest"]], warm_n, c, stream, offset + n)
         cells: dict[str, Cell] = {}
-        chosen: dict[str, dict[str, dict[str, int]]] = {}
+        chosen: Counter[tuple[str, str, str]] = Counter()
         for r in range(args.rounds):  # every routing once a round, on the same requests
             at = offset + r * chunk
             for name, targets, share in round_order(routings, r):
@@ -336,11 +335,11 @@ async def measure(
                 cell = await run_cell(targets, chunk, c, stream, at)
                 cells.setdefault(name, Cell()).add(cell)
                 if choices and before is not None:
-                    add_choices(chosen, choices.since(before))
+                    chosen += choices.counts(before)
         offset += n + warm_n
         rows.append(judge(c, cells))
         if choices:
-            rows[-1]["fastest_choices"] = chosen
+            rows[-1]["fastest_choices"] = nested(chosen)
         print(format_row(rows[-1]), flush=True)
     return rows
 
