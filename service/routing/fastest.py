@@ -32,6 +32,14 @@ speed ignores what it costs the others, and so did its exploration:
   an exploring request (`fastest_exploration`, 5 %, drawn by the pools' weights) goes to the
   drawn pool only where a worker of it is idle: it slows no one, and its speed is the one the
   advantage is read at. Otherwise it is routed by the rule.
+- Under sustained load no worker is ever idle, and a class's estimate on a pool it left is
+  never refreshed: live, from a start at c = 16, the sampled class read 106-118 tokens/s on
+  the plain pool from the first burst's requests (at 8-11 in flight, read flat below), the
+  DFlash pool 115-130, and went nowhere else (run X, loadtest/RESULTS.md). So where none
+  of the drawn pool's workers is idle, an exploring request still goes there if it is no
+  busier, per worker, than the rule's pick and not away from the class's home (any pool,
+  with no advantage read): it adds no more load there than the rule would elsewhere, and
+  keeps sampled requests out of a DFlash batch whose greedy rows draft.
 - And onto a pool it expects to run x times slower on, at odds x ** 2
   (EXPLORATION_PRICE_POWER). Alone at c = 1 every exploring request pays its own slowdown,
   and at the full share a greedy request explored the plain pool, 2.4x slower for it, as
@@ -107,7 +115,12 @@ speed ignores what it costs the others, and so did its exploration:
   (0.94x).
 - Every request for which some pool has no estimate yet goes by weights, at any load: that is
   how the first evidence forms. A gateway that has never seen a worker idle reads the
-  advantage at the lowest loads it saw, where the mix of classes may hide it.
+  advantage from the requests that ended alone, else at the lowest load it saw, but from
+  neither beyond ALONE_READ_UP_TO in flight on average: there the mix of classes in each
+  batch, not the class, sets a request's speed. Live, started at c = 16 with three quarters
+  of the traffic greedy, the gateway read the greedy class's advantage on DFlash as -0.035 to
+  -0.070 from such requests (run W). With no advantage read, each request goes where it is
+  fastest for itself at its load until one is.
 """
 
 from __future__ import annotations
@@ -133,6 +146,12 @@ SMOOTHING = 0.02
 MIN_SAMPLES = 5
 # The load the comparative advantage is read at: one request per worker, alone.
 ALONE = 1.0
+# The highest mean load an alone speed is read from when no request ran alone throughout
+# (requests that ended alone, or the lowest load seen): beyond it, the classes' mix decides
+# what a class's speed reads (a sampled row keeps a DFlash batch plain), and no advantage is
+# read at all. Live, a gateway started at c = 16 read it reversed from such requests and sent
+# the classes to each other's pools (run W, loadtest/RESULTS.md; the module's docstring).
+ALONE_READ_UP_TO = 4.0
 # Beyond every class's evidence on a pool other than its home, a request's speed there falls
 # as 1 / load: the pool's tokens/s held at the highest load seen (a burst onto loads never
 # seen sends each class home, not wherever its estimate stayed flat).
@@ -208,8 +227,10 @@ class SpeedMap:
         if speed > 0 and math.isfinite(speed) and load > 0:
             key = (pool, klass, load_level(load))
             self.estimates.setdefault(key, Estimate()).add(math.log(speed), math.log(load))
-            if ended_alone:
-                self.ended_alone.setdefault((pool, klass), Estimate()).add(math.log(speed), 0.0)
+            if ended_alone and load <= ALONE_READ_UP_TO:
+                self.ended_alone.setdefault((pool, klass), Estimate()).add(
+                    math.log(speed), math.log(load)
+                )
             self.classes.add(klass)
 
     def alone(self, pool: str, klass: str) -> float | None:
@@ -219,12 +240,16 @@ class SpeedMap:
         read at the lowest load it saw instead, the classes' mix hid the advantage: live, at
         c = 4 from a cold start, the two classes swapped pools (0.76x the best static split).
         Ended alone, a greedy request may have shared the DFlash batch with a sampled one for
-        a while, slowed, but such requests are many. Else the lowest load's."""
+        a while, slowed, but such requests are many. Else the lowest load's. Neither counts
+        beyond ALONE_READ_UP_TO in flight on average: None then (no advantage is read)."""
         throughout = self.estimates.get((pool, klass, load_level(ALONE)))
         for found in (throughout, self.ended_alone.get((pool, klass))):
             if found is not None and found.n >= MIN_SAMPLES:
                 return found.mean
-        return self.log_speed(pool, klass, ALONE)
+        points = self.evidence(pool, klass)
+        if points and points[0].load <= math.log(ALONE_READ_UP_TO) + 1e-9:
+            return points[0].mean
+        return None
 
     def evidence(self, pool: str, klass: str) -> list[Estimate]:
         """`klass`'s estimates on `pool` with enough samples to use, by load level."""
@@ -307,10 +332,8 @@ class SpeedMap:
         """The pool for a request of `klass`: by weights while some pool has no estimate for
         it, or exploring onto an idle worker (onto a slower one at its price); else by the
         score (the module's docstring)."""
-        explore: str | None = None
-        if self.draw() < self.exploration:
-            drawn = drawn_by_weight(weights, self.draw)
-            explore = drawn if loads[drawn].idle else None
+        drawn = drawn_by_weight(weights, self.draw) if self.draw() < self.exploration else None
+        explore = drawn if drawn is not None and loads[drawn].idle else None
         if not all(self.evidence(pool, klass) for pool in loads):
             if explore is not None:
                 log.debug("%s to %s: exploring onto an idle worker", klass, explore)
@@ -339,12 +362,23 @@ class SpeedMap:
         }
         score = {pool: (own[pool] or 0.0) + lean * max(edge[pool], 0.0) for pool in own}
         chosen = max(sorted(score), key=lambda pool: score[pool])
+        onto = "an idle worker"
+        # No worker idle (sustained load): onto a pool no busier than the rule's pick, and not
+        # away from its home (any pool, with no advantage read). Else the estimates formed in
+        # a gateway's first crowd are never refreshed (the module's docstring).
+        if (
+            explore is None
+            and drawn is not None
+            and edge[drawn] >= home
+            and loads[drawn].per_worker() <= loads[chosen].per_worker()
+        ):
+            explore, onto = drawn, "a pool no busier than its pick"
         if explore is not None and explore != chosen:
             # Onto a pool it expects to run slower on, at (that speed / the chosen pool's) to
             # the EXPLORATION_PRICE_POWER: in doubt (pools alike) at the full share.
             slower = min((own[explore] or 0.0) - (own[chosen] or 0.0), 0.0)
             if self.draw() < math.exp(EXPLORATION_PRICE_POWER * slower):
-                log.debug("%s to %s: exploring onto an idle worker", klass, explore)
+                log.debug("%s to %s: exploring onto %s", klass, explore, onto)
                 return explore
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

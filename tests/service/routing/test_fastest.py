@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from service.routing.fastest import (
+    ALONE_READ_UP_TO,
     EXPLORATION_PRICE_POWER,
     MIN_SAMPLES,
     MOSTLY_MIXED,
@@ -226,6 +227,34 @@ def test_no_estimate_or_exploring_routes_by_weights() -> None:
     assert speed_map.choose(SAMPLED, busy(dflash=0), {"dflash": 1.0}) == "dflash"
 
 
+def test_under_load_exploring_goes_to_a_pool_no_busier_than_the_rules_pick() -> None:
+    """No worker idle (sustained load): an exploring request goes to the drawn pool if it
+    holds no more requests per worker than the rule's pick and is not away from the class's
+    home (any pool, with no advantage read), at its price; else estimates formed in a
+    gateway's first crowd are never refreshed (live, the sampled class read 106 tokens/s on
+    the plain pool from its first burst and never went there again)."""
+    draws: list[float] = []
+    speed_map = SpeedMap(draw=lambda: draws.pop(0))
+    taught(speed_map, SAMPLED, 10, dflash=120.0, plain=106.0)  # no advantage read
+    odds = (106 / 120) ** EXPLORATION_PRICE_POWER
+    draws[:] = [0.9]  # not exploring: the rule's pool
+    assert speed_map.choose(SAMPLED, busy(dflash=8, plain=8), EVEN) == "dflash"
+    draws[:] = [0.01, 0.9, odds - 0.01]  # exploring plain, as busy as DFlash, within the odds
+    assert speed_map.choose(SAMPLED, busy(dflash=8, plain=8), EVEN) == "plain"
+    draws[:] = [0.01, 0.9, odds + 0.01]  # beyond them
+    assert speed_map.choose(SAMPLED, busy(dflash=8, plain=8), EVEN) == "dflash"
+    draws[:] = [0.01, 0.9]  # plain busier than the rule's pick: no third draw
+    assert speed_map.choose(SAMPLED, busy(dflash=8, plain=9), EVEN) == "dflash"
+    assert not draws
+    # With an advantage read, never onto a busy pool away from the class's home: a sampled
+    # request into a DFlash batch stops its greedy rows drafting.
+    taught(speed_map, GREEDY, 1, dflash=440.0, plain=180.0)
+    taught(speed_map, SAMPLED, 1, dflash=175.0, plain=180.0)
+    draws[:] = [0.01, 0.1]
+    assert speed_map.choose(SAMPLED, busy(dflash=4, plain=8), EVEN) == "plain"
+    assert not draws
+
+
 def test_the_alone_speed_is_read_from_requests_alone_throughout_else_ended_alone() -> None:
     """The advantage's alone speed: requests alone on their worker throughout (mean load 1);
     without MIN_SAMPLES of them, those that ended alone (a gateway started under load); else
@@ -240,6 +269,23 @@ def test_the_alone_speed_is_read_from_requests_alone_throughout_else_ended_alone
     taught(speed_map, GREEDY, 1.0, dflash=400.0)  # alone throughout: these win
     assert speed_map.alone("dflash", GREEDY) == pytest.approx(math.log(400.0))
     assert speed_map.alone("plain", GREEDY) is None
+
+
+def test_no_alone_speed_is_read_from_requests_that_ran_in_a_crowd() -> None:
+    """A gateway started under load: requests that ended alone after a crowded life, and a
+    lowest load beyond ALONE_READ_UP_TO, read no alone speed, and no advantage forms (the
+    classes' mix in the batch decides those speeds; run W read the advantage reversed)."""
+    speed_map = taught(SpeedMap(exploration=0.0), GREEDY, 7.5, dflash=100.0, plain=110.0)
+    taught(speed_map, SAMPLED, 7.5, dflash=105.0, plain=100.0)
+    for _ in range(2 * MIN_SAMPLES):
+        speed_map.observe("dflash", GREEDY, 5.0, 120.0, ended_alone=True)
+    assert speed_map.alone("dflash", GREEDY) is None
+    assert speed_map.advantages(["dflash", "plain"]) == {}
+    for _ in range(MIN_SAMPLES):  # ended alone, having shared its worker with few
+        speed_map.observe("dflash", GREEDY, ALONE_READ_UP_TO, 300.0, ended_alone=True)
+    assert speed_map.alone("dflash", GREEDY) == pytest.approx(math.log(300.0))
+    taught(speed_map, SAMPLED, ALONE_READ_UP_TO, plain=150.0)  # the lowest load, at the bound
+    assert speed_map.alone("plain", SAMPLED) == pytest.approx(math.log(150.0))
 
 
 def test_load_levels_double() -> None:
