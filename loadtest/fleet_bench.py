@@ -26,8 +26,9 @@ by class twice, an A/A control: two identical routings differ by noise alone. Go
 (issue: speculation-aware fleet): `fastest` at least the best static split at every c, and no
 class below 0.9x its speed under that split. Prints a table and writes JSON. The JSON also
 says why `fastest` sent each measured request where it did (`fastest_choices`: per class and
-pool, how many by its rule, with its lean waived, exploring, or by weights), read from that
-gateway's own debug log of its choices (logger `dflash.gateway.fastest`, alone at debug).
+pool, how many by its rule, with its lean waived, exploring onto an idle worker or under
+load, or by weights), read from that gateway's own debug log of its choices (logger
+`dflash.gateway.fastest`, alone at debug).
 """
 
 from __future__ import annotations
@@ -178,8 +179,10 @@ FASTEST_LOGGER = "dflash.gateway.fastest=debug"
 
 
 def choice_reason(waived: bool, said: str) -> str:
-    if said.startswith("exploring"):
+    if said.startswith("exploring onto an idle"):
         return "exploring"
+    if said.startswith("exploring"):  # no worker idle: onto a pool no busier than its pick
+        return "exploring under load"
     if said.startswith("by weights"):
         return "by weights"
     return "rule, no lean" if waived else "rule"
