@@ -330,8 +330,9 @@ class SpeedMap:
         self, klass: str, loads: Mapping[str, PoolLoad], weights: Mapping[str, float]
     ) -> str:
         """The pool for a request of `klass`: by weights while some pool has no estimate for
-        it, or exploring onto an idle worker (onto a slower one at its price); else by the
-        score (the module's docstring)."""
+        it, or exploring onto an idle worker, or, with none idle, onto a pool no busier than
+        the rule's pick and not away from its home (onto a slower one at its price); else by
+        the score (the module's docstring)."""
         drawn = drawn_by_weight(weights, self.draw) if self.draw() < self.exploration else None
         explore = drawn if drawn is not None and loads[drawn].idle else None
         if not all(self.evidence(pool, klass) for pool in loads):
