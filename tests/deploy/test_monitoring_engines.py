@@ -83,9 +83,10 @@ def prometheus() -> Iterator[str]:
     ]
     try:
         with running_prometheus({}, RULES_FILE, scrapes) as base:
-            # Every panel's recorded series, not one: the rules' groups are evaluated apart,
-            # and a rate needs two scrapes, so one engine's series may come a cycle after
-            # another's (CI once read SGLang's tokens-from-drafts share before it existed).
+            # Every panel's series, not the verify-step rate alone: a rate needs two scrapes of
+            # each counter it reads, and a panel's ratio is not finite until both of its rates
+            # are (SGLang's accepted tokens read three counters); a fresh-clone CI once read
+            # SGLang's tokens-from-drafts share before it was.
             deadline = time.monotonic() + 60
             while missing := panels_missing_an_engine(base):
                 if time.monotonic() > deadline:
