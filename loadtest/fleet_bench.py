@@ -209,10 +209,6 @@ class ChoiceLog:
             for klass, pool, waived, said in (m.groups() for m in found if m)
         )
 
-    def since(self, offset: int) -> dict[str, dict[str, dict[str, int]]]:
-        """Per class, pool and reason, the choices logged after `offset`."""
-        return nested(self.counts(offset))
-
 
 def nested(counts: Counter[tuple[str, str, str]]) -> dict[str, dict[str, dict[str, int]]]:
     """{class: {pool: {reason: n}}}, as the JSON reads them."""
