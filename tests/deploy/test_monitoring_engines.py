@@ -119,13 +119,16 @@ def engines_wanted(title: str) -> set[str]:
     return {"trtllm"} if title == "Acceptance by draft position" else ENGINES
 
 
+def engines_shown(prometheus: str, expr: str) -> set[str]:
+    return {e for e, values in by_engine(prometheus, expr).items() if values}
+
+
 def panels_missing_an_engine(prometheus: str) -> list[str]:
     """The worker panels whose query does not (yet) show every engine they should."""
     return [
         title
         for title, expr in worker_panels()
-        if {e for e, values in by_engine(prometheus, expr).items() if values}
-        != engines_wanted(title)
+        if engines_shown(prometheus, expr) != engines_wanted(title)
     ]
 
 
@@ -133,8 +136,7 @@ def test_every_worker_panel_shows_both_engines(prometheus: str) -> None:
     panels = worker_panels()
     assert len(panels) >= 10
     for title, expr in panels:
-        engines = {e for e, values in by_engine(prometheus, expr).items() if values}
-        assert engines == engines_wanted(title), (title, expr)
+        assert engines_shown(prometheus, expr) == engines_wanted(title), (title, expr)
 
 
 def test_recorded_values_are_the_traffic(prometheus: str) -> None:
