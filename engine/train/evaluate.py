@@ -8,6 +8,12 @@ positions < p are what the engine holds after committing p tokens), then replay 
 steps: at committed length p the drafter sees features of positions < p and the block
 [x_p, MASK, ...]; the accepted length is the run of drafts equal to the reference, plus
 one bonus token. Block size b uses the first b slots of the drafter's block.
+
+Above temperature 0 the eval also reports, on the same seeded text, what a drafter that
+always drafts the target's own greedy choice would commit per step (`greedy_oracle_steps`):
+the recipe trains drafters on the target's greedy output, so this is where its drafters
+would stand had they learnt it perfectly, and it shows how much room the temperature leaves
+any of them.
 """
 
 from __future__ import annotations
@@ -90,7 +96,18 @@ def mean_acceptance(
         for prompt, (seq, feats) in zip(prompts, refs, strict=True)
         for s in acceptance_lengths(drafter, seq, feats, len(prompt), block)
     ]
-    return (sum(steps) / len(steps) if steps else float("nan")), len(steps)
+    return _mean(steps), len(steps)
+
+
+@dataclass(frozen=True)
+class SampledAcceptance:
+    """Tokens committed per verify step at one temperature and block size: the drafter's,
+    and a drafter's that always drafts the target's greedy choice, on the same text."""
+
+    mean: float
+    steps: int
+    greedy_oracle: float
+    greedy_oracle_steps: int
 
 
 @torch.no_grad()
@@ -101,14 +118,16 @@ def sampled_acceptance(
     block: int,
     temperature: float,
     max_new_tokens: int,
-) -> tuple[float, int]:
-    """Mean tokens committed per verify step decoding each prompt with the engine's
-    speculative step (engine/speculative.py) at `temperature`, seeded per prompt (seed =
-    prompt index): above 0 acceptance is a draw, so it cannot be replayed against one
-    reference. Returns the mean and the number of steps."""
+) -> SampledAcceptance:
+    """Decode each prompt with the engine's speculative step (engine/speculative.py) at
+    `temperature`, seeded per prompt (seed = prompt index): above 0 acceptance is a draw, so
+    it cannot be replayed against one reference. A seeded row's text is the target's keyed
+    samples whatever is drafted, so the greedy oracle is replayed on the very text decoded
+    (the same for every drafter)."""
     device = target.model.embed_tokens.weight.device
     capacity = max(len(p) for p in prompts) + max_new_tokens + block + 1
     steps: list[int] = []
+    oracle: list[int] = []
     for seed, prompt in enumerate(prompts):
         state = SpecState.create(target, drafter, 1, capacity, block, device, torch.float32)
         sampling = RowSampling(temperature=temperature, seed=seed)
@@ -118,7 +137,44 @@ def sampled_acceptance(
             result = spec_step(state, [row], [sampling])[0]
             out.extend(result.token_ids)
             steps.append(len(result.token_ids))
-    return (sum(steps) / len(steps) if steps else float("nan")), len(steps)
+        # Its first max_new_tokens only: a step may commit past them, by as many as the
+        # drafter's last step accepted, and the oracle must not depend on the drafter.
+        text = out[:max_new_tokens]
+        oracle.extend(greedy_oracle_steps(greedy_choices(target, prompt, text), text, block))
+    return SampledAcceptance(_mean(steps), len(steps), _mean(oracle), len(oracle))
+
+
+def greedy_choices(target: Qwen3Target, prompt: list[int], output: list[int]) -> list[int]:
+    """The target's greedy choice for each output token after the first (one forward over
+    the whole text): what it would have committed at temperature 0 from that prefix."""
+    device = target.model.embed_tokens.weight.device
+    text = torch.tensor([prompt + output[:-1]], device=device)
+    logits = target(text, torch.arange(text.shape[1], device=device)[None]).logits
+    return [int(t) for t in logits[0, len(prompt) :].argmax(-1).tolist()]
+
+
+def greedy_oracle_steps(greedy: list[int], output: list[int], block: int) -> list[int]:
+    """Tokens committed per verify step decoding `output` (its first token from the
+    prefill) with drafts that are the target's greedy choices `greedy` [i predicts output[i
+    + 1]], `block - 1` a step: a draft stands while the text's token equals it, and the
+    step adds the text's next token as its bonus, as a seeded step does, until the text is
+    out."""
+    steps, done = [], 1
+    while done < len(output):
+        accepted = 0
+        while (
+            accepted < block - 1
+            and done + accepted + 1 < len(output)
+            and output[done + accepted] == greedy[done + accepted - 1]
+        ):
+            accepted += 1
+        steps.append(accepted + 1)
+        done += accepted + 1
+    return steps
+
+
+def _mean(values: list[int]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 def run_eval(
@@ -137,15 +193,17 @@ def run_eval(
     sampled: list[dict[str, float | int]] = []
     for temperature in cfg.temperatures:
         for block in cfg.block_sizes:
-            mean, count = sampled_acceptance(
+            found = sampled_acceptance(
                 target, drafter, prompts, block, temperature, cfg.max_new_tokens
             )
             sampled.append(
                 {
                     "temperature": temperature,
                     "block_size": block,
-                    "mean_acceptance_length": mean,
-                    "verify_steps": count,
+                    "mean_acceptance_length": found.mean,
+                    "verify_steps": found.steps,
+                    "greedy_oracle_acceptance_length": found.greedy_oracle,
+                    "greedy_oracle_verify_steps": found.greedy_oracle_steps,
                 }
             )
     result: dict[str, object] = {
@@ -156,10 +214,13 @@ def run_eval(
     }
     if sampled:
         result["sampled_results"] = sampled
-    print(f"{'T':>4} {'block':>6} {'mean acceptance length':>24} {'steps':>7}")
+    header = f"{'T':>4} {'block':>6} {'mean acceptance length':>24} {'steps':>7}"
+    print(header + (f" {'greedy oracle':>14}" if sampled else ""))
     for row in [{"temperature": 0.0, **r} for r in rows] + sampled:
         tau, n_steps = row["mean_acceptance_length"], row["verify_steps"]
-        print(f"{row['temperature']:>4} {row['block_size']:>6} {tau:>24.3f} {n_steps:>7}")
+        oracle = row.get("greedy_oracle_acceptance_length")
+        column = "" if oracle is None else f"{oracle:>14.3f}"
+        print(f"{row['temperature']:>4} {row['block_size']:>6} {tau:>24.3f} {n_steps:>7} {column}")
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -131,6 +131,8 @@ def test_a_dflash2_drafter_beside_the_dflash_one(smoke_run: tuple[Path, Path]) -
     sampled = report["sampled_results"]
     assert [(r["temperature"], r["block_size"]) for r in sampled] == [(0.7, 4), (0.7, 8), (0.7, 16)]
     assert all(r["mean_acceptance_length"] >= 1.0 for r in sampled)
+    assert all(r["greedy_oracle_acceptance_length"] >= 1.0 for r in sampled)
+    assert all(r["greedy_oracle_verify_steps"] > 0 for r in sampled)
 
 
 @pytest.mark.parametrize("layers", ["3,1", "1,1", "-1", "a,b", ""])
