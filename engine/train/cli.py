@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="eval stage: also measure through the engine with seeded sampling at this "
-        "temperature (repeatable)",
+        "temperature, beside a drafter drafting the target's own greedy choice on the same "
+        "text (repeatable)",
     )
     # One thread: on a shared CPU, extra intra-op threads mostly spin (measured: 2 threads
     # ran 3-6x slower per step than 1 while other jobs were busy).
