@@ -219,8 +219,8 @@ def run_eval(
     for row in [{"temperature": 0.0, **r} for r in rows] + sampled:
         tau, n_steps = row["mean_acceptance_length"], row["verify_steps"]
         oracle = row.get("greedy_oracle_acceptance_length")
-        column = "" if oracle is None else f"{oracle:>14.3f}"
-        print(f"{row['temperature']:>4} {row['block_size']:>6} {tau:>24.3f} {n_steps:>7} {column}")
+        column = "" if oracle is None else f" {oracle:>14.3f}"
+        print(f"{row['temperature']:>4} {row['block_size']:>6} {tau:>24.3f} {n_steps:>7}{column}")
     report.parent.mkdir(parents=True, exist_ok=True)
     report.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -7,12 +7,21 @@ from pathlib import Path
 
 import pytest
 
+from engine.drafter import DFlashDrafter
 from engine.loader import load_drafter, load_target
+from engine.model import Qwen3Target
 from engine.speculative import DecodeRow, PrefillRow, RowSampling, SpecState, prefill, spec_step
 from engine.train.evaluate import greedy_choices, greedy_oracle_steps, sampled_acceptance
 
 ASSETS = Path(__file__).resolve().parents[3] / "engine" / "assets" / "tiny-coder"
 PROMPTS = [[5, 17, 42, 99, 7, 31, 8], [64, 12, 9, 200, 41]]
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[Qwen3Target, DFlashDrafter]:
+    """The bundled target and DFlash drafter, loaded once for the module."""
+    target = load_target(ASSETS / "target")
+    return target, load_drafter(ASSETS / "dflash", target)
 
 
 def test_a_draft_stands_while_the_text_follows_the_greedy_choice() -> None:
@@ -31,9 +40,10 @@ def test_a_draft_stands_while_the_text_follows_the_greedy_choice() -> None:
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_on_the_bundled_pairs_greedy_text_is_all_oracle_and_sampled_text_is_not() -> None:
-    target = load_target(ASSETS / "target")
-    drafter = load_drafter(ASSETS / "dflash", target)
+def test_on_the_bundled_pairs_greedy_text_is_all_oracle_and_sampled_text_is_not(
+    pair: tuple[Qwen3Target, DFlashDrafter],
+) -> None:
+    target, drafter = pair
     at_zero = sampled_acceptance(target, drafter, PROMPTS, 4, 0.0, 24)
     # Temperature 0: the text is the greedy output, so each oracle step commits a full block
     # but each prompt's last (the first 24 tokens: 23 after the prefill's, 5 blocks and 3).
@@ -55,9 +65,10 @@ def test_on_the_bundled_pairs_greedy_text_is_all_oracle_and_sampled_text_is_not(
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_greedy_choices_are_what_greedy_decoding_commits() -> None:
-    target = load_target(ASSETS / "target")
-    drafter = load_drafter(ASSETS / "dflash", target)
+def test_greedy_choices_are_what_greedy_decoding_commits(
+    pair: tuple[Qwen3Target, DFlashDrafter],
+) -> None:
+    target, drafter = pair
     # At temperature 0 every output token after the first is the greedy choice before it.
     prompt = PROMPTS[0]
     state = SpecState.create(target, drafter, 1, 64, 4, "cpu", target.lm_head.weight.dtype)
