@@ -14,21 +14,21 @@ on this 2-core machine, with each worker pinned to a core, a gateway's CPU is ta
 workers (sent straight to the workers, the split by class ran 1.12x the same split through
 a gateway at c = 16).
 
-The stream: requests from loadtest/prompts/mix.jsonl, greedy and temperature 1.0 interleaved,
-`--max-tokens` new tokens each, a closed loop of c clients for each c in `--concurrency`. Per
-(c, routing): the stream's decode tokens/s (completion tokens over wall time), and each class's
-mean per-request tokens/s. `--rounds R` runs each routing's requests at each c in R chunks,
-every routing once a round on the same requests, in turn and then in reverse (A/B, B/A): on a
-shared machine a slow spell of tens of seconds then falls on every routing alike, not on
-whichever cell ran in it, nor on the one that runs last. Each cell also gives each class's
-pool shares (equal pool shares can hide classes crossing over). `--control` runs the split
-by class twice, an A/A control: two identical routings differ by noise alone. Goals
-(issue: speculation-aware fleet): `fastest` at least the best static split at every c, and no
-class below 0.9x its speed under that split. Prints a table and writes JSON. The JSON also
-says why `fastest` sent each measured request where it did (`fastest_choices`: per class and
-pool, how many by its rule, with its lean waived, exploring onto an idle worker or under
-load, or by weights), read from that gateway's own debug log of its choices (logger
-`dflash.gateway.fastest`, alone at debug).
+The stream: requests from loadtest/prompts/mix.jsonl, greedy and temperature 1.0 in decks
+shuffled by a fixed seed (`--order`, Stream), `--max-tokens` new tokens each, a closed loop of
+c clients for each c in `--concurrency`. Per (c, routing): the stream's decode tokens/s
+(completion tokens over wall time), and each class's mean per-request tokens/s. `--rounds R`
+runs each routing's requests at each c in R chunks, every routing once a round on the same
+requests, in turn and then in reverse (A/B, B/A): on a shared machine a slow spell of tens of
+seconds then falls on every routing alike, not on whichever cell ran in it, nor on the one that
+runs last. Each cell also gives each class's pool shares (equal pool shares can hide classes
+crossing over). `--control` runs the split by class twice, an A/A control: two identical
+routings differ by noise alone. Goals (issue: speculation-aware fleet): `fastest` at least the
+best static split at every c, and no class below 0.9x its speed under that split. Prints a
+table and writes JSON. The JSON also says why `fastest` sent each measured request where it did
+(`fastest_choices`: per class and pool, how many by its rule, with its lean waived, exploring
+onto an idle worker or under load, or by weights), read from that gateway's own debug log of
+its choices (logger `dflash.gateway.fastest`, alone at debug).
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
 import platform
+import random
 import re
 import sys
 import tempfile
@@ -93,26 +95,55 @@ def stream_prompts() -> list[str]:
     return prompts
 
 
+# How the stream orders its classes and prompts (`--order`).
+ORDERS = ("shuffled", "interleaved")
+
+
+@functools.lru_cache(maxsize=1024)
+def deck(size: int, key: str) -> tuple[int, ...]:
+    """0..size-1 in an order seeded by `key` (the same on every run and machine)."""
+    order = list(range(size))
+    random.Random(key).shuffle(order)
+    return tuple(order)
+
+
 @dataclass(frozen=True)
 class Stream:
     """The mixed stream: `greedy_share` of the requests greedy, the others at temperature 1.0,
-    interleaved as evenly as they go; `max_tokens` new tokens each."""
+    `max_tokens` new tokens each. Interleaved, the classes as evenly as they go and the prompts
+    in turn, a request's class and prompt follow its index: with 16 prompts and three quarters
+    greedy each prompt always had the same class, and the weights gateway's smooth round robin
+    sent every even request to one pool, so its "50/50 split" sent the DFlash pool the greedy
+    requests of the even prompts only (accepting 5.5 tokens a step against the odd ones' 4.0),
+    a split by prompt that no router and no real traffic gets. Shuffled (the default), each
+    deck of len(prompts) requests holds the interleaved deck's classes and prompts, each in an
+    order of its own, seeded by the deck's number."""
 
     prompts: Sequence[str]
     max_tokens: int = 64
     greedy_share: float = 0.5
+    order: str = "shuffled"
+
+    def position(self, i: int, what: str) -> int:
+        """Where request i's class or prompt (`what`) comes from in the interleaved stream."""
+        if self.order == "interleaved":
+            return i
+        size = len(self.prompts)
+        number, at = divmod(i, size)
+        return number * size + deck(size, f"{what}-{number}")[at]
 
     def greedy(self, i: int) -> bool:
-        share = self.greedy_share
-        return math.ceil((i + 1) * share) > math.ceil(i * share)  # request 0 greedy
+        share, at = self.greedy_share, self.position(i, "class")
+        return math.ceil((at + 1) * share) > math.ceil(at * share)  # request 0 greedy
 
     def klass(self, i: int) -> str:
         return CLASSES[0] if self.greedy(i) else CLASSES[1]
 
     def body(self, i: int) -> dict[str, Any]:
+        prompt = self.prompts[self.position(i, "prompt") % len(self.prompts)]
         return {
             "model": MODEL_NAME,
-            "messages": [{"role": "user", "content": self.prompts[i % len(self.prompts)]}],
+            "messages": [{"role": "user", "content": prompt}],
             "max_tokens": self.max_tokens,
             "temperature": 0.0 if self.greedy(i) else 1.0,
         }
@@ -303,7 +334,7 @@ def gateways(workers: Sequence[RunningWorker], workdir: Path) -> Iterator[dict[s
 async def measure(
     urls: dict[str, str], args: argparse.Namespace, choices: ChoiceLog | None = None
 ) -> list[dict[str, Any]]:
-    stream = Stream(stream_prompts(), args.max_tokens, args.greedy_share)
+    stream = Stream(stream_prompts(), args.max_tokens, args.greedy_share, args.order)
     # (name, the URL, or the greedy and the sampled requests' URLs, the weights gateway's pin)
     routings: list[tuple[str, list[str], float | None]] = [
         (name, [urls["weights"]], share) for name, share in STATIC.items()
@@ -440,6 +471,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=share_of_one,
         default=0.5,
         help="the stream's share of greedy requests (the others at temperature 1.0)",
+    )
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="shuffled",
+        help="the stream's classes and prompts: each deck of requests shuffled, or interleaved "
+        "in turn (as before 2026-12-01; then the weights gateway's round robin locks onto the "
+        "prompts: see Stream)",
     )
     p.add_argument(
         "--rounds",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -28,16 +29,49 @@ from loadtest.fleet_bench import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_stream_interleaves_greedy_and_sampled_requests() -> None:
+def test_the_interleaved_stream_takes_classes_and_prompts_in_turn() -> None:
     prompts = stream_prompts()
     assert len(prompts) >= 8
-    bodies = [Stream(prompts, 16).body(i) for i in range(4)]
+    bodies = [Stream(prompts, 16, order="interleaved").body(i) for i in range(4)]
     assert [b["temperature"] for b in bodies] == [0.0, 1.0, 0.0, 1.0]
-    assert len({b["messages"][0]["content"] for b in bodies}) == 4
+    assert [b["messages"][0]["content"] for b in bodies] == prompts[:4]
     assert {b["max_tokens"] for b in bodies} == {16}
-    quarter = Stream(prompts, greedy_share=0.25)  # --greedy-share 0.25: one in four, evenly
+    quarter = Stream(prompts, greedy_share=0.25, order="interleaved")  # one in four, evenly
     assert [quarter.klass(i) for i in range(8)] == (["greedy"] + ["sampled"] * 3) * 2
     assert [quarter.body(i)["temperature"] for i in range(4)] == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_the_shuffled_stream_keeps_each_decks_classes_and_prompts_but_not_their_turns() -> None:
+    """Interleaved, a request's class and prompt follow its index, and a round robin over two
+    pools sent one pool the greedy requests of half the prompts only (Stream). Shuffled, each
+    deck of len(prompts) requests holds the same classes and prompts, in orders of its own:
+    no prompt keeps one class, and the even requests are no longer one class."""
+    prompts = stream_prompts()
+    size = len(prompts)
+    for share in (0.25, 0.5, 0.75):
+        shuffled, interleaved = (
+            Stream(prompts, greedy_share=share),
+            Stream(prompts, greedy_share=share, order="interleaved"),
+        )
+        for start in range(0, 8 * size, size):
+            decks = [
+                [stream.body(i) for i in range(start, start + size)]
+                for stream in (shuffled, interleaved)
+            ]
+            assert [sorted(b["messages"][0]["content"] for b in d) for d in decks] == [
+                sorted(prompts)
+            ] * 2
+            assert sorted(b["temperature"] for b in decks[0]) == sorted(
+                b["temperature"] for b in decks[1]
+            )
+        even = [shuffled.greedy(i) for i in range(0, 16 * size, 2)]
+        assert abs(sum(even) / len(even) - share) < 0.1
+    half = Stream(prompts)
+    pairs = Counter(
+        (half.body(i)["messages"][0]["content"], half.klass(i)) for i in range(16 * size)
+    )
+    assert all(pairs[prompt, klass] for prompt in prompts for klass in CLASSES)
+    assert [half.body(i) for i in range(size)] == [Stream(prompts).body(i) for i in range(size)]
 
 
 def test_quick_run(tmp_path: Path) -> None:
@@ -60,7 +94,9 @@ def test_quick_run(tmp_path: Path) -> None:
     assert cells["plain"]["pool_shares"] == {"plain": 1.0}  # pinned 0/100
     assert set(cells["50/50"]["pool_shares"]) == {"dflash", "plain"}
     # The client's own split, through a gateway per pool: greedy to DFlash, sampled to plain.
-    assert cells["by class"]["pool_shares"] == {"dflash": 0.5, "plain": 0.5}
+    greedy = sum(Stream(stream_prompts()).greedy(i) for i in range(4)) / 4
+    shares = {"dflash": greedy, "plain": 1 - greedy}
+    assert cells["by class"]["pool_shares"] == {p: s for p, s in shares.items() if s}
     by_class = {"greedy": {"dflash": 1.0}, "sampled": {"plain": 1.0}}
     assert cells["by class"]["class_pool_shares"] == by_class
     assert cells[CONTROL]["class_pool_shares"] == by_class  # the A/A: the same split again
