@@ -483,7 +483,11 @@ def learn(
     for ROUTING=fastest's estimates at the load it ran at on its worker (since `mark`)."""
     if fleet.speeds is not None and speed is not None and mark is not None:
         ended_alone = worker.outstanding == 1  # this request only
-        fleet.speeds.observe(worker.pool, call.klass, worker.ran_at(mark), speed, ended_alone)
+        load, mixed = worker.ran_at(mark), worker.mixed_since(mark, call.klass)
+        # Accepted draft tokens per drafting step: what drafting gains its rows, which a
+        # class that does not draft here (plain pools report none) cannot lose.
+        gain = stats[0].accepted_tokens / stats[0].steps if stats and stats[0].steps else None
+        fleet.speeds.observe(worker.pool, call.klass, load, speed, ended_alone, mixed, gain)
     promotions = fleet.promotions
     if promotions is not None and promotions.rollouts:
         acceptance = stats[0].acceptance_length if stats else None

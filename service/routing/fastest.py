@@ -10,7 +10,7 @@ choice safe: every pool of a model gives the same output distribution.
 
 The rule: a request of class k goes to the pool with the highest
 
-    score(p) = log s(p, k, n_p + 1) + home_bias * max(advantage(p, k), 0)
+    score(p) = log s(p, k, n_p + 1) + home_bias * max(advantage(p, k), 0) - brought(p, k)
 
 s(p, k, n) its expected tokens/s on pool p at n requests in flight per worker (its own speed
 where it would join), advantage(p, k) its class's comparative advantage there, read from each
@@ -83,6 +83,33 @@ speed ignores what it costs the others, and so did its exploration:
   kept the share low, and at c = 16 it read 0.939x). In the model: 1.023x the best static
   split at c = 16 with a quarter greedy (0.996x held), 1.060x with three quarters (1.020x),
   and the same at c = 1 and 4.
+- brought(p, k), the harm a request brings the rows it joins: where the worker of p it would
+  join holds rows of a class that runs slower with another class in flight (a DFlash batch's
+  greedy rows, kept plain by a sampled row), each such row's harm, for HARM_OVERLAP of its
+  life, over 1 + the rows already there that harm it (a row joining a batch already mixed
+  prolongs the mix by the time it outlives them), at the scale of one row of the batch
+  (divided by the rows after it joins). The harm is read at load, where the advantage
+  cannot be: from a start under sustained load no request is alone, but the mix on a worker
+  comes and goes, and each request reports the share of its life it was mixed
+  (Worker.mixed_since). A moving least-squares fit of log speed on that share and the log
+  load (Harm) gives the slope; it counts where known to within HARM_FLOOR / HARM_T, at
+  HARM_FLOOR or more, and only for a class that gains by drafting there (accepted drafts per
+  drafting step, HARM_GAIN_FLOOR): on a plain pool, or for sampled rows, a slope on the mix
+  is a confound (in the model, 0.1-0.2 read there from noise and the drains' low loads).
+  Asymmetric, as the engine is: a greedy row costs a batch of sampled rows nothing. Why:
+  live, from a start at c = 16 with three quarters of the traffic greedy and no advantage
+  read, the sampled class split by its own speed, within a few percent on the two pools,
+  and the greedy class ran 0.87x its speed under the 50/50 split (runs Z2, Z3,
+  loadtest/RESULTS.md). In the model from such a start (the bench's rounds, a 15 % spread
+  per speed, drafting at load paying as live), the sampled class kept out of the DFlash
+  batch in 7 of 8 seeds against 4 without it, 1.06x the stream's tokens/s over the eight
+  (tests/service/routing/test_fastest_simulation.py); with a quarter greedy no harm reads
+  (a few greedy rows, whose mix rarely varies) and nothing changes. It holds a good state;
+  it cannot leave a bad one: where the classes have swapped pools, every greedy row on the
+  DFlash pool is mixed throughout, and no harm can be read (live, one run of three).
+  In units of one row, not the sum over the rows: counted in full, while the load a
+  request adds (which the own-speed rule leaves out on every pool alike) is not, sampled
+  requests crowded the plain pool with a quarter greedy (down to 0.95x in the model).
 - The advantage is read alone (one request per worker), where no mix of classes confounds it:
   at load, a greedy request's speed on DFlash depends on who shares its batch. For the same
   reason not the marginal throughput (own speed plus the change in speed of the requests
@@ -168,6 +195,28 @@ EXPLORATION_PRICE_POWER = 2.0
 # the DFlash pool at c = 4 and the greedy class ran 0.78x). In the model (a quarter greedy,
 # the lean held), the DFlash pool was mixed for 4 % of the requests at c = 4, all at c = 16.
 MOSTLY_MIXED = 0.5
+# The cost a request brings the rows of another class on the worker it joins (a sampled row
+# keeping a DFlash batch's greedy rows plain) counts only where those rows run this much slower
+# (log) with another class in flight throughout than with none: below it, the regression's
+# noise (about 0.07 at 15 % spread per speed over the last hundred requests) would read a cost
+# that is not there, a plain pool's, and keep requests from it.
+HARM_FLOOR = 0.1
+# A joining request shares on average about half of the remaining life of the rows in flight.
+HARM_OVERLAP = 0.5
+# Requests, and a spread of the share of their life mixed, before a class's harm is read;
+# and how many standard errors HARM_FLOOR must stand from zero for a reading to count.
+HARM_MIN_SAMPLES = 20
+HARM_MIN_SPREAD = 0.02  # variance of the mixed share
+HARM_T = 2.0
+# Accepted draft tokens per drafting step a class's requests must average on a pool before
+# another class can harm it there: drafting, its rows run at least 1.5x the tokens a step.
+HARM_GAIN_FLOOR = 0.5
+# The weight of each new request in the harm's moving fit (about the last 200 count): a
+# slope needs more evidence than a mean.
+HARM_SMOOTHING = 0.01
+# Ridge on the log load's variance: where every request ran at about one load, the harm is
+# the plain slope on the mixed share, not a division by nothing.
+LOAD_RIDGE = 1e-4
 
 
 def load_level(in_flight_per_worker: float) -> int:
@@ -187,14 +236,64 @@ class Estimate:
         self.load += rate * (load - self.load)
 
 
+@dataclass
+class Harm:
+    """A class's log speed on a pool against the share of its life its worker held a request
+    of another class (and its log load): a moving least squares fit whose slope on the mixed
+    share is what another class's rows cost it (`harm`). Read at load, unlike the alone
+    speeds: under sustained load no request is alone, but the mix on a worker comes and goes."""
+
+    n: int = 0
+    # Moving means of m, u, y, mm, uu, mu, my, uy, yy (m the mixed share, u the log load, y
+    # the log speed).
+    moments: list[float] = field(default_factory=lambda: [0.0] * 9)
+    slope: float = 0.0
+    # A moving mean of its requests' accepted draft tokens per drafting step, over those that
+    # drafted: only a class whose rows gain by drafting can lose it (on a plain pool, or for
+    # sampled rows that accept almost nothing, a slope on the mix is a confound: in the
+    # model, noise and the drains' low loads read 0.1-0.2 there). Per drafting step, so the
+    # mix, which keeps rows from drafting, does not lower it.
+    gain: Estimate = field(default_factory=Estimate)
+
+    def add(self, mixed: float, load: float, speed: float, gain: float | None) -> None:
+        self.n += 1
+        rate = max(HARM_SMOOTHING, 1.0 / self.n)
+        if gain is not None:
+            self.gain.add(gain, load)
+        values = (mixed, load, speed, mixed * mixed, load * load, mixed * load)
+        for i, value in enumerate((*values, mixed * speed, load * speed, speed * speed)):
+            self.moments[i] += rate * (value - self.moments[i])
+
+    def harm(self) -> float:
+        """How much slower (log) a row of this class runs with another class in flight
+        throughout than with none, at the same load: the last slope read while it was known
+        to within HARM_FLOOR / HARM_T (one standard error), so that a harm of HARM_FLOOR or
+        more stands HARM_T errors from none. A harm that keeps the other class away stops its
+        own evidence forming, and must not fade for it. 0 below HARM_FLOOR, without such a
+        reading, or where the class gains little by drafting."""
+        m, u, y, mm, uu, mu, my, uy, yy = self.moments
+        var_m, var_u, var_y = mm - m * m, uu - u * u + LOAD_RIDGE, yy - y * y
+        cov_mu, cov_my, cov_uy = mu - m * u, my - m * y, uy - u * y
+        det = var_m * var_u - cov_mu * cov_mu
+        if self.n >= HARM_MIN_SAMPLES and var_m >= HARM_MIN_SPREAD and det > 0:
+            slope = (cov_my * var_u - cov_mu * cov_uy) / det
+            on_load = (cov_uy * var_m - cov_mu * cov_my) / det
+            residual = max(var_y - slope * cov_my - on_load * cov_uy, 0.0)
+            samples = min(self.n, 2 / HARM_SMOOTHING)  # a moving mean's effective count
+            if math.sqrt(residual * var_u / (det * samples)) <= HARM_FLOOR / HARM_T:
+                self.slope = slope
+        drafts = self.gain.n > 0 and self.gain.mean >= HARM_GAIN_FLOOR
+        return -self.slope if drafts and -self.slope >= HARM_FLOOR else 0.0
+
+
 @dataclass(frozen=True)
 class PoolLoad:
-    """A pool's routable workers and its requests in flight on them; per worker, the classes
-    of those requests."""
+    """A pool's routable workers and its requests in flight on them; per worker, those
+    requests by class."""
 
     workers: int
     in_flight: int
-    classes: tuple[frozenset[str], ...] = ()
+    classes: tuple[Mapping[str, int], ...] = ()
 
     def per_worker(self, extra: int = 0) -> float:
         return (self.in_flight + extra) / max(self.workers, 1)
@@ -219,16 +318,31 @@ class SpeedMap:
     # it busy and it already mixed (a moving average, SMOOTHING a request): how often the lean
     # failed to keep it unmixed.
     mixed_share: dict[str, float] = field(default_factory=dict)
+    # Per (pool, class): its speed against the share of its life mixed with another class.
+    harms: dict[tuple[str, str], Harm] = field(default_factory=dict)
 
     def observe(
-        self, pool: str, klass: str, load: float, speed: float, ended_alone: bool = False
+        self,
+        pool: str,
+        klass: str,
+        load: float,
+        speed: float,
+        ended_alone: bool = False,
+        mixed: float | None = None,
+        gain: float | None = None,
     ) -> None:
         """One request's decode speed (tokens/s), which ran at `load` requests in flight on
         its worker, a mean over its lifetime (itself included); `ended_alone`: none other
-        was in flight there as it ended."""
+        was in flight there as it ended; `mixed`: the share of its life a request of another
+        class was in flight there; `gain`: its accepted draft tokens per drafting step, where
+        it drafted and its worker reports them."""
         if speed > 0 and math.isfinite(speed) and load > 0:
             key = (pool, klass, load_level(load))
             self.estimates.setdefault(key, Estimate()).add(math.log(speed), math.log(load))
+            if mixed is not None:
+                self.harms.setdefault((pool, klass), Harm()).add(
+                    mixed, math.log(load), math.log(speed), gain
+                )
             if ended_alone and load <= ALONE_READ_UP_TO:
                 self.ended_alone.setdefault((pool, klass), Estimate()).add(
                     math.log(speed), math.log(load)
@@ -313,6 +427,35 @@ class SpeedMap:
         """`klass`'s comparative advantage per pool (advantages); zeros without one."""
         return self.advantages(pools).get(klass) or dict.fromkeys(pools, 0.0)
 
+    def harm(self, pool: str, klass: str) -> float:
+        """How much slower (log) `klass` runs on `pool` with another class in flight on its
+        worker throughout than with none (Harm)."""
+        found = self.harms.get((pool, klass))
+        return found.harm() if found is not None else 0.0
+
+    def harm_brought(self, klass: str, pool: str, load: PoolLoad) -> float:
+        """What a request of `klass` costs the rows on the worker of `pool` it would join (the
+        least busy): each row of another class that other classes harm there (`harm`), for
+        about HARM_OVERLAP of its life, over 1 + the rows already there that harm it (a row
+        joining a batch already mixed extends the mix only by the time it outlives them: on
+        average 1 / (1 + s) of a life). Nothing on an idle worker. Asymmetric, as the engine
+        is: a sampled row keeps a DFlash batch's greedy rows plain; a greedy row costs a batch
+        of sampled ones nothing."""
+        if not load.classes:
+            return 0.0
+        fewest = min(sum(held.values()) for held in load.classes)
+        costs = []
+        for held in load.classes:
+            if sum(held.values()) == fewest:
+                rows = sum(held.values())
+                cost = sum(
+                    n * self.harm(pool, j) / (1 + rows - n)
+                    for j, n in held.items()
+                    if j != klass and n > 0
+                )
+                costs.append(HARM_OVERLAP * cost / (rows + 1))
+        return min(costs)
+
     def mostly_mixed(
         self, loads: Mapping[str, PoolLoad], advantages: Mapping[str, Mapping[str, float]]
     ) -> dict[str, bool]:
@@ -363,7 +506,10 @@ class SpeedMap:
             )
             for pool, load in loads.items()
         }
-        score = {pool: (own[pool] or 0.0) + lean * max(edge[pool], 0.0) for pool in own}
+        brought = {pool: self.harm_brought(klass, pool, load) for pool, load in loads.items()}
+        score = {
+            pool: (own[pool] or 0.0) + lean * max(edge[pool], 0.0) - brought[pool] for pool in own
+        }
         chosen = max(sorted(score), key=lambda pool: score[pool])
         onto = "an idle worker"
         # No worker idle (sustained load): onto a pool no busier than the rule's pick, and not
@@ -373,6 +519,7 @@ class SpeedMap:
             explore is None
             and drawn is not None
             and edge[drawn] >= home
+            and not brought[drawn]
             and loads[drawn].per_worker() <= loads[chosen].per_worker()
         ):
             explore, onto = drawn, "a pool no busier than its pick"
@@ -392,6 +539,7 @@ class SpeedMap:
                 ", ".join(
                     f"{pool} at {loads[pool].per_worker(1):g} in flight: "
                     f"{math.exp(own[pool] or 0.0):.0f} tokens/s, advantage {edge[pool]:+.3f}"
+                    + (f", harm brought {brought[pool]:.3f}" if brought[pool] else "")
                     for pool in sorted(score)
                 ),
             )
@@ -456,9 +604,9 @@ def pool_loads(workers: Iterable[Loaded]) -> dict[str, PoolLoad]:
     """Each pool's workers, requests in flight on them, and per worker their classes."""
     count: dict[str, int] = {}
     in_flight: dict[str, int] = {}
-    classes: dict[str, list[frozenset[str]]] = {}
+    classes: dict[str, list[Mapping[str, int]]] = {}
     for worker in workers:
         count[worker.pool] = count.get(worker.pool, 0) + 1
         in_flight[worker.pool] = in_flight.get(worker.pool, 0) + worker.outstanding
-        classes.setdefault(worker.pool, []).append(frozenset(worker.in_flight_by_class))
+        classes.setdefault(worker.pool, []).append(dict(worker.in_flight_by_class))
     return {pool: PoolLoad(count[pool], in_flight[pool], tuple(classes[pool])) for pool in count}

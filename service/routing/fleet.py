@@ -38,6 +38,7 @@ class LoadMark:
 
     area: float
     at: float
+    mixed: float = 0.0  # the worker's mixed_area for the request's class
 
 
 @dataclass
@@ -63,6 +64,10 @@ class Worker:
     # Requests in flight here by class (promotion's request_class): ROUTING=fastest reads
     # whether a pool already holds a request its class is not at home on.
     in_flight_by_class: dict[str, int] = field(default_factory=dict)
+    # Per class seen here, seconds a request of another class was in flight (up to
+    # `load_at`): how much of a request's life it shared the worker with another class
+    # (`mixed_since`), which ROUTING=fastest reads a class's harm from.
+    mixed_area: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pool_header = (b"x-dflash-pool", self.pool.encode())
@@ -72,7 +77,7 @@ class Worker:
         now = self._accrue()
         self.outstanding += 1
         self.in_flight_by_class[klass] = self.in_flight_by_class.get(klass, 0) + 1
-        return LoadMark(self.load_area, now)
+        return LoadMark(self.load_area, now, self.mixed_area.setdefault(klass, 0.0))
 
     def release(self, klass: str = "") -> None:
         self._accrue()
@@ -90,9 +95,22 @@ class Worker:
             return float(max(self.outstanding, 1))
         return max(1.0, (self.load_area - mark.area) / (now - mark.at))
 
+    def mixed_since(self, mark: LoadMark, klass: str) -> float:
+        """The share of the time since `mark` that a request of a class other than `klass`
+        was in flight here (issue 47: a sampled row keeps a DFlash batch's greedy rows
+        plain)."""
+        now = self._accrue()
+        if now <= mark.at:
+            return float(self.outstanding > self.in_flight_by_class.get(klass, 0))
+        return min(1.0, (self.mixed_area.get(klass, 0.0) - mark.mixed) / (now - mark.at))
+
     def _accrue(self) -> float:
         now = time.monotonic()
-        self.load_area += self.outstanding * (now - self.load_at)
+        elapsed = now - self.load_at
+        self.load_area += self.outstanding * elapsed
+        for klass, area in self.mixed_area.items():
+            if self.outstanding > self.in_flight_by_class.get(klass, 0):
+                self.mixed_area[klass] = area + elapsed
         self.load_at = now
         return now
 

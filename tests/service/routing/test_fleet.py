@@ -56,6 +56,32 @@ def test_a_request_is_learnt_at_the_mean_load_it_ran_at(monkeypatch: pytest.Monk
     assert worker.ran_at(third) == 1.0
 
 
+def test_a_request_is_learnt_with_the_share_of_its_life_it_shared_with_another_class(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """ROUTING=fastest reads what another class's rows cost a class from how much of each
+    request's life its worker held a request of another class (issue 47)."""
+    now = [10.0]
+    monkeypatch.setattr("service.routing.fleet.time.monotonic", lambda: now[0])
+    worker = Worker(URLS[0])
+    greedy = worker.admit("greedy")  # alone for 1 s
+    now[0] = 11.0
+    other_greedy = worker.admit("greedy")  # the same class: not mixed
+    now[0] = 12.0
+    sampled = worker.admit("sampled")  # mixed for 2 s
+    now[0] = 14.0
+    assert worker.mixed_since(sampled, "sampled") == pytest.approx(1.0)
+    worker.release("sampled")
+    now[0] = 16.0  # greedy only again for 2 s
+    assert worker.mixed_since(greedy, "greedy") == pytest.approx(2 / 6)
+    assert worker.mixed_since(other_greedy, "greedy") == pytest.approx(2 / 5)
+    worker.release("greedy")
+    worker.release("greedy")
+    now[0] = 20.0
+    alone = worker.admit("sampled")  # a request that ends as it starts: not mixed
+    assert worker.mixed_since(alone, "sampled") == 0.0
+
+
 def test_exact_ties_spread_over_the_pool() -> None:
     pool = make_pool()
     picks = Counter(pool.pick("m", None, set()).url for _ in range(40))  # type: ignore[union-attr]
