@@ -198,7 +198,7 @@ MOSTLY_MIXED = 0.5
 # The cost a request brings the rows of another class on the worker it joins (a sampled row
 # keeping a DFlash batch's greedy rows plain) counts only where those rows run this much slower
 # (log) with another class in flight throughout than with none: below it, the regression's
-# noise (about 0.07 at 15 % spread per speed over the last hundred requests) would read a cost
+# noise (about 0.07 at 15 % spread per speed over the last 200 requests) would read a cost
 # that is not there, a plain pool's, and keep requests from it.
 HARM_FLOOR = 0.1
 # A joining request shares on average about half of the remaining life of the rows in flight.
