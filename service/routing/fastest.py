@@ -263,14 +263,13 @@ class Harm:
         values = (mixed, load, speed, mixed * mixed, load * load, mixed * load)
         for i, value in enumerate((*values, mixed * speed, load * speed, speed * speed)):
             self.moments[i] += rate * (value - self.moments[i])
+        self.fit()
 
-    def harm(self) -> float:
-        """How much slower (log) a row of this class runs with another class in flight
-        throughout than with none, at the same load: the last slope read while it was known
-        to within HARM_FLOOR / HARM_T (one standard error), so that a harm of HARM_FLOOR or
-        more stands HARM_T errors from none. A harm that keeps the other class away stops its
-        own evidence forming, and must not fade for it. 0 below HARM_FLOOR, without such a
-        reading, or where the class gains little by drafting."""
+    def fit(self) -> None:
+        """The slope on the mixed share, kept as `slope` when known to within HARM_FLOOR /
+        HARM_T (one standard error), so that a harm of HARM_FLOOR or more stands HARM_T
+        errors from none; else the last such reading stays. A harm that keeps the other
+        class away stops its own evidence forming, and must not fade for it."""
         m, u, y, mm, uu, mu, my, uy, yy = self.moments
         var_m, var_u, var_y = mm - m * m, uu - u * u + LOAD_RIDGE, yy - y * y
         cov_mu, cov_my, cov_uy = mu - m * u, my - m * y, uy - u * y
@@ -282,6 +281,11 @@ class Harm:
             samples = min(self.n, 2 / HARM_SMOOTHING)  # a moving mean's effective count
             if math.sqrt(residual * var_u / (det * samples)) <= HARM_FLOOR / HARM_T:
                 self.slope = slope
+
+    def harm(self) -> float:
+        """How much slower (log) a row of this class runs with another class in flight
+        throughout than with none, at the same load (the fit's slope); 0 below HARM_FLOOR,
+        without a precise enough reading, or where the class gains little by drafting."""
         drafts = self.gain.n > 0 and self.gain.mean >= HARM_GAIN_FLOOR
         return -self.slope if drafts and -self.slope >= HARM_FLOOR else 0.0
 
