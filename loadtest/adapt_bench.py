@@ -130,7 +130,7 @@ def capture_traffic(domain: Domain, folder: Path, max_tokens: int, log: Path) ->
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             codes = list(pool.map(send, range(len(domain.train))))
-    shards = sorted(folder.glob("capture-*.jsonl.gz"))
+    shards = sorted(folder.glob("capture-*.jsonl.zst"))
     return {
         "requests_sent": len(codes),
         "requests_ok": sum(code == 200 for code in codes),

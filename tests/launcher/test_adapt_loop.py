@@ -62,7 +62,7 @@ def test_captured_traffic_adapts_a_canary_whose_acceptance_beats_the_bundled_dra
         announced(proc)
         send(port, PROSE)
         assert interrupt(proc) == 0
-    assert list(capture.glob("capture-*.jsonl.gz"))
+    assert list(capture.glob("capture-*.jsonl.zst"))
 
     # 3. Adapt (a few steps; the recipe set is made small, as no distillation data exists).
     argv = [sys.executable, "-m", "engine.train.cli", "adapt", "--data", str(capture)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ SAMPLE = CapturedSample(
 
 def test_a_shard_round_trips_and_is_reproducible() -> None:
     data = encode_shard([SAMPLE.line(), SAMPLE.line()])
-    assert data == encode_shard([SAMPLE.line(), SAMPLE.line()])  # mtime 0
+    assert data.startswith(b"\x28\xb5\x2f\xfd")  # zstd
+    assert data == encode_shard([SAMPLE.line(), SAMPLE.line()])
     assert decode_shard(data, "s") == [SAMPLE, SAMPLE]
     assert SAMPLE.temperature == 0.0
     no_temperature = CapturedSample(**{**vars(SAMPLE), "sampling": {}})
@@ -43,15 +45,21 @@ def test_a_shard_round_trips_and_is_reproducible() -> None:
 
 def test_a_dataset_folder_reads_shards_oldest_first_and_skips_other_files(tmp_path: Path) -> None:
     later = CapturedSample(**{**vars(SAMPLE), "id": "chatcmpl-2"})
-    (tmp_path / "capture-20261127T000002000000Z-b.jsonl.gz").write_bytes(
+    first = CapturedSample(**{**vars(SAMPLE), "id": "chatcmpl-0"})
+    # A gzip shard the gateway wrote before zstd, still read, in its place by time.
+    (tmp_path / "capture-20261127T000000000000Z-z.jsonl.gz").write_bytes(
+        gzip.compress(first.line() + b"\n")
+    )
+    (tmp_path / "capture-20261127T000002000000Z-b.jsonl.zst").write_bytes(
         encode_shard([later.line()])
     )
-    (tmp_path / "capture-20261127T000001000000Z-a.jsonl.gz").write_bytes(
+    (tmp_path / "capture-20261127T000001000000Z-a.jsonl.zst").write_bytes(
         encode_shard([SAMPLE.line()])
     )
-    (tmp_path / ".capture-x.jsonl.gz.tmp").write_bytes(b"half")
+    (tmp_path / ".capture-x.jsonl.zst.tmp").write_bytes(b"half")
     (tmp_path / "README").write_text("not a shard")
-    assert [s.id for s in read_samples(str(tmp_path))] == ["chatcmpl-1", "chatcmpl-2"]
+    ids = [s.id for s in read_samples(str(tmp_path))]
+    assert ids == ["chatcmpl-0", "chatcmpl-1", "chatcmpl-2"]
     assert list(read_samples(str(tmp_path / "absent"))) == []
 
 
@@ -79,14 +87,32 @@ def line(**changes: Any) -> bytes:
 )
 def test_a_malformed_line_names_the_shard_line_and_field(raw: bytes, message: str) -> None:
     with pytest.raises(CaptureDataError, match="shard-7") as info:
-        decode_shard(gzip.compress(raw + b"\n"), "shard-7")
+        decode_shard(encode_shard([raw]), "shard-7")
     assert message in str(info.value)
 
 
-def test_a_truncated_shard_is_named() -> None:
-    data = encode_shard([SAMPLE.line()] * 50)
-    with pytest.raises(CaptureDataError, match="shard-3: not a complete gzip shard"):
-        decode_shard(data[: len(data) // 2], "shard-3")
+@pytest.mark.parametrize(
+    "compress, kind",
+    [(encode_shard, "zstd"), (lambda lines: gzip.compress(b"\n".join(lines)), "gzip")],
+)
+def test_a_truncated_shard_is_named(compress: Callable[[list[bytes]], bytes], kind: str) -> None:
+    lines = [CapturedSample(**{**vars(SAMPLE), "id": f"chatcmpl-{n}"}).line() for n in range(50)]
+    data = compress(lines)
+    for cut in (len(data) // 2, len(data) - 1):
+        with pytest.raises(CaptureDataError, match=f"shard-3: not a complete {kind} shard"):
+            decode_shard(data[:cut], "shard-3")
+
+
+def test_a_file_neither_zstd_nor_gzip_is_named() -> None:
+    with pytest.raises(CaptureDataError, match="shard-4: not a zstd \\(or gzip\\) shard"):
+        decode_shard(b"{}\n", "shard-4")
+
+
+def test_a_shard_of_several_frames_is_read_whole() -> None:
+    """A shard joined from two (`cat a.zst b.zst`), as the zstd tool reads it."""
+    other = CapturedSample(**{**vars(SAMPLE), "id": "chatcmpl-2"})
+    data = encode_shard([SAMPLE.line()]) + encode_shard([other.line()])
+    assert decode_shard(data, "s") == [SAMPLE, other]
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def _sample(
 
 def write_shard(folder: Path, samples: list[CapturedSample], name: str = "a") -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"capture-20260101T000000Z-{name}.jsonl.gz"
+    path = folder / f"capture-20260101T000000Z-{name}.jsonl.zst"
     path.write_bytes(encode_shard([s.line() for s in samples]))
     return path
 
@@ -219,7 +219,7 @@ def test_a_truncated_shard_is_named(
     (data / good.name).write_bytes(good.read_bytes()[:200])
     assert run_cli(data, tmp_path) == 1
     err = capsys.readouterr().err
-    assert "dflash-train: error:" in err and good.name in err and "not a complete gzip" in err
+    assert "dflash-train: error:" in err and good.name in err and "not a complete zstd shard" in err
 
 
 def test_an_empty_dataset_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -87,7 +87,7 @@ def test_too_long_samples_are_skipped_by_name_and_all_too_long_is_an_error(
 def test_empty_datasets_are_errors(tok: Tokenizer, tmp_path: Path) -> None:
     with pytest.raises(CaptureDataError, match="no capture shards"):
         load_traffic(str(tmp_path), tok, VOCAB, 2048)
-    (tmp_path / "capture-20260101T000000Z-a.jsonl.gz").write_bytes(encode_shard([]))
+    (tmp_path / "capture-20260101T000000Z-a.jsonl.zst").write_bytes(encode_shard([]))
     with pytest.raises(CaptureDataError, match="no samples"):
         load_traffic(str(tmp_path), tok, VOCAB, 2048)
 

@@ -59,7 +59,7 @@ def test_samples_roll_into_whole_shards_and_close_writes_the_rest(tmp_path: Path
     w.offer(raw(20))
     w.close()
     names = sorted(p.name for p in (tmp_path / "data").iterdir())
-    assert all(name.startswith("capture-") and name.endswith(".jsonl.gz") for name in names)
+    assert all(name.startswith("capture-") and name.endswith(".jsonl.zst") for name in names)
     assert len(names) >= 5  # ~330 bytes a line, 2000 a shard
     ids = [s.id for s in read_samples(str(tmp_path / "data"))]
     assert sorted(ids) == sorted(f"req-{n}" for n in range(21))
