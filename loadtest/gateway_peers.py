@@ -164,6 +164,10 @@ def store_errors(port: int) -> float | None:
 
 def missing_peers(args: argparse.Namespace) -> dict[str, str]:
     why: dict[str, str] = {}
+    if not shutil.which("taskset"):
+        why["pinning"] = "taskset (util-linux) not found: proxies run unpinned"
+    if args.capture_only:  # no other peer is run
+        return why
     if not Path(NGINX).is_file():
         why["nginx"] = f"{NGINX} not found: run scripts/install-tools.sh (Debian package nginx)"
     if not ROUTER.is_file():
@@ -172,8 +176,6 @@ def missing_peers(args: argparse.Namespace) -> dict[str, str]:
         why["litellm"] = f"{LITELLM} not found: run scripts/install-litellm-proxy.sh"
     if args.limits and not Path(REDIS).is_file():
         why["redis-server"] = "not found: run scripts/install-tools.sh (Debian package)"
-    if not shutil.which("taskset"):
-        why["pinning"] = "taskset (util-linux) not found: proxies run unpinned"
     return why
 
 
@@ -246,6 +248,8 @@ def start_gateway(
 def start_peers(
     args: argparse.Namespace, upstream: int, workdir: Path, missing: dict[str, str]
 ) -> list[Peer]:
+    if args.capture_only:  # the capture goal's reading alone: more rounds in the same time
+        return tenant_capture_peers(args, upstream, workdir)
     peers: list[Peer] = []
     sources = [("dflash-gateway", ROOT)]
     if args.baseline_src is not None:
@@ -718,11 +722,12 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
 
 
 @contextlib.contextmanager
-def stub_process(events: int, cpus: str | None) -> Iterator[int]:
-    """The stub upstream (SSE streams of `events` events), pinned to `cpus` when given."""
+def stub_process(events: int, cpus: str | None, reply_chars: int = 0) -> Iterator[int]:
+    """The stub upstream (SSE streams of `events` events; JSON replies of `reply_chars` of
+    prose, or `events` x's), pinned to `cpus` when given."""
     port = free_port()
     argv = [sys.executable, "-m", "loadtest.stub_upstream", "--port", str(port)]
-    argv += ["--events", str(events)]
+    argv += ["--events", str(events), "--reply-chars", str(reply_chars)]
     process = subprocess.Popen(pinned(cpus, argv), cwd=ROOT)
     try:
         wait_healthy(f"http://127.0.0.1:{port}/health", process, 30.0, interval=0.1)
@@ -763,6 +768,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--events", type=int, default=64, help="SSE events per stream")
+    p.add_argument(
+        "--reply-chars",
+        type=int,
+        default=0,
+        help="each unary reply N characters of prose, new each request (default: 64 x's)",
+    )
     p.add_argument("--stream-gap-ms", type=float, default=0.0, help="event gap of the stream phase")
     p.add_argument("--burst", type=int, default=200, help="streams opened at once")
     p.add_argument("--burst-gap-ms", type=float, default=20.0, help="event gap in burst streams")
@@ -792,6 +803,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also the gateway capturing every request into a local folder (docs/capture.md)",
     )
+    p.add_argument(
+        "--capture-only",
+        action="store_true",
+        help="only the gateway capturing by tenant (the capture goal's reading and its A/A)",
+    )
     p.add_argument("--out", type=Path, default=Path("bench-results/gateway-peers.json"))
     return p
 
@@ -801,7 +817,7 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_peers(args)
     if shutil.which("taskset") and args.aux_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.aux_cpus.split(",")})
-    stub_upstream = stub_process(args.events, args.aux_cpus)
+    stub_upstream = stub_process(args.events, args.aux_cpus, args.reply_chars)
     with tempfile.TemporaryDirectory(prefix="dflash-peers-") as tmp, stub_upstream as stub:
         peers = start_peers(args, stub, Path(tmp), missing)
         try:

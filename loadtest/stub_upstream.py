@@ -6,7 +6,12 @@ numbers show the gateway. It serves /health, /metrics, /v1/models and POST
 may override it with an extra field `bench_gap_ms`), each carrying the
 monotonic send time (`"t"`, ns) so the client can measure per-event delivery latency.
 
-    python -m loadtest.stub_upstream --port P --events 20 --gap-ms 50
+    python -m loadtest.stub_upstream --port P --events 20 --gap-ms 50 [--reply-chars N]
+
+With `--reply-chars N` a JSON reply's content is N characters of prose, a different passage
+for each request (windows over the project's docs), so what depends on the text (traffic
+capture's parsing and compression) costs what it costs on real answers; without it, the
+content is `events` x's, the same bytes every time.
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import re
 import time
+from pathlib import Path
 
 GAP = re.compile(rb'"bench_gap_ms":([0-9.]+)')  # per-request override of --gap-ms
 MODELS = b'{"object":"list","data":[{"id":"stub","object":"model","owned_by":"bench"}]}'
@@ -36,14 +43,36 @@ def chunk(data: bytes) -> bytes:
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
 
 
-def unary_body(events: int) -> bytes:
-    text = "x" * events
+def unary_body(events: int, text: str | None = None) -> bytes:
+    """A chat completion of `events` tokens whose content is `text` (`events` x's if None)."""
+    content = json.dumps("x" * events if text is None else text)
     usage = USAGE % (events, events + 8)
     return (
         '{"id":"c","object":"chat.completion","created":1,"model":"stub","choices":[{"index":0,'
-        f'"message":{{"role":"assistant","content":"{text}"}},"finish_reason":"length"}}],'
+        f'"message":{{"role":"assistant","content":{content}}},"finish_reason":"length"}}],'
         f"{usage}}}"
     ).encode()
+
+
+# The passages of `--reply-chars`: the project's own prose (docs/*.md), joined.
+CORPUS = Path(__file__).resolve().parent.parent / "docs"
+
+
+class Passages:
+    """Successive windows of `chars` characters over the corpus, each one new until the
+    corpus is used up (about 400 KB: hundreds of requests), then again from the start."""
+
+    def __init__(self, chars: int) -> None:
+        self.chars = chars
+        self._text = "\n".join(p.read_text() for p in sorted(CORPUS.glob("*.md")))
+        self._at = 0
+
+    def next(self) -> str:
+        if self._at + self.chars > len(self._text):
+            self._at = 0
+        passage = self._text[self._at : self._at + self.chars]
+        self._at += self.chars
+        return passage
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
@@ -62,9 +91,15 @@ async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | No
 
 
 class Stub:
-    def __init__(self, events: int, gap_ms: float) -> None:
+    def __init__(self, events: int, gap_ms: float, reply_chars: int = 0) -> None:
         self.events, self.gap = events, gap_ms / 1000.0
         self._unary = response("200 OK", unary_body(events))
+        self._passages = Passages(reply_chars) if reply_chars > 0 else None
+
+    def unary(self) -> bytes:
+        if self._passages is None:
+            return self._unary
+        return response("200 OK", unary_body(self.events, self._passages.next()))
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
@@ -76,7 +111,7 @@ class Stub:
                     gap = float(found.group(1)) / 1000.0 if found else self.gap
                     await self.stream(writer, b'"include_usage":true' in compact, gap)
                 elif line.startswith(b"POST"):
-                    writer.write(self._unary)
+                    writer.write(self.unary())
                 elif b"/v1/models" in line:
                     writer.write(response("200 OK", MODELS))
                 elif b"/metrics" in line:
@@ -110,8 +145,8 @@ class Stub:
         await writer.drain()
 
 
-async def serve(port: int, events: int, gap_ms: float) -> None:
-    stub = Stub(events, gap_ms)
+async def serve(port: int, events: int, gap_ms: float, reply_chars: int = 0) -> None:
+    stub = Stub(events, gap_ms, reply_chars)
     server = await asyncio.start_server(stub.handle, "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
@@ -122,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--events", type=int, default=20)
     p.add_argument("--gap-ms", type=float, default=0.0)
+    p.add_argument("--reply-chars", type=int, default=0, help="prose in each JSON reply")
     args = p.parse_args(argv)
     try:
         import uvloop
@@ -130,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         pass
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port, args.events, args.gap_ms))
+        asyncio.run(serve(args.port, args.events, args.gap_ms, args.reply_chars))
     return 0
 
 

@@ -76,12 +76,14 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
     reached over TCP and TLS by the gateway's client and by redis-py's. --capture in the same
     run (one set of peers started once): the gateway capturing into a folder, and into an S3
     store that is down the whole run; both serve every request, the first writes, the second
-    counts its drops."""
+    counts its drops (each reply a passage of prose, as `--reply-chars` sends)."""
     out = tmp_path / "limits.json"
     argv = ["gateway", "--peers", "--limits", "--capture", "--duration", "0.3", "--warmup", "0.1"]
     argv += ["--rounds", "1", "--concurrency", "4", "--events", "3", "--burst", "5"]
+    argv += ["--reply-chars", "400"]  # a new passage of prose in each reply, as capture sees
     assert bench_main([*argv, "--out", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["config"]["reply_chars"] == 400
     rows = {row["proxy"]: row for row in report["results"]}
     limited = ("dflash-gateway (keys)", "dflash-gateway (limits)", "dflash-gateway (limits, redis)")
     limited += tuple(
