@@ -438,14 +438,27 @@ def settled_outcomes(port: int, served: int, timeout_s: float = 30.0) -> dict[st
 
 def capture_outcomes(port: int) -> dict[str, float]:
     """dflash_capture_samples_total by outcome."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
-        text = answer.read().decode()
     found: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in capture_series(port):
         if line.startswith("dflash_capture_samples_total{"):
             outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
             found[outcome] = float(line.rsplit(" ", 1)[1])
     return found
+
+
+def writer_us_per_sample(port: int, written: float) -> float | None:
+    """The capture writer thread's CPU over the samples it wrote, in µs: its share of what
+    capture costs, without the event loop's (read beside the per-request ratio, which holds
+    both and the phases' noise)."""
+    for line in capture_series(port):
+        if line.startswith("dflash_capture_writer_cpu_seconds_total "):
+            return round(float(line.rsplit(" ", 1)[1]) * 1e6 / written, 2) if written else None
+    return None
+
+
+def capture_series(port: int) -> list[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as answer:
+        return [line for line in answer.read().decode().splitlines() if "dflash_capture" in line]
 
 
 # The variants of the gateway whose CPU cost is read against a gateway without it: (reading,
@@ -831,6 +844,11 @@ def main(argv: list[str] | None = None) -> int:
             captured = {
                 p.name: settled_outcomes(p.port, served[p.name]) for p in peers if p.captures
             }
+            writer_us = {
+                p.name: writer_us_per_sample(p.port, captured[p.name].get("written", 0))
+                for p in peers
+                if p.captures
+            }
         finally:
             for peer in peers:
                 for process in (peer.process, *peer.companions):
@@ -840,7 +858,7 @@ def main(argv: list[str] | None = None) -> int:
     if costs:
         print(f"cost (x of the gateway's CPU without it): {json.dumps(costs)}")
     for name, outcomes in captured.items():
-        print(f"{name}: samples {json.dumps(outcomes)}")
+        print(f"{name}: samples {json.dumps(outcomes)}, writer µs a sample {writer_us[name]}")
     for name, why in missing.items():
         print(f"missing {name}: {why}")
     write_report(
@@ -851,5 +869,6 @@ def main(argv: list[str] | None = None) -> int:
         results=rows,
         costs=costs,
         capture=captured,
+        capture_writer_us_per_sample=writer_us,
     )
     return 0

@@ -293,15 +293,22 @@ class GatewayMetrics(TenancySeries):
         self.capture_shards = Counter(
             "dflash_capture_shards", "Dataset shards written by traffic capture", registry=r
         )
+        self.capture_cpu = Counter(
+            "dflash_capture_writer_cpu_seconds",
+            "CPU time of traffic capture's writer thread (parsing, compressing, writing)",
+            registry=r,
+        )
 
     def count_decision(self, decision: str) -> None:
         """A rollout's promote or rollback (service/routing/promotion.py)."""
         self.child(self.promotion_decisions, decision).inc()
 
-    def count_capture(self, outcome: str, count: int) -> None:
+    def count_capture(self, outcome: str, count: float) -> None:
         """The capture writer's counts (its thread calls this; the counters are thread-safe)."""
         if outcome == "shards":
             self.capture_shards.inc(count)
+        elif outcome == "cpu_seconds":
+            self.capture_cpu.inc(count)
         else:
             self.child(self.capture_samples, outcome).inc(count)
 

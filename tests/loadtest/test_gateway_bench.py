@@ -108,6 +108,9 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
     assert captured["written"] == rows["dflash-gateway (capture)"]["requests_served"] > 0
     # Capture by tenant, in one process: the captured tenant's requests, all written, and
     # none of the other two tenants' (they are counted on the same process).
+    writer_us = report["capture_writer_us_per_sample"]
+    assert writer_us["dflash-gateway (tenants, captured)"] > 0  # the writer thread's CPU
+    assert writer_us["dflash-gateway (capture, store down)"] is None  # nothing written
     by_tenant = report["capture"]["dflash-gateway (tenants, captured)"]
     assert by_tenant["written"] == sum(by_tenant.values())
     assert by_tenant["written"] == rows["dflash-gateway (tenants, captured)"]["requests_served"]

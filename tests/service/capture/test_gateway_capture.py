@@ -54,6 +54,7 @@ def test_every_endpoint_is_captured_as_the_client_saw_it(
         answered = "".join(e.delta for e in events if e.type == "response.output_text.delta")
         wait_until(lambda: written(gw) == 4)
         assert gw.metric("dflash_capture_shards_total") >= 1
+        assert gw.metric("dflash_capture_writer_cpu_seconds_total") > 0
     samples = {
         s.endpoint + ("-stream" if s.sampling.get("seed") else ""): s
         for s in read_samples(str(data))

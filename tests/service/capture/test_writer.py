@@ -37,10 +37,10 @@ def raw(n: int, *, reply: bytes | None = None) -> RawCapture:
 
 class Counts:
     def __init__(self) -> None:
-        self.seen: Counter[str] = Counter()
+        self.seen: Counter[str] = Counter()  # "cpu_seconds" adds up floats
         self.lock = threading.Lock()
 
-    def __call__(self, outcome: str, count: int) -> None:
+    def __call__(self, outcome: str, count: float) -> None:
         with self.lock:
             self.seen[outcome] += count
 
@@ -64,6 +64,7 @@ def test_samples_roll_into_whole_shards_and_close_writes_the_rest(tmp_path: Path
     ids = [s.id for s in read_samples(str(tmp_path / "data"))]
     assert sorted(ids) == sorted(f"req-{n}" for n in range(21))
     assert counts.seen["written"] == 21 and counts.seen["shards"] == len(names)
+    assert counts.seen["cpu_seconds"] > 0  # the writer thread's own CPU, counted as it works
 
 
 def test_a_quiet_stream_of_samples_is_written_within_flush_s(tmp_path: Path) -> None:
@@ -120,6 +121,7 @@ def test_oversized_and_unusable_samples_are_counted(tmp_path: Path) -> None:
     w.offer(raw(2, reply=b"not json"))
     w.offer(raw(3))
     w.close()
+    assert counts.seen.pop("cpu_seconds") > 0
     assert counts.seen == {"too_large": 1, "unusable": 1, "written": 1, "shards": 1}
 
 
