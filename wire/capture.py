@@ -190,11 +190,13 @@ def parse_sample(obj: object, where: str) -> CapturedSample:
     )
 
 
-# zstd level 1: measured on 2,000 chat samples (1,011 bytes of JSON each, one shard), it
-# stores 180 bytes a sample (5.6x) for 1.6 µs of CPU, where gzip level 1, written before,
-# stored 260 bytes (3.9x) for 7.0 µs, a third of what capture cost a request; zstd levels -5
-# to 3 all cost 1.4-1.6 µs, lz4 1.4 µs for 3.1x. The writer's CPU is the gateway's CPU
-# (docs/capture.md). The frame carries its content size and a checksum.
+# zstd level 1: measured on 500 chat samples of distinct prose (999 bytes of JSON each, one
+# shard), it stores 220 bytes a sample (4.5x) for 1.8-1.9 µs of CPU, where gzip level 1,
+# written before, stored 241 bytes (4.1x) for 5.7-6.1 µs; zstd level -5 320 bytes for 1.5 µs,
+# lz4 308 bytes for 1.3 µs. In the gateway, on answers of 1,000 characters, the writer's CPU
+# fell from 40-43 to 33-35 µs a sample (loadtest/RESULTS.md, "Capture on real-sized
+# answers"): the writer's CPU is the gateway's (docs/capture.md). The frame carries its
+# content size and a checksum.
 COMPRESS_LEVEL = 1
 
 

@@ -29,15 +29,11 @@ log = logging.getLogger("dflash.gateway.capture")
 OUTCOMES = ("written", "queue_full", "too_large", "unusable", "store_error", "shutdown")
 # How often a failing store is warned about (each failure is counted).
 WARN_EVERY_S = 30.0
-# How often the writer looks at its queue while it is idle (a shard is written at most this
-# late), and while samples keep coming: each look's samples are then still in the cache the
-# event loop wrote them from (at 3,000 captured requests a second, a quarter second's samples
-# of real-sized answers are about 2 MB, twice a core's L2), and the writer's work is a small
-# slice between the loop's. A look that finds nothing goes back to the idle pace, so an idle
-# writer costs uncaptured traffic nothing (looking every 10 ms at all times cost it 1-2 µs a
-# request: loadtest/RESULTS.md, "Traffic capture").
+# How often the writer looks at its queue (a shard is written at most this late). Looking
+# every 10 ms while samples kept coming, so that each look's samples were still in cache,
+# read the same (32.9-35.0 against 32.6-35.1 µs of the writer's CPU a sample, real-sized
+# answers: loadtest/RESULTS.md, "Capture on real-sized answers").
 POLL_S = 0.25
-BUSY_POLL_S = 0.01
 # What a queued sample holds beyond its request and reply bytes (the record object, its
 # strings, the queue's slot; 300 bytes measured with tracemalloc, rounded up for the
 # allocator): counted against `queue_bytes`, so the bound is on memory, not on payloads.
@@ -121,12 +117,10 @@ class CaptureWriter:
                 log.warning("capture: the store did not take the last samples in %ss", timeout_s)
 
     def _run(self) -> None:
-        busy = False
         while True:
-            batch = self._next_batch(BUSY_POLL_S if busy else POLL_S)
+            batch = self._next_batch()
             if batch is None:
                 break
-            busy = bool(batch)
             started = time.thread_time()
             since = time.perf_counter()
             for raw in batch:
@@ -141,20 +135,20 @@ class CaptureWriter:
                     since = time.perf_counter()
             if self._due():
                 self._flush()
-            elif not busy:
+            elif not batch:
                 continue  # an idle look: nothing done, nothing counted
             self._count("cpu_seconds", time.thread_time() - started)
         started = time.thread_time()
         self._flush()
         self._count("cpu_seconds", time.thread_time() - started)
 
-    def _next_batch(self, wait_s: float) -> list[RawCapture] | None:
-        """What is queued, after at most `wait_s`; None once stopping with nothing left. The
+    def _next_batch(self) -> list[RawCapture] | None:
+        """What is queued, after at most POLL_S; None once stopping with nothing left. The
         writer wakes on its own: a wake-up per request would cost the event loop a thread
         switch per request; `offer` wakes it early only when the queue is half full."""
         with self._wake:
             if not self._queue and not self._stopping:
-                self._wake.wait(wait_s)
+                self._wake.wait(POLL_S)
             if not self._queue:
                 return None if self._stopping else []
             batch = list(self._queue)
