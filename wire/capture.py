@@ -209,7 +209,7 @@ def encode_shard(lines: list[bytes]) -> bytes:
 def compress_shard(body: bytes | bytearray) -> bytes:
     """A shard's bytes from its newline-terminated lines, already joined."""
     compressor = zstandard.ZstdCompressor(level=COMPRESS_LEVEL, write_checksum=True)
-    return compressor.compress(bytes(body))
+    return compressor.compress(body)  # a bytearray as it is: no copy of the shard
 
 
 def decode_shard(data: bytes, name: str) -> list[CapturedSample]:
