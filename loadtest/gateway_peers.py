@@ -13,8 +13,11 @@ asyncio client (loadtest/redispy_gateway.py), and tracing 1 % and 100 % of reque
 local OTLP sink (`--tracing`, loadtest/otlp_sink.py), and capturing every request into a folder
 (`--capture`, docs/capture.md: also into a store that is down, and by tenant: one gateway
 whose load comes with a captured tenant's key or with either of two other tenants' keys,
-so that capture is read against no capture, and no capture against itself, in one process);
-the cost of tracing and capture over the gateway without them is printed after the table.
+so that capture is read against no capture, and no capture against itself, in one process;
+`--capture-only` runs that gateway alone); the cost of tracing and capture over the gateway
+without them is printed after the table, and the capture writer's own CPU per sample written.
+The stub answers each unary request with 64 x's, or with `--reply-chars N` a new passage of
+N characters of prose each time (what capture parses and compresses on real answers).
 A peer that is not installed is reported as missing, with why, and skipped.
 
 Every proxy is pinned to the same core (`--proxy-cpu`), the stub and the load generator to
