@@ -237,10 +237,10 @@ def _decompress(data: bytes, name: str) -> bytes:
             raise CaptureDataError(f"{name}: not a complete gzip shard ({exc})") from None
     if not data.startswith(ZSTD_MAGIC):
         raise CaptureDataError(f"{name}: not a zstd (or gzip) shard")
-    pieces = []
+    pieces, decompressor = [], zstandard.ZstdDecompressor()
     try:
         while data:  # frame by frame: a shard joined from several is read whole, as zstd does
-            frame = zstandard.ZstdDecompressor().decompressobj()
+            frame = decompressor.decompressobj()
             pieces.append(frame.decompress(data))
             if not frame.eof:
                 raise zstandard.ZstdError("the last frame is cut short")

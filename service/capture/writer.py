@@ -133,11 +133,11 @@ class CaptureWriter:
                 if now - since >= YIELD_AFTER_S:
                     time.sleep(0)
                     since = time.perf_counter()
-            if self._due():
+            due = self._due()
+            if due:
                 self._flush()
-            elif not batch:
-                continue  # an idle look: nothing done, nothing counted
-            self._count("cpu_seconds", time.thread_time() - started)
+            if batch or due:  # an idle look does nothing, and counts nothing
+                self._count("cpu_seconds", time.thread_time() - started)
         started = time.thread_time()
         self._flush()
         self._count("cpu_seconds", time.thread_time() - started)
