@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from service.capture.record import RawCapture, Unusable, build_sample
+from service.capture.record import RawCapture, Unusable, sample_line
 from wire.capture import SHARD_PREFIX, SHARD_SUFFIX, compress_shard, is_shard, open_store
 
 log = logging.getLogger("dflash.gateway.capture")
@@ -158,7 +158,7 @@ class CaptureWriter:
 
     def _add(self, raw: RawCapture) -> None:
         try:
-            line = build_sample(raw).line()
+            line = sample_line(raw)
         except (Unusable, ValueError, TypeError, KeyError) as exc:
             log.debug("capture: request %s not captured: %s", raw.request_id, exc)
             self._count("unusable", 1)

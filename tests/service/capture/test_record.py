@@ -14,6 +14,7 @@ from service.capture.record import (
     _every_event,
     _one_choice_stream,
     build_sample,
+    sample_line,
 )
 from service.reports import Usage
 from wire.capture import decode_shard, encode_shard
@@ -44,6 +45,13 @@ def sse(*events: dict[str, Any], end: bytes = b"data: [DONE]\n\n", crlf: bool = 
     return body.replace(b"\n", b"\r\n") if crlf else body
 
 
+def compact_sse(*events: dict[str, Any]) -> bytes:
+    """A stream as vLLM and SGLang write it: JSON without spaces."""
+    return b"".join(
+        b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events
+    )
+
+
 CHAT = {
     "model": "tiny-coder",
     "messages": [{"role": "user", "content": "write a haiku"}],
@@ -71,9 +79,8 @@ def test_a_unary_chat_keeps_the_conversation_sampling_and_answer_only() -> None:
         "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
         "metrics": METRICS,
     }
-    sample = build_sample(
-        raw("/v1/chat/completions", CHAT, json.dumps(reply).encode(), stream=False, **READ)
-    )
+    captured = raw("/v1/chat/completions", CHAT, json.dumps(reply).encode(), stream=False, **READ)
+    sample = build_sample(captured)
     assert sample.messages == CHAT["messages"] and sample.prompt is None
     assert sample.sampling == {"temperature": 0.7, "max_tokens": 32, "seed": 3}
     assert [(c.text, c.token_ids, c.finish_reason) for c in sample.completions] == [
@@ -82,7 +89,8 @@ def test_a_unary_chat_keeps_the_conversation_sampling_and_answer_only() -> None:
     assert sample.usage == {"prompt_tokens": 7, "completion_tokens": 2}
     assert sample.acceptance_length == 3.5
     assert (sample.endpoint, sample.pool, sample.tenant) == ("chat", "dflash", "search")
-    line = sample.line()
+    line = sample_line(captured)  # what the writer writes: the sample's own line, byte for byte
+    assert line == sample.line()
     assert b"alice" not in line and b"team" not in line and b"include_usage" not in line
     assert decode_shard(encode_shard([line]), "s")[0] == sample
 
@@ -220,20 +228,31 @@ def test_the_fast_read_of_a_stream_equals_the_full_parse() -> None:
             )
             + b"data: [DONE]\n\n"
         )
-        fast = _one_choice_stream(body)
+        fast = _one_choice_stream(body, b"content")
         assert _every_event(body) == (fast if fast is not None else _every_event(body))
         answered += fast is not None
     assert answered > 150  # most compact streams take the fast path
 
 
 @pytest.mark.parametrize(
-    "stream",
+    "stream, key",
     [
-        sse({"choices": [{"index": 0, "delta": {"content": "a"}}]}).replace(b'":', b'": '),
-        sse({"choices": [{"index": 1, "delta": {"content": "a"}}]}),
-        sse({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 2}]}}]}),
-        sse({"choices": [{"index": 0, "text": "a", "token_ids": None}]}),
+        (sse({"choices": [{"index": 0, "delta": {"content": "a"}}]}), b"content"),  # spaced
+        (compact_sse({"choices": [{"index": 0, "text": "a", "token_ids": None}]}), b"text"),
     ],
 )
-def test_other_shapes_take_the_full_parse(stream: bytes) -> None:
-    assert _one_choice_stream(stream) is None
+def test_other_shapes_take_the_full_parse(stream: bytes, key: bytes) -> None:
+    assert _one_choice_stream(stream, key) is None
+
+
+@pytest.mark.parametrize("asked", [{"n": 2}, {"tools": [{"type": "function"}]}])
+def test_what_the_request_asked_for_decides_the_fast_read(asked: dict[str, Any]) -> None:
+    """Several choices or tool calls are read in full: the request says so, with no scan of
+    the stream (the fast read would fold a compact stream's two choices into one)."""
+    stream = compact_sse(
+        {"choices": [{"index": 0, "delta": {"content": "old "}}]},
+        {"choices": [{"index": 1, "delta": {"content": "a frog"}}]},
+        {"choices": [{"index": 0, "delta": {"content": "pond"}, "finish_reason": "stop"}]},
+    )
+    sample = build_sample(raw("/v1/chat/completions", {**CHAT, **asked}, stream, stream=True))
+    assert [c.text for c in sample.completions] == ["old pond", "a frog"]
