@@ -135,6 +135,9 @@ class Peer:
     # writer works on a phase's samples up to a shard's flush after its last request.
     settle_s: float = 0.0
     captures: bool = False  # a gateway that captures: its samples are counted after the run
+    # Its process's capture writer CPU is read around each phase (all three tenants of the
+    # capturing process alike: a reading costs the gateway a /metrics render).
+    reads_writer: bool = False
 
 
 @dataclass
@@ -143,6 +146,9 @@ class PeerResult:
     unary_cpu_s: float = 0.0
     stream: Sample = field(default_factory=Sample)
     stream_cpu_s: float = 0.0
+    # The capture writer thread's share of the phases' CPU (reads_writer peers).
+    unary_writer_s: float = 0.0
+    stream_writer_s: float = 0.0
     burst: Sample = field(default_factory=Sample)
     first_burst: Sample = field(default_factory=Sample)  # opens the upstream connections
     warmup: Sample = field(default_factory=Sample)
@@ -419,11 +425,25 @@ def tenant_capture_peers(args: argparse.Namespace, upstream: int, workdir: Path)
     }
     port = free_port()
     process = start_gateway(port, upstream, [], args.proxy_cpu, settings=settings)
-    settle = SETTLE_S  # every phase alike: an off phase must not absorb an on phase's work
+
+    # Every phase alike: an off phase must not absorb an on phase's work, nor be read
+    # differently.
+    def tenant(name: str, key: str, captures: bool = False) -> Peer:
+        return Peer(
+            name,
+            port,
+            process,
+            "/ready",
+            key=key,
+            settle_s=SETTLE_S,
+            captures=captures,
+            reads_writer=True,
+        )
+
     return [
-        Peer(TENANT_OFF, port, process, "/ready", key=NOT_CAPTURED_KEY, settle_s=settle),
-        Peer(TENANT_ON, port, process, "/ready", key=BENCH_KEY, settle_s=settle, captures=True),
-        Peer(TENANT_OFF_TOO, port, process, "/ready", key=NOT_CAPTURED_KEY_TOO, settle_s=settle),
+        tenant(TENANT_OFF, NOT_CAPTURED_KEY),
+        tenant(TENANT_ON, BENCH_KEY, captures=True),
+        tenant(TENANT_OFF_TOO, NOT_CAPTURED_KEY_TOO),
     ]
 
 
@@ -453,9 +473,15 @@ def writer_us_per_sample(port: int, written: float) -> float | None:
     """The capture writer thread's CPU over the samples it wrote, in µs: its share of what
     capture costs, without the event loop's (read beside the per-request ratio, which holds
     both and the phases' noise)."""
+    cpu_s = writer_cpu_s(port)
+    return round(cpu_s * 1e6 / written, 2) if written and cpu_s is not None else None
+
+
+def writer_cpu_s(port: int) -> float | None:
+    """dflash_capture_writer_cpu_seconds_total (None: the gateway does not capture)."""
     for line in capture_series(port):
         if line.startswith("dflash_capture_writer_cpu_seconds_total "):
-            return round(float(line.rsplit(" ", 1)[1]) * 1e6 / written, 2) if written else None
+            return float(line.rsplit(" ", 1)[1])
     return None
 
 
@@ -495,7 +521,27 @@ def cost_over_plain(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if goal is not None:
             met = all(r is not None and r <= goal for r in ratios.values())
             out[name] = {**ratios, "goal": goal, "met": met}
+        writer = writer_share(variant, base)
+        if writer is not None:
+            out[name]["by_the_writer_alone"] = writer
     return out
+
+
+def writer_share(variant: dict[str, Any], base: dict[str, Any]) -> dict[str, float] | None:
+    """The base's CPU plus the variant's capture writer thread's, over the base's, per unary
+    request and per stream: capture's cost as the writer's own CPU reads it (to the
+    nanosecond, without the phases' noise), leaving out the event loop's part (a record and
+    a queue append a request)."""
+    shares = {}
+    for key, writer_key in (
+        ("unary_cpu_us_per_request", "unary_writer_cpu_us_per_request"),
+        ("stream_cpu_us_per_stream", "stream_writer_cpu_us_per_stream"),
+    ):
+        writer_us = variant.get(writer_key)
+        if writer_us is None or not base[key]:
+            return None
+        shares[key] = round(1 + writer_us / base[key], 3)
+    return shares
 
 
 # Limits no bench run reaches: every check runs, nothing is refused.
@@ -592,23 +638,31 @@ async def one_round(
     unary, stream = body(False), body(True, args.stream_gap_ms)
     for peer in peers:
         result = results[peer.name]
-        before = cpu_seconds(peer.process.pid)
+        before, writer_before = cpu_seconds(peer.process.pid), phase_writer_s(peer)
         unary_loop = closed_loop(peer.port, unary, args.concurrency, args.duration, False, peer.key)
         part = await without_collector(unary_loop)
         await asyncio.sleep(peer.settle_s)
+        result.unary_writer_s += phase_writer_s(peer) - writer_before
         result.unary_cpu_s += cpu_seconds(peer.process.pid) - before
         merge(result.unary, part)
-        before = cpu_seconds(peer.process.pid)
+        before, writer_before = cpu_seconds(peer.process.pid), phase_writer_s(peer)
         stream_loop = closed_loop(
             peer.port, stream, args.concurrency, args.duration, True, peer.key
         )
         part = await without_collector(stream_loop)
         await asyncio.sleep(peer.settle_s)
+        result.stream_writer_s += phase_writer_s(peer) - writer_before
         result.stream_cpu_s += cpu_seconds(peer.process.pid) - before
         merge(result.stream, part)
     await bursts(args, peers, results, stub, first=False)
     for peer in peers:
         results[peer.name].rss_mb_by_round.append(rss_mib(peer.process.pid))
+
+
+def phase_writer_s(peer: Peer) -> float:
+    """The writer's CPU so far, read inside the phase's CPU reading (so all three tenants'
+    phases hold one render of /metrics each side); 0 where it is not read."""
+    return (writer_cpu_s(peer.port) or 0.0) if peer.reads_writer else 0.0
 
 
 async def bursts(
@@ -649,14 +703,31 @@ def added_ms(through: Sample, direct: Sample) -> dict[str, float | None]:
     return added
 
 
-def row(name: str, result: PeerResult, direct: PeerResult, events: int) -> dict[str, Any]:
+def row(
+    name: str, result: PeerResult, direct: PeerResult, events: int, reads_writer: bool
+) -> dict[str, Any]:
     unary_us = result.unary_cpu_s / result.unary.completed * 1e6 if result.unary.completed else 0
     stream_us = (
         result.stream_cpu_s / result.stream.completed * 1e6 if result.stream.completed else 0
     )
+    unary_writer_us, stream_writer_us = (
+        (
+            round(result.unary_writer_s / result.unary.completed * 1e6, 2)
+            if result.unary.completed
+            else None,
+            round(result.stream_writer_s / result.stream.completed * 1e6, 2)
+            if result.stream.completed
+            else None,
+        )
+        if reads_writer
+        else (None, None)
+    )
     return {
         "proxy": name,
         "unary_cpu_us_per_request": round(unary_us, 1),
+        # of which the capture writer thread (a gateway whose writer is read)
+        "unary_writer_cpu_us_per_request": unary_writer_us,
+        "stream_writer_cpu_us_per_stream": stream_writer_us,
         "unary_requests_per_s": round(result.unary.completed / result.unary.elapsed_s, 1)
         if result.unary.elapsed_s
         else 0,
@@ -769,7 +840,13 @@ async def run(args: argparse.Namespace, stub: int, peers: list[Peer]) -> list[di
         if peer.name.startswith("dflash-gateway"):
             results[peer.name].store_errors = store_errors(peer.port)
     return [
-        row(peer.name, results[peer.name], results[f"direct:{peer.name}"], args.events)
+        row(
+            peer.name,
+            results[peer.name],
+            results[f"direct:{peer.name}"],
+            args.events,
+            peer.reads_writer,
+        )
         for peer in peers
     ]
 

@@ -122,9 +122,15 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
     costs = report["costs"]
     assert costs["capture"]["goal"] == 1.10
     ratios = {"unary_cpu_us_per_request", "stream_cpu_us_per_stream"}
-    assert set(costs["capture"]) == ratios | {"goal", "met"}
+    assert set(costs["capture"]) == ratios | {"goal", "met", "by_the_writer_alone"}
+    # The writer's CPU read around each of the three tenants' phases, the captured one's
+    # beside the gateway's: capture's cost as the writer alone reads it.
+    on = rows["dflash-gateway (tenants, captured)"]
+    assert on["unary_writer_cpu_us_per_request"] > 0 and on["stream_writer_cpu_us_per_stream"] > 0
+    assert set(costs["capture"]["by_the_writer_alone"]) == ratios
+    assert all(x > 1 for x in costs["capture"]["by_the_writer_alone"].values())
     assert set(costs["capture, another process"]) == ratios  # read, with no goal
-    assert set(costs["capture's A/A"]) == ratios
+    assert set(costs["capture's A/A"]) == ratios | {"by_the_writer_alone"}  # its control
 
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
