@@ -131,6 +131,11 @@ def test_peers_bench_limits_runs_the_gateway_with_keys_and_limits(tmp_path: Path
     assert all(x > 1 for x in costs["capture"]["by_the_writer_alone"].values())
     assert set(costs["capture, another process"]) == ratios  # read, with no goal
     assert set(costs["capture's A/A"]) == ratios | {"by_the_writer_alone"}  # its control
+    # The goal's base is both uncaptured tenants' mean; against the first alone, kept beside.
+    on_one, aa = costs["capture, against one tenant"], costs["capture's A/A"]
+    for key in ratios:
+        both = costs["capture"][key]
+        assert both == pytest.approx(on_one[key] / ((1 + aa[key]) / 2), abs=0.002)
 
 
 def test_scaling_bench_runs_each_process_count(tmp_path: Path) -> None:
