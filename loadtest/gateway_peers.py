@@ -15,7 +15,9 @@ local OTLP sink (`--tracing`, loadtest/otlp_sink.py), and capturing every reques
 whose load comes with a captured tenant's key or with either of two other tenants' keys,
 so that capture is read against no capture, and no capture against itself, in one process;
 `--capture-only` runs that gateway alone); the cost of tracing and capture over the gateway
-without them is printed after the table, and the capture writer's own CPU per sample written.
+without them is printed after the table (capture's over both uncaptured tenants' mean), and
+the capture writer's own CPU: per sample written, and read around each tenant's phases, per
+unary request and per stream (`by_the_writer_alone`: capture's cost without the phases' noise).
 The stub answers each unary request with 64 x's, or with `--reply-chars N` a new passage of
 N characters of prose each time (what capture parses and compresses on real answers).
 A peer that is not installed is reported as missing, with why, and skipped.
@@ -492,9 +494,10 @@ def capture_series(port: int) -> list[str]:
 
 # The variants of the gateway whose CPU cost is read against a gateway without it: (reading,
 # variant, the base's arms (their mean is the base), the most the variant may cost as x of
-# the base's CPU per request and per stream, or None: read, no goal). Capture's goal is read in one process (capture by
-# tenant): two gateway processes of the same code read 0.96-1.07x each other per request
-# (RESULTS), wider than the goal's margin; the two processes' reading is kept beside it.
+# the base's CPU per request and per stream, or None: read, no goal). Capture's goal is read
+# in one process (capture by tenant): two gateway processes of the same code read
+# 0.96-1.07x each other per request (RESULTS), wider than the goal's margin; the two
+# processes' reading is kept beside it.
 COST_READINGS: tuple[tuple[str, str, tuple[str, ...], float | None], ...] = (
     ("tracing 1%", "dflash-gateway (tracing 1%)", ("dflash-gateway",), 1.10),
     ("tracing 100%", "dflash-gateway (tracing 100%)", ("dflash-gateway",), 1.35),
