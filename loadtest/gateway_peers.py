@@ -720,24 +720,18 @@ def row(
     stream_us = (
         result.stream_cpu_s / result.stream.completed * 1e6 if result.stream.completed else 0
     )
-    unary_writer_us, stream_writer_us = (
-        (
-            round(result.unary_writer_s / result.unary.completed * 1e6, 2)
-            if result.unary.completed
-            else None,
-            round(result.stream_writer_s / result.stream.completed * 1e6, 2)
-            if result.stream.completed
-            else None,
+
+    def writer_us(cpu_s: float, sample: Sample) -> float | None:
+        """Of which the capture writer thread (a gateway whose writer is read)."""
+        return (
+            round(cpu_s / sample.completed * 1e6, 2) if reads_writer and sample.completed else None
         )
-        if reads_writer
-        else (None, None)
-    )
+
     return {
         "proxy": name,
         "unary_cpu_us_per_request": round(unary_us, 1),
-        # of which the capture writer thread (a gateway whose writer is read)
-        "unary_writer_cpu_us_per_request": unary_writer_us,
-        "stream_writer_cpu_us_per_stream": stream_writer_us,
+        "unary_writer_cpu_us_per_request": writer_us(result.unary_writer_s, result.unary),
+        "stream_writer_cpu_us_per_stream": writer_us(result.stream_writer_s, result.stream),
         "unary_requests_per_s": round(result.unary.completed / result.unary.elapsed_s, 1)
         if result.unary.elapsed_s
         else 0,

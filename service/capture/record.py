@@ -232,8 +232,9 @@ def _one_choice_stream(stream: bytes, key: bytes) -> dict[str, Any] | None:
     # Spaced JSON shows in the first event (one serializer writes a stream's events): its
     # keys would not match the patterns. A stream without choices is left to the full parse.
     data_at = stream.find(b"data:")
-    first_event = stream[data_at : stream.find(b"\n", data_at)]
-    if data_at < 0 or b'": ' in first_event or b'"choices"' not in stream:
+    if data_at < 0 or b'"choices"' not in stream:
+        return None
+    if b'": ' in stream[data_at : stream.find(b"\n", data_at)]:  # the first event
         return None
     with_ids = b'"token_ids"' in stream
     if with_ids and stream.count(b'"token_ids"') != stream.count(b'"token_ids":['):
