@@ -369,24 +369,44 @@ REPLAN_EVERY = 8
 # tokens, so a few arrivals among many rows seldom tip a plan the others keep plain, and a
 # busy closed loop changes a row every other step (at c = 32 and answers of 32-96 tokens the
 # batch was weighed again at 115 of 251 steps, 2 % of the engine's time). A batch of four
-# rows or fewer, where one row can tip the plan, is weighed again at every change.
+# rows or fewer (SMALL_BATCH), where one row can tip the plan, is weighed again at every
+# change.
 CHURN_SHARE = 8
+SMALL_BATCH = 4
+# Patience: a batch of more than SMALL_BATCH rows weighed plain again (its plan ran out, or
+# its rows changed) keeps its next plan twice as long and through twice the change, up to
+# MOST_PATIENCE doublings (32 steps, half the rows); any drafting, or a weighing that
+# drafts, starts again from none. A busy batch that stays plain was weighed every 6-9 steps
+# at 0.5 ms a weighing at 32 rows, for the same plain plan (a look due found too dear: a
+# busy server stays plain), half of what a DFlash worker's plain step spent on its host
+# beyond a plain worker's (measured in process: loadtest/RESULTS.md, "A plain step's host
+# time, again"). A look due there, or a greedy arrival, waits up to 32 steps.
+MOST_PATIENCE = 2
 
 
 class _Kept(NamedTuple):
-    """A plain plan, the rows it was weighed for, and the steps it has been kept."""
+    """A plain plan, the rows it was weighed for, the steps it has been kept, and the
+    planner's patience with the batch."""
 
     keys: frozenset[Hashable]
     plan: StepPlan
     age: int
+    patience: int = 0
 
     def stands_for(self, batch: Sequence[Hashable]) -> bool:
-        if self.age >= REPLAN_EVERY:
+        if self.age >= REPLAN_EVERY << self.patience:
             return False
         if len(batch) == len(self.keys) and self.keys.issuperset(batch):
             return True  # the same rows (a batch's keys are distinct)
         changed = len(self.keys.symmetric_difference(batch))
-        return changed * CHURN_SHARE < 2 * len(batch)  # an arrival and a departure: one row
+        # An arrival and a departure: one row.
+        return changed * (CHURN_SHARE >> self.patience) < 2 * len(batch)
+
+    def patience_next(self, drafting: bool, rows: int) -> int:
+        """The patience of the plan weighed in this one's place, if that plan is plain."""
+        if drafting or rows <= SMALL_BATCH:
+            return 0
+        return min(self.patience + 1, MOST_PATIENCE)
 
 
 @dataclass
@@ -488,11 +508,16 @@ class RowPlanner:
             for i, key in enumerate(batch)
         ]
         planned = plan_step(self.policy, views)
-        self._kept = None if planned.any_drafting else _Kept(frozenset(batch), planned, 0)
         looked = probed(self.policy, explored(self.policy, planned, views), views)
         if planned.any_drafting or not looked.any_drafting or len(batch) == 1:
-            return looked  # riding along a drafting step, or a lone request's own look
-        return looked if self._could_draft(batch, views, looked) else planned
+            chosen = looked  # riding along a drafting step, or a lone request's own look
+        else:
+            chosen = looked if self._could_draft(batch, views, looked) else planned
+        before = self._kept
+        drafting, rows = chosen.any_drafting, len(batch)
+        patience = 0 if before is None else before.patience_next(drafting, rows)
+        self._kept = None if planned.any_drafting else _Kept(frozenset(batch), planned, 0, patience)
+        return chosen
 
     def _could_draft(
         self, batch: Sequence[Hashable], views: Sequence[RowView], looked: StepPlan

@@ -3,6 +3,7 @@ and exploration."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import replace
@@ -21,9 +22,11 @@ from engine.adaptive import (
 )
 from engine.row_speculation import (
     CHURN_SHARE,
+    MOST_PATIENCE,
     OPTIMISM,
     PROBE_K,
     REPLAN_EVERY,
+    SMALL_BATCH,
     BandPriors,
     RowPlanner,
     RowView,
@@ -328,6 +331,55 @@ def test_a_plain_plan_is_kept_while_its_batch_stays_the_same(
     planner.observe(["a"], [1.0], [(3, 3)])
     plan(("a",))
     assert len(asked) == 6  # its estimates moved
+
+
+def _weighed_at(planner: RowPlanner, keys: tuple[str, ...], steps: int) -> list[int]:
+    """The steps (from 0) at which the planner weighed these rows again."""
+    weighed: list[int] = []
+    for step in range(steps):
+        if planner.kept_plan(keys) is None:
+            assert planner.weigh(keys, [64] * len(keys), lambda i: 0) == StepPlan.plain(len(keys))
+            weighed.append(step)
+        planner.observe_plain(keys)
+    return weighed
+
+
+def test_a_big_batch_that_stays_plain_is_weighed_less_and_less_often() -> None:
+    """More than SMALL_BATCH rows weighed plain again keep the next plan twice as long (and
+    through twice the change), up to MOST_PATIENCE doublings; a drafting step starts again
+    from REPLAN_EVERY, and a small batch keeps REPLAN_EVERY throughout."""
+    policy = SpecPolicy(_costs(1.0, 0.05), MAX_K, explore_every=0)
+    planner = RowPlanner(policy, BandPriors(MAX_K))
+    big = tuple(f"r{i}" for i in range(SMALL_BATCH + 1))
+    for key in big:
+        planner.add(key, 1.0)
+        planner._own[key] = AcceptanceStats(MAX_K, prior_rates=tuple(LOW), prior_weight=1e9)
+    gaps = [b - a for a, b in itertools.pairwise(_weighed_at(planner, big, 200))]
+    most = (REPLAN_EVERY << MOST_PATIENCE) + 1
+    assert gaps[:2] == [REPLAN_EVERY + 1, 2 * REPLAN_EVERY + 1]
+    assert max(gaps) == most and gaps[-3:] == [most] * 3  # and no longer
+    planner.observe(list(big), [1.0] * len(big), [(3, 0)] + [(0, 0)] * (len(big) - 1))
+    again = _weighed_at(planner, big, 30)
+    assert again[:2] == [0, REPLAN_EVERY + 1]  # drafting: from REPLAN_EVERY again
+    small = big[:SMALL_BATCH]
+    weighed = _weighed_at(planner, small, 60)
+    assert {b - a for a, b in itertools.pairwise(weighed)} == {REPLAN_EVERY + 1}
+
+
+def test_a_patient_planner_keeps_a_plain_plan_through_more_change() -> None:
+    """At its most patient, a 16-row batch's plain plan stands while fewer than
+    16 / (CHURN_SHARE >> MOST_PATIENCE) rows have changed, not 16 / CHURN_SHARE."""
+    planner = RowPlanner(SpecPolicy(_costs(1.0, 0.05), MAX_K, explore_every=0), BandPriors(MAX_K))
+    for n in range(40):
+        planner.add(n, 1.0)
+        planner._own[n] = AcceptanceStats(MAX_K, prior_rates=tuple(LOW), prior_weight=1e9)
+    _weighed_at(planner, tuple(range(16)), 60)  # weighed plain again and again: patient
+    assert planner._kept is not None and planner._kept.patience == MOST_PATIENCE
+    tolerated = 16 // (CHURN_SHARE >> MOST_PATIENCE)  # rows replaced (in and out: one row)
+    planner.weigh(list(range(16)), [64] * 16, lambda i: 0)  # weighed afresh: its age 0
+    for shift in range(1, tolerated):
+        assert planner.kept_plan(list(range(shift, 16 + shift))) is not None
+    assert planner.kept_plan(list(range(tolerated, 16 + tolerated))) is None
 
 
 def test_a_big_batch_s_plain_plan_stands_while_few_of_its_rows_change() -> None:

@@ -10,7 +10,14 @@ import torch
 
 from engine import runner as runner_module
 from engine.config import EngineConfig
-from engine.runner import COLD_GAP_S, COLD_STEPS, ModelRunner, torch_dtype
+from engine.row_speculation import StepPlan
+from engine.runner import (
+    COLD_GAP_S,
+    COLD_STEPS,
+    PLAIN_FEEDBACK_EVERY,
+    ModelRunner,
+    torch_dtype,
+)
 from engine.sequence import SamplingParams, Sequence
 from tests.fixtures.tiny_models import TinyCheckpoint
 
@@ -127,6 +134,40 @@ def test_step_costs_are_not_learnt_from_the_first_steps_after_an_idle_spell(
     now[0] += 2 * COLD_GAP_S  # idle
     assert decode_steps(COLD_STEPS) == 0
     assert decode_steps(1) == 1
+
+
+def test_one_plain_step_in_plain_feedback_every_is_learnt_and_every_drafting_one(
+    tiny_checkpoint: TinyCheckpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch that stays plain feeds the cost feedback one plain step in
+    PLAIN_FEEDBACK_EVERY (its host time, on caches the forward has just cleared); a
+    drafting step feeds it every time."""
+    runner = _runner(tiny_checkpoint, 3, adaptive=True)
+    assert runner.policy is not None and runner.planner is not None
+    observed: list[int] = []
+    monkeypatch.setattr(
+        runner.policy, "observe_cost", lambda b, k, seconds, context=None: observed.append(k)
+    )
+    drafts = [0]
+    monkeypatch.setattr(runner.planner, "kept_plan", lambda keys: None)
+    monkeypatch.setattr(
+        runner.planner, "weigh", lambda keys, *rest: StepPlan(drafts[0], (True,) * len(keys))
+    )
+    seq = _seq(0, [3, 4, 5], SamplingParams(temperature=0.0, max_tokens=60))
+    runner.add(seq)
+    seq.output_token_ids += runner.prefill([seq])[0].token_ids
+
+    def decode_steps(n: int) -> list[int]:
+        """n decode steps; the k of each that fed the cost feedback."""
+        before = len(observed)
+        for _ in range(n):
+            seq.output_token_ids += runner.decode([seq])[0].token_ids
+        return observed[before:]
+
+    decode_steps(COLD_STEPS)  # cold: none learnt (the test above)
+    assert decode_steps(3 * PLAIN_FEEDBACK_EVERY) == [0, 0, 0]
+    drafts[0] = 2
+    assert decode_steps(3) == [2, 2, 2]
 
 
 def test_dtype_names() -> None:
