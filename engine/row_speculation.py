@@ -377,10 +377,11 @@ SMALL_BATCH = 4
 # its rows changed) keeps its next plan twice as long and through twice the change, up to
 # MOST_PATIENCE doublings (32 steps, half the rows); any drafting, or a weighing that
 # drafts, starts again from none. A busy batch that stays plain was weighed every 6-9 steps
-# at 0.5 ms a weighing at 32 rows, for the same plain plan (a look due found too dear: a
-# busy server stays plain), half of what a DFlash worker's plain step spent on its host
-# beyond a plain worker's (measured in process: loadtest/RESULTS.md, "A plain step's host
-# time, again"). A look due there, or a greedy arrival, waits up to 32 steps.
+# at 0.5 ms a weighing at 32 rows, for the same plain plan (one row in eight changed, or a
+# look due, then too dear: a busy server stays plain), half of what a DFlash worker's
+# plain step spent on its host beyond a plain worker's (measured in process:
+# loadtest/RESULTS.md, "A plain step's host time, again"). A look due there, or a greedy
+# arrival, waits up to 32 steps.
 MOST_PATIENCE = 2
 
 

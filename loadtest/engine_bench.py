@@ -47,6 +47,7 @@ class Cell:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     runs_tokens_per_second: list[float] = field(default_factory=list)
+    forward_s: float = 0.0  # of elapsed_s, in the runner's forwards (its StepProfile)
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,6 +60,13 @@ class Cell:
     def to_json(self, baseline: Cell | None) -> dict[str, Any]:
         out = asdict(self)
         out["tokens_per_second"] = self.tokens_per_second
+        # What the engine spends around its forwards (scheduling, planning, reading results)
+        # a generated token: where a DFlash worker that does not draft differs from a plain one.
+        out["host_ms_per_token"] = (
+            (self.elapsed_s - self.forward_s) / self.generated_tokens * 1e3
+            if self.generated_tokens
+            else None
+        )
         out["mean_acceptance_length"] = self.mean_acceptance_length
         out["mean_draft_tokens_per_step"] = (
             self.num_draft_tokens / self.num_drafts if self.num_drafts else 0.0
@@ -194,7 +202,7 @@ def main(argv: Seq[str] | None = None) -> int:
 def format_table(report: dict[str, Any], title: str = "quiet") -> str:
     head = (
         f"{'conc':>5} {'block':>6} {'tok/s':>9} {'accept len':>10} {'k/step':>6} "
-        f"{'speedup':>8} {'median':>7} {'tokens':>7}"
+        f"{'speedup':>8} {'median':>7} {'tokens':>7} {'host ms/tok':>11}"
     )
     lines = [
         f"engine benchmark ({title}): {report['model']} + {report['drafter']} "
@@ -205,6 +213,7 @@ def format_table(report: dict[str, Any], title: str = "quiet") -> str:
     ]
     for r in report["results"]:
         speedup, median = r["speedup_vs_block_size_1"], r["median_paired_speedup"]
+        host = r["host_ms_per_token"]
         block = f"{r['block_size']}" + "".join(
             mark for key, mark in VARIANT_MARKS.items() if r[key]
         )
@@ -212,7 +221,8 @@ def format_table(report: dict[str, Any], title: str = "quiet") -> str:
             f"{r['concurrency']:>5} {block:>6} {r['tokens_per_second']:>9.1f} "
             f"{r['mean_acceptance_length']:>10.2f} {r['mean_draft_tokens_per_step']:>6.2f} "
             f"{'-' if speedup is None else f'{speedup:.2f}x':>8} "
-            f"{'-' if median is None else f'{median:.2f}x':>7} {r['generated_tokens']:>7}"
+            f"{'-' if median is None else f'{median:.2f}x':>7} {r['generated_tokens']:>7} "
+            f"{'-' if host is None else f'{host:.4f}':>11}"
         )
     lines.append(f"greedy outputs identical across block sizes: {report['outputs_match']}")
     lines.append("block marks: " + ", ".join(f"{m} {k}" for k, m in VARIANT_MARKS.items()))
@@ -436,9 +446,10 @@ def _run(args: argparse.Namespace, texts: list[str]) -> dict[str, Any]:
 def _measure(
     engine: Any, cell: Cell, batch: list[list[int]], c: int, args: argparse.Namespace
 ) -> dict[int, list[int]]:
-    before = engine.stats()
+    before, forwards = engine.stats(), sum(engine.runner.profile.seconds.values())
     tokens, seconds, outs = run_round(engine, batch, c, args.max_tokens, args.mix, args.device)
     after = engine.stats()
+    cell.forward_s += sum(engine.runner.profile.seconds.values()) - forwards
     cell.generated_tokens += tokens
     cell.elapsed_s += seconds
     cell.num_requests += len(batch)

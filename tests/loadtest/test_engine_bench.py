@@ -40,7 +40,7 @@ def test_engine_bench_writes_consistent_json(
     ]
     assert bench.main(argv) == 0
     table = capsys.readouterr().out
-    assert "tok/s" in table and "accept len" in table
+    assert "tok/s" in table and "accept len" in table and "host ms/tok" in table
 
     report = json.loads(out.read_text())
     assert report["block_sizes"] == [1, 4] and report["concurrency"] == [1, 2]
@@ -58,6 +58,10 @@ def test_engine_bench_writes_consistent_json(
         paired = [a / b for a, b in zip(runs, base_runs, strict=True)]
         assert r["paired_speedups"] == pytest.approx(paired)
         assert r["median_paired_speedup"] == pytest.approx(sum(paired) / 2)  # 2 repeats
+        # The forwards are a part of the time, not all of it: the rest, a token, is host time.
+        assert 0 < r["forward_s"] < r["elapsed_s"]
+        host = (r["elapsed_s"] - r["forward_s"]) / r["generated_tokens"] * 1e3
+        assert r["host_ms_per_token"] == pytest.approx(host)
         if b == 1:
             assert r["num_drafts"] == 0 and r["mean_acceptance_length"] == 1.0
         else:
