@@ -52,8 +52,9 @@ COLD_STEPS = 4
 # One plain group in this many feeds the cost feedback. A busy batch that stays plain runs
 # a plain group at every step, whose feedback (a model cost and a moving average, on caches
 # the step's forward has just cleared) cost 21-25 µs of host time a step at 32 rows, a
-# fifth of what a DFlash worker's plain step spent beyond a plain worker's; a moving
-# average of weight 0.1 fed every 4th of hundreds of like steps learns the same factor.
+# fifth of what a DFlash worker's plain step spent beyond a plain worker's. Plain steps
+# come by the hundred and alike, so a moving average fed every 4th of them moves toward the
+# same factor, in four times as many steps.
 PLAIN_FEEDBACK_EVERY = 4
 
 
