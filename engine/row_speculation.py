@@ -515,8 +515,7 @@ class RowPlanner:
         else:
             chosen = looked if self._could_draft(batch, views, looked) else planned
         before = self._kept
-        drafting, rows = chosen.any_drafting, len(batch)
-        patience = 0 if before is None else before.patience_next(drafting, rows)
+        patience = 0 if before is None else before.patience_next(chosen.any_drafting, len(batch))
         self._kept = None if planned.any_drafting else _Kept(frozenset(batch), planned, 0, patience)
         return chosen
 
