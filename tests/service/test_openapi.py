@@ -39,7 +39,7 @@ from wire.responses import ResponsesRequest, chat_messages
 
 # A short context bounds every generation (a body without max_tokens runs to the end of it):
 # the answers that run to it are most of this module's time.
-MAX_LEN = 32
+MAX_LEN = 20
 # What the gateway serves with the worker below behind it (embedded engine, tiny checkpoint).
 # The sequences (n x prompts) the worker takes in one request: running and waiting. Few, so
 # that an example with the largest `n` stays cheap.

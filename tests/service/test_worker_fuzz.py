@@ -26,7 +26,7 @@ schema = schemathesis.openapi.from_dict(create_app(GatewaySettings()).openapi())
 def short_worker(tiny_checkpoint: Any) -> Iterator[WorkerHandle]:
     # A short context bounds every generation (a body without max_tokens runs to its end):
     # the answers that run to it were most of this module's time.
-    with running_worker(*worker_args(tiny_checkpoint, "--max-model-len", "32")) as worker:
+    with running_worker(*worker_args(tiny_checkpoint, "--max-model-len", "20")) as worker:
         yield worker
 
 
