@@ -19,9 +19,9 @@ from importlib.metadata import version as dist_version
 from typing import Any
 
 import uvicorn
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from wire.errors import InvalidRequest, PayloadTooLarge
+from wire.errors import ClientClosedRequest, InvalidRequest, PayloadTooLarge
 
 log = logging.getLogger("dflash.http")
 
@@ -109,17 +109,23 @@ def _encodable(text: str) -> None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refusing more than `limit` bytes (413) without reading them all."""
+    """The raw body, refusing more than `limit` bytes (413) without reading them all; a 499
+    when the client leaves before it is whole."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"The request body is larger than {limit} bytes.")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # The client left mid-body (or the server's body timeout answered 408 and closed):
+        # a 499 like any client that leaves, not a 500 with a traceback.
+        raise ClientClosedRequest("the client closed the connection during its body") from None
     return b"".join(chunks)
 
 

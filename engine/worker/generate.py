@@ -44,15 +44,19 @@ async def guard_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work` unless the client leaves first: then cancel it and raise ClientGone."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_wait_disconnect(request))
+    left = True
     try:
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        left = not task.done()
     finally:
         watch.cancel()
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-    if task.cancelled():
+    # Not `task.cancelled()`: a cancelled gather (what `collect` passes) ends with a
+    # CancelledError set as its exception, and does not count as cancelled.
+    if left:
         raise ClientGone()
     return task.result()
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from wire.errors import InvalidRequest, PayloadTooLarge
+from wire.errors import ClientClosedRequest, InvalidRequest, PayloadTooLarge
 from wire.http import SSE_DONE, parse_json_object, read_body, sse_event
 
 
@@ -35,6 +35,18 @@ async def test_body_within_the_limit_is_read_whole() -> None:
 async def test_too_large_is_413_declared_or_not(chunks: list[bytes], declared: int | None) -> None:
     with pytest.raises(PayloadTooLarge):
         await read_body(_request(chunks, declared), limit=4)
+
+
+@pytest.mark.anyio
+async def test_a_client_that_leaves_mid_body_is_499() -> None:
+    messages = [{"type": "http.request", "body": b'{"model":', "more_body": True}]
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    with pytest.raises(ClientClosedRequest):
+        await read_body(request, limit=100)
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,20 @@ async def test_a_leaving_client_cancels_the_work() -> None:
     assert cancelled.is_set()
 
 
+@pytest.mark.anyio
+async def test_a_leaving_client_cancels_a_gather_of_choices() -> None:
+    """`collect` passes a gather, which a cancel ends with an exception, not as cancelled:
+    still ClientGone (a CancelledError escaped to the server's log before)."""
+
+    async def choice() -> int:
+        await asyncio.sleep(10)
+        return 1
+
+    work = asyncio.gather(choice(), choice())
+    with pytest.raises(ClientGone):
+        await guard_disconnect(_Request(0.01), work)  # type: ignore[arg-type]
+
+
 def _output(reason: str | None) -> RequestOutput:
     return RequestOutput(
         request_id="r",
