@@ -61,6 +61,11 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+# vLLM 0.33's rule for a prefix-cache salt (vllm/entrypoints/generate/base/protocol.py,
+# validate_cache_salt): a non-empty string of at most 128 characters, without @ / \ or NUL.
+CacheSalt = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[^@/\\\x00]+$")]
+
+
 class SamplingFields(BaseModel):
     """Fields shared by both endpoints that the gateway reads or that must be sane."""
 
@@ -75,6 +80,7 @@ class SamplingFields(BaseModel):
     seed: Seed | None = None
     stop: StopString | list[StopString] | None = None  # empty: refused by every engine
     user: str | None = None
+    cache_salt: CacheSalt | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -179,7 +179,10 @@ def check_fields(payload: dict[str, Any], endpoint: str) -> None:
     for name, value in payload.items():
         if not _known(name, endpoint):
             raise InvalidRequest(
-                f"{name}: unknown field for this endpoint (not an OpenAI or vLLM request field)",
+                # Not "not an OpenAI field": OpenAI fields that vLLM's requests lack and the
+                # table does not name (best_of, verbosity, ...) land here too.
+                f"{name}: this endpoint does not take this field (docs/api.md lists those it "
+                "honours and those it refuses)",
                 param=name,
             )
         if name in HONOURED or name in ENDPOINT_FIELDS[endpoint]:

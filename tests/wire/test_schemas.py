@@ -18,6 +18,11 @@ from wire.schemas import (
 CHAT: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
+def test_a_cache_salt_within_vllms_rule_is_kept() -> None:
+    parsed = validate_request(ChatCompletionRequest, {**CHAT, "cache_salt": "s" * 128})
+    assert parsed.cache_salt == "s" * 128
+
+
 def test_unknown_fields_are_kept() -> None:
     payload = {**CHAT, "top_k": 5, "chat_template_kwargs": {"x": 1}}
     parsed = validate_request(ChatCompletionRequest, payload)
@@ -43,6 +48,13 @@ def test_unknown_fields_are_kept() -> None:
         ({"seed": float("inf")}, "seed"),
         ({"stop": ""}, "stop"),
         ({"stop": ["a", ""]}, "stop"),
+        # vLLM 0.33's validate_cache_salt: a non-empty string, <= 128 chars, no @ / \\ NUL
+        ({"cache_salt": 5}, "cache_salt"),
+        ({"cache_salt": {}}, "cache_salt"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": "s" * 129}, "cache_salt"),
+        ({"cache_salt": "a/b"}, "cache_salt"),
+        ({"cache_salt": "a\x00b"}, "cache_salt"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(patch: dict[str, Any], param: str | None) -> None:
