@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from service.metrics import GatewayMetrics, code_label
 from service.proxy import Proxy, ProxyCall
-from service.responses import affinity_text, load, prepare
+from service.responses import affinity_text, items_page, load, prepare
 from service.routing.fleet import WorkerFleet
 from service.routing.promotion import evidence_card, request_class
 from service.routing.upstream import ConnectionPool
@@ -318,14 +318,7 @@ async def stored_response(request: Request, response_id: str) -> dict[str, Any]:
 async def response_input_items(request: Request, response_id: str) -> dict[str, Any]:
     state, tenant = _store_scope(request)
     record = await load(state.responses, tenant, response_id, "response_id")
-    items: list[dict[str, Any]] = record["input_items"]
-    return {
-        "object": "list",
-        "data": items,
-        "first_id": items[0]["id"] if items else None,
-        "last_id": items[-1]["id"] if items else None,
-        "has_more": False,
-    }
+    return items_page(record["input_items"], request.query_params)
 
 
 @router.post(
@@ -409,13 +402,23 @@ async def admin_pools(request: Request) -> dict[str, Any]:
 
 @router.put(
     ADMIN_POOLS_PATH + "/{pool}",
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": PoolPin.model_json_schema()}},
+        }
+    },
     summary="Pin a pool's weight (it wins over automatic promotion); null unpins",
 )
-async def pin_pool(request: Request, pool: str, pin: PoolPin) -> dict[str, Any]:
+async def pin_pool(request: Request, pool: str) -> dict[str, Any]:
     caller: Tenant | None = request.scope.get(TENANT_KEY)
     state = gateway(request)
     if state.auth.enabled and (caller is None or not caller.admin):
         raise PermissionDenied("Pinning a pool's weight needs an admin key (`admin: true`).")
+    # Read as /v1 bodies are: JSON whatever the Content-Type (`curl -d` sends a form's), the
+    # same errors; and only after the key is checked (a non-admin gets its 403 either way).
+    _, payload = await read_json(request, state.settings.max_body_bytes)
+    pin = validate_request(PoolPin, payload)
     fleet = state.live().fleet
     if pool not in fleet.specs:
         raise NotFound(f"No pool `{pool}`.", param="pool")

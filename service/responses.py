@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,44 @@ def with_ids(response_id: str, items: list[dict[str, Any]]) -> list[dict[str, An
         {"id": message_id(response_id, i), "status": "completed", **item}
         for i, item in enumerate(items)
     ]
+
+
+# OpenAI's query for a response's input items (GET /v1/responses/{id}/input_items).
+ITEMS_QUERY = ("after", "limit", "order", "include", "include[]")  # an SDK's list: include[]
+DEFAULT_ITEMS_LIMIT, MOST_ITEMS = 20, 100
+
+
+def items_page(items: list[dict[str, Any]], query: Mapping[str, str]) -> dict[str, Any]:
+    """A page of a stored response's input items by OpenAI's query: `order` (desc by
+    default), `limit` (1-100, default 20), `after` (an item id: the page starts after it).
+    `include` asks for extra output fields no stored item has: refused unless empty. Any
+    other parameter, or a bad value, is a 400 naming it."""
+    for name in query:
+        if name not in ITEMS_QUERY:
+            raise InvalidRequest(f"{name}: not a query parameter of input_items", param=name)
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order: must be asc or desc", param="order")
+    text = query.get("limit", str(DEFAULT_ITEMS_LIMIT))
+    if not (text.isdigit() and 1 <= int(text) <= MOST_ITEMS):
+        raise InvalidRequest(f"limit: must be an integer from 1 to {MOST_ITEMS}", param="limit")
+    if query.get("include") or query.get("include[]"):
+        raise InvalidRequest("include: stored input items carry no extra fields", param="include")
+    ordered = items if order == "asc" else items[::-1]
+    after = query.get("after")
+    if after is not None:
+        ids = [item.get("id") for item in ordered]
+        if after not in ids:
+            raise InvalidRequest(f"after: no input item `{after}` in this response", param="after")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[: int(text)]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > len(page),
+    }
 
 
 async def load(store: ResponseStore, tenant: str, response_id: str, param: str) -> Record:

@@ -14,11 +14,13 @@ import openai
 import pytest
 from openai.types.responses import ResponseCompletedEvent, ResponseTextDeltaEvent
 
+from service.responses import items_page
 from tests.fixtures.redis import RedisServer, running_redis
 from tests.fixtures.tiny_models import TinyCheckpoint
 from tests.fixtures.worker import WorkerHandle, free_port
 from tests.service.conftest import MODEL, scrape, wait_until, worker_args, worker_on_port
 from tests.service.gateway_process import gateway_process
+from wire.errors import InvalidRequest
 
 KEYS = """
 tenants:
@@ -93,6 +95,17 @@ def test_store_continue_retrieve_and_delete_across_two_gateways(
     assert got.output_text == second.output_text and got.id == second.id
     items = list(a.responses.input_items.list(second.id))
     assert [item.role for item in items] == ["user"]  # type: ignore[union-attr]
+    # The SDK's query, honoured: pages of one item walk three, oldest first as asked,
+    # the reverse of the default order (newest first).
+    three = a.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": text} for text in ("one", "two", "three")],
+        max_output_tokens=2,
+        temperature=0,
+    )
+    walked = [item.id for item in a.responses.input_items.list(three.id, limit=1, order="asc")]
+    newest = [item.id for item in a.responses.input_items.list(three.id)]
+    assert len(walked) == 3 and walked == newest[::-1]
     a.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         b.responses.retrieve(first.id)
@@ -199,3 +212,43 @@ def test_a_store_that_is_down_is_counted_and_the_answer_still_goes_out(
         return redis.command("EXISTS", f"{{dflash:search}}:response:{made.id}") == "1"
 
     wait_until(kept_again, timeout=15, interval=0.5)
+
+
+ITEMS = [{"id": f"msg_{i}", "type": "message"} for i in range(5)]
+
+
+def _ids(page: dict[str, Any]) -> list[str]:
+    return [item["id"] for item in page["data"]]
+
+
+def test_input_items_page_by_openais_query() -> None:
+    newest = items_page(ITEMS, {})  # OpenAI's defaults: newest first, 20 at most
+    assert _ids(newest) == ["msg_4", "msg_3", "msg_2", "msg_1", "msg_0"]
+    assert newest["has_more"] is False and newest["first_id"] == "msg_4"
+    first = items_page(ITEMS, {"order": "asc", "limit": "2"})
+    assert _ids(first) == ["msg_0", "msg_1"] and first["has_more"] is True
+    second = items_page(ITEMS, {"order": "asc", "limit": "2", "after": first["last_id"]})
+    assert _ids(second) == ["msg_2", "msg_3"] and second["has_more"] is True
+    last = items_page(ITEMS, {"order": "asc", "limit": "2", "after": "msg_3"})
+    assert _ids(last) == ["msg_4"] and last["has_more"] is False
+    assert _ids(items_page(ITEMS, {"after": "msg_2"})) == ["msg_1", "msg_0"]
+    assert items_page(ITEMS, {"include": ""})["data"] == newest["data"]
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ({"limit": "0"}, "limit"),
+        ({"limit": "101"}, "limit"),
+        ({"limit": "abc"}, "limit"),
+        ({"order": "sideways"}, "order"),
+        ({"after": "msg_9"}, "after"),
+        ({"include": "message.output_text.logprobs"}, "include"),
+        ({"include[]": "message.output_text.logprobs"}, "include"),
+        ({"before": "msg_1"}, "before"),
+    ],
+)
+def test_a_bad_input_items_query_is_400_naming_it(query: dict[str, str], param: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        items_page(ITEMS, query)
+    assert info.value.param == param

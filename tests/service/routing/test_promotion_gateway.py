@@ -119,6 +119,16 @@ def test_pinning_needs_an_admin_key(tmp_path) -> None:  # type: ignore[no-untype
             ops = {"Authorization": "Bearer sk-ops"}
             assert httpx.put(put, json={"weight": 5}, headers=ops).json()["weight"] == 5
             assert httpx.put(put, json={"weight": None}, headers=ops).json()["weight"] == 100
+            # As docs/gateway.md's curl sends it (`-d`: a form's Content-Type): read as JSON,
+            # as /v1 bodies are, and the key checked first.
+            form = {"Content-Type": "application/x-www-form-urlencoded"}
+            app = {"Authorization": "Bearer sk-app", **form}
+            assert httpx.put(put, content=b'{"weight": 5}', headers=app).status_code == 403
+            curl = httpx.put(put, content=b'{"weight": 7}', headers={**ops, **form})
+            assert curl.status_code == 200 and curl.json()["weight"] == 7
+            garbled = httpx.put(put, content=b"nope", headers={**ops, **form})
+            assert garbled.status_code == 400
+            assert garbled.json()["error"]["code"] == "invalid_json"
             listed = httpx.get(
                 gw.base_url + "/admin/pools", headers={"Authorization": "Bearer sk-app"}
             )
