@@ -437,9 +437,12 @@ def pool_cards(fleet: WorkerFleet) -> list[dict[str, Any]]:
     promotions = fleet.promotions
     cards = []
     for name, spec in fleet.specs.items():
+        # A pool named for no model (dflash-serve's own) serves what its workers list.
+        listed = sorted({m for w in fleet.workers.values() if w.pool == name for m in w.model_ids})
         card: dict[str, Any] = {
             "pool": name,
-            "model": spec.model,
+            "model": spec.model or (listed[0] if len(listed) == 1 else None),
+            "models": [spec.model] if spec.model else listed,
             "weight": fleet.weights.get(name, spec.weight),
             "pinned": promotions is not None and name in promotions.pins,
             "workers": sum(1 for w in fleet.workers.values() if w.pool == name),

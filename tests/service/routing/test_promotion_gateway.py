@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.service.conftest import running_gateway
+from tests.service.conftest import running_gateway, wait_until
 from tests.service.fake_upstream import MODEL, Handler, Request, fake_worker, reply
 
 
@@ -133,3 +133,12 @@ def test_pinning_needs_an_admin_key(tmp_path) -> None:  # type: ignore[no-untype
                 gw.base_url + "/admin/pools", headers={"Authorization": "Bearer sk-app"}
             )
             assert listed.status_code == 200 and listed.json()["data"][0]["pool"] == "base"
+
+
+def test_a_pool_named_for_no_model_shows_what_its_workers_serve() -> None:
+    """dflash-serve's own pool names no model: its card shows the one its worker lists."""
+    with fake_worker(speed_worker(100.0, 1)) as base, running_gateway(workers=[base.url]) as gw:
+        wait_until(lambda: httpx.get(gw.base_url + "/ready").status_code == 200)
+        wait_until(lambda: httpx.get(gw.base_url + "/admin/pools").json()["data"][0]["models"])
+        (card,) = httpx.get(gw.base_url + "/admin/pools").json()["data"]
+        assert card["model"] == MODEL and card["models"] == [MODEL]
