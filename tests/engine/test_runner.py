@@ -107,6 +107,9 @@ def test_step_costs_are_not_learnt_from_the_first_steps_after_an_idle_spell(
     cost feedback skips them, and learns from every step after, until the next idle spell."""
     runner = _runner(tiny_checkpoint, 3, adaptive=True)
     assert runner.policy is not None
+    # Every plain step observed too: whether the row drafts follows the start-up calibration,
+    # which a busy machine moves (it read a plain step under a parallel suite).
+    monkeypatch.setattr(runner_module, "PLAIN_FEEDBACK_EVERY", 1)
     now = [0.0]
 
     def tick() -> float:
