@@ -163,16 +163,41 @@ def render(
 
 
 def from_validation_errors(errors: list[Any]) -> InvalidRequest:
-    """pydantic's first complaint as a 400 naming the parameter (FastAPI would say 422)."""
+    """pydantic's most telling complaint as a 400 naming the parameter (FastAPI would say
+    422): the first field's, and of a union's, one about the value rather than a type."""
     if not errors:
         return InvalidRequest("invalid request")
-    first = errors[0]
+    first = _most_telling(errors)
     param = _param_path(first.get("loc", ())) or None
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
 
 
+def _most_telling(errors: list[Any]) -> Any:
+    """A value of a union (`prompt`: text, token ids or lists of either) fails every branch,
+    and pydantic lists the branches in order: `prompt: []` said "should be a valid string"
+    (the text branch) where the token-id branches say "at least 1 item". Of the first
+    field's complaints, the first about the value wins over those about a branch's type."""
+    field = _field(errors[0].get("loc", ()))
+    for error in errors:
+        about_value = not str(error.get("type", "")).endswith("_type")
+        if about_value and _field(error.get("loc", ())) == field:
+            return error
+    return errors[0]
+
+
 _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "constrained-str"}
+
+
+def _is_union_tag(part: Any) -> bool:
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
+
+
+def _field(loc: Any) -> tuple[Any, ...]:
+    """The loc up to its first union tag: the field whose branches these are."""
+    parts = tuple(loc)
+    tags = [i for i, part in enumerate(parts) if _is_union_tag(part)]
+    return parts[: tags[0]] if tags else parts
 
 
 def _param_path(loc: Any) -> str:
@@ -181,7 +206,7 @@ def _param_path(loc: Any) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part != "body" and "[" not in str(part) and str(part) not in _UNION_TAGS:
+        elif part != "body" and not _is_union_tag(part):
             path += f".{part}" if path else str(part)
     return path
 

@@ -114,11 +114,14 @@ class ChatCompletionRequest(_WorkerFields, shared.ChatCompletionRequest):
         return "max_tokens", self.max_tokens
 
 
+ROLE_LIST = ", ".join(sorted(CHAT_ROLES))
+
+
 def _flatten(index: int, message: shared.ChatMessage) -> dict[str, str]:
     where = f"messages[{index}]"
     if message.role not in CHAT_ROLES:
         raise InvalidRequest(
-            f"{where}.role: unsupported role {message.role!r} (use system, user or assistant)",
+            f"{where}.role: unsupported role {message.role!r} (use {ROLE_LIST})",
             param=f"{where}.role",
         )
     for key in sorted(message.model_fields_set | set(message.model_extra or {})):

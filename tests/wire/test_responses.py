@@ -78,6 +78,12 @@ def test_bad_requests_name_the_field(body: dict[str, object], param: str) -> Non
     assert caught.value.param == param
 
 
+def test_an_empty_input_string_is_named_empty() -> None:
+    with pytest.raises(InvalidRequest) as caught:
+        validate_request(ResponsesRequest, {"model": "m", "input": ""})
+    assert caught.value.param == "input" and "at least 1 character" in caught.value.message
+
+
 def test_a_typed_event_names_its_type() -> None:
     assert typed_event({"type": "response.created", "n": 1}) == (
         b'event: response.created\ndata: {"type":"response.created","n":1}\n\n'

@@ -69,11 +69,37 @@ def test_completion_prompt_shapes(prompt: Any) -> None:
     assert validate_request(CompletionRequest, {"model": "m", "prompt": prompt})
 
 
-@pytest.mark.parametrize("prompt", [[], [[]], [[1], []]])
-def test_an_empty_prompt_of_token_ids_is_refused(prompt: Any) -> None:
+@pytest.mark.parametrize(
+    ("prompt", "param"), [([], "prompt"), ([[]], "prompt[0]"), ([[1], []], "prompt[1]")]
+)
+def test_an_empty_prompt_of_token_ids_is_refused(prompt: Any, param: str) -> None:
+    """Named as empty: the text branch's "should be a valid string" told the client nothing."""
     with pytest.raises(InvalidRequest) as info:
         validate_request(CompletionRequest, {"model": "m", "prompt": prompt})
-    assert info.value.param == "prompt"
+    assert info.value.param == param
+    assert "at least 1 item" in info.value.message, info.value.message
+
+
+@pytest.mark.parametrize(
+    ("prompt", "param", "says"),
+    [
+        ([-1], "prompt[0]", "greater than or equal to 0"),
+        ([[1, -2]], "prompt[0][1]", "greater than or equal to 0"),
+        (5, "prompt", "valid string"),  # no branch's type: the first branch's complaint
+        (["a", 1], "prompt", "valid string"),
+    ],
+)
+def test_a_union_names_what_is_wrong_with_the_value(prompt: Any, param: str, says: str) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        validate_request(CompletionRequest, {"model": "m", "prompt": prompt})
+    assert (info.value.param, says in info.value.message) == (param, True), info.value.message
+
+
+def test_the_first_fields_complaint_wins_over_a_later_fields() -> None:
+    body = {**CHAT, "n": "2", "max_tokens": -1}  # a type error first, a value error after
+    with pytest.raises(InvalidRequest) as info:
+        validate_request(ChatCompletionRequest, body)
+    assert info.value.param == "n"
 
 
 def test_integers_may_be_floats_with_no_fraction() -> None:

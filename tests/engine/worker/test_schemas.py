@@ -50,8 +50,9 @@ def test_messages_flatten_text_parts_and_refuse_others() -> None:
     image = [{"type": "image_url", "image_url": {"url": "x"}}]
     with pytest.raises(InvalidRequest, match="text-only"):
         chat(messages=[{"role": "user", "content": image}]).template_messages()
-    with pytest.raises(InvalidRequest, match="unsupported role"):
+    with pytest.raises(InvalidRequest, match="unsupported role") as refused:
         chat(messages=[{"role": "tool", "content": "x"}]).template_messages()
+    assert "developer" in refused.value.message  # every role the template takes is listed
 
 
 def test_max_completion_tokens_wins_in_chat() -> None:
