@@ -164,3 +164,17 @@ def test_models_retrieve_version_tokenize_detokenize_are_routed(gateway: Gateway
     ]:
         r = httpx.post(gateway.base_url + path, json=body, timeout=30)
         assert r.status_code == status and r.json()["error"]["message"], (path, r.text)
+
+
+def test_a_body_is_read_as_json_whatever_its_content_type(gateway: Gateway) -> None:
+    """docs/api.md: curl's -d sends a form's Content-Type; the body is still JSON."""
+    body = b'{"model": "%s", "prompt": "import os", "max_tokens": 2}' % MODEL.encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):
+        reply = httpx.post(
+            gateway.v1 + "/completions",
+            content=body,
+            headers={"Content-Type": content_type},
+            timeout=30,
+        )
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] == 2
