@@ -86,10 +86,13 @@ envs:
 
 # The suite in TEST_WORKERS processes, each taking whole modules (a module's shared servers
 # start once): most modules wait on servers they started, so two processes on two cores run
-# it in 11-15 minutes instead of 24. TEST_WORKERS=0 runs it in one process.
+# it in 11-15 minutes instead of 24. TEST_WORKERS=0 runs it in one process. The `serial`
+# modules (schemathesis) then run in one process: under pytest-xdist a failure of theirs
+# would be lost (tests/conftest.py).
 TEST_WORKERS ?= 2
 test: envs
-	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(PY) -m pytest -p no:xdist -m serial
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -2,7 +2,35 @@
 
 from __future__ import annotations
 
+import collections
+import os
+
 import pytest
+
+SHARED_NODE_IDS = pytest.StashKey[frozenset[str]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Tests that share a node id fail at setup in a pytest-xdist worker. schemathesis runs
+    each operation of a parametrized test as a sub-report of one item, and xdist forwards
+    only the item's own report: an operation failing there passed unseen (checked with an
+    injected failure). Such modules are marked `serial`; make test runs them in a process
+    of its own, after the rest."""
+    counts = collections.Counter(item.nodeid for item in session.items)
+    shared = frozenset(nodeid for nodeid, count in counts.items() if count > 1)
+    session.config.stash[SHARED_NODE_IDS] = shared
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER") and item.nodeid in item.config.stash.get(
+        SHARED_NODE_IDS, frozenset()
+    ):
+        pytest.fail(
+            "tests sharing a node id cannot run under pytest-xdist (a failure of theirs "
+            'would be lost): deselect them with -m "not serial" and run them with '
+            "-p no:xdist -m serial",
+            pytrace=False,
+        )
 
 
 @pytest.fixture

@@ -47,6 +47,10 @@ RUNNING, WAITING = 4, 4
 SEQUENCES = RUNNING + WAITING
 SERVED = Served(MAX_LEN, default_vocab_size(), SEQUENCES, embedded_only=True)
 DOCUMENT = served_document(create_app(GatewaySettings()).openapi(), SERVED)
+# schemathesis reports its operations under one node id, which pytest-xdist cannot
+# forward (tests/conftest.py): make test runs this module in a process of its own.
+pytestmark = pytest.mark.serial
+
 schema = schemathesis.openapi.from_dict(DOCUMENT)
 schema.config.output.sanitization.update(enabled=False)  # `max_tokens` is no secret
 

@@ -17,6 +17,10 @@ from service.settings import GatewaySettings
 from tests.fixtures.worker import WorkerHandle, running_worker
 from tests.service.conftest import worker_args
 
+# schemathesis reports its operations under one node id, which pytest-xdist cannot
+# forward (tests/conftest.py): make test runs this module in a process of its own.
+pytestmark = pytest.mark.serial
+
 schema = schemathesis.openapi.from_dict(create_app(GatewaySettings()).openapi()).include(
     path_regex="^/v1/(chat/)?completions$"
 )
