@@ -99,7 +99,13 @@ class ChatCompletionRequest(_WorkerFields, shared.ChatCompletionRequest):
         }
 
     def num_logprobs(self) -> int | None:
-        """Top log-probabilities per output token (None: no logprobs at all)."""
+        """Top log-probabilities per output token (None: no logprobs at all). The checks
+        and their order are vLLM 0.33's chat request's (`check_logprobs`): -1 is the whole
+        vocabulary, which the engine's limit then refuses naming `logprobs`, as vLLM's."""
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise InvalidRequest(
+                "top_logprobs: must be a positive value or -1", param="top_logprobs"
+            )
         if self.top_logprobs and not self.logprobs:
             raise InvalidRequest("top_logprobs: needs `logprobs` set to true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None

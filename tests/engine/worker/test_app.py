@@ -240,6 +240,8 @@ LONG_PROMPT = "word " * 2000
         (CHAT, {"messages": HI, "n": 0}, 400, "n"),
         (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "logprobs"),
         (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
+        (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": -2}, 400, "top_logprobs"),
+        (CHAT, {"messages": HI, "top_logprobs": -2}, 400, "top_logprobs"),  # vLLM's order
         (CHAT, {"messages": HI, "logprobs": 1}, 400, "logprobs"),
         (COMP, {"prompt": "x", "logprobs": -1}, 400, "logprobs"),
         (COMP, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
