@@ -16,15 +16,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     only the item's own report: an operation failing there passed unseen (checked with an
     injected failure). Such modules are marked `serial`; make test runs them in a process
     of its own, after the rest."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process: every sub-report reaches the terminal
     counts = collections.Counter(item.nodeid for item in session.items)
     shared = frozenset(nodeid for nodeid, count in counts.items() if count > 1)
     session.config.stash[SHARED_NODE_IDS] = shared
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER") and item.nodeid in item.config.stash.get(
-        SHARED_NODE_IDS, frozenset()
-    ):
+    if item.nodeid in item.config.stash.get(SHARED_NODE_IDS, frozenset()):
         pytest.fail(
             "tests sharing a node id cannot run under pytest-xdist (a failure of theirs "
             'would be lost): deselect them with -m "not serial" and run them with '

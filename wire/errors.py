@@ -196,8 +196,8 @@ def _is_union_tag(part: Any) -> bool:
 def _field(loc: Any) -> tuple[Any, ...]:
     """The loc up to its first union tag: the field whose branches these are."""
     parts = tuple(loc)
-    tags = [i for i, part in enumerate(parts) if _is_union_tag(part)]
-    return parts[: tags[0]] if tags else parts
+    first_tag = next((i for i, part in enumerate(parts) if _is_union_tag(part)), len(parts))
+    return parts[:first_tag]
 
 
 def _param_path(loc: Any) -> str:
