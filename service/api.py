@@ -28,6 +28,7 @@ from service.tenancy.tenants import LIMIT_FIELDS, Tenant
 from service.tracing import RequestTrace
 from wire.errors import (
     ApiError,
+    InvalidRequest,
     ModelNotFound,
     NoHealthyWorker,
     NotFound,
@@ -422,10 +423,30 @@ async def pin_pool(request: Request, pool: str) -> dict[str, Any]:
     fleet = state.live().fleet
     if pool not in fleet.specs:
         raise NotFound(f"No pool `{pool}`.", param="pool")
+    if pin.weight == 0:
+        refuse_draining_every_pool(fleet, pool)
     assert fleet.promotions is not None  # made with the fleet (service/app.py)
     await fleet.promotions.set_pin(pool, pin.weight)
-    log.warning("pool %s: weight pinned to %s by %s", pool, pin.weight, caller_name(caller))
+    if pin.weight is None:
+        log.warning("pool %s: unpinned by %s", pool, caller_name(caller))
+    else:
+        log.warning("pool %s: weight pinned to %g by %s", pool, pin.weight, caller_name(caller))
     return next(card for card in pool_cards(fleet) if card["pool"] == pool)
+
+
+def refuse_draining_every_pool(fleet: WorkerFleet, pool: str) -> None:
+    """A pin to 0 may not leave every pool of the model at weight 0: startup refuses that
+    state in a pools file, and the weighted split would then offer every pool again (the
+    drain lost without a word)."""
+    model = fleet.specs[pool].model
+    others = [name for name, spec in fleet.specs.items() if spec.model == model and name != pool]
+    if not any(fleet.weights.get(name, fleet.specs[name].weight) > 0 for name in others):
+        raise InvalidRequest(
+            f"Pinning pool `{pool}` to 0 would leave every pool of model "
+            f"`{model or pool}` at weight 0, and traffic would go to all of them again; "
+            "pin another pool of it above 0 first.",
+            param="weight",
+        )
 
 
 def caller_name(caller: Tenant | None) -> str:

@@ -9,7 +9,7 @@ import pytest
 
 from service.metrics import GatewayMetrics
 from service.routing.fleet import HashRing, Worker, WorkerFleet, parse_waiting, worker_id
-from service.settings import GatewaySettings
+from service.settings import GatewaySettings, PoolSpec
 from tests.fixtures.worker import WorkerHandle
 from tests.service.conftest import MODEL
 
@@ -80,6 +80,33 @@ def test_a_request_is_learnt_with_the_share_of_its_life_it_shared_with_another_c
     now[0] = 20.0
     alone = worker.admit("sampled")  # a request that ends as it starts: not mixed
     assert worker.mixed_since(alone, "sampled") == 0.0
+
+
+def test_fastest_sends_nothing_to_a_pool_at_weight_0() -> None:
+    """An operator's pin to 0 (or a rolled-back canary) drains a pool under ROUTING=fastest
+    too, however fast it reads, while another pool of the model has weight; with every pool
+    at 0, all are offered again (the weighted split's fallback)."""
+    pools = [
+        PoolSpec(name=name, model="m", workers=[url])
+        for name, url in zip(("fast", "slow"), URLS, strict=False)
+    ]
+    settings = GatewaySettings(pools=pools, routing="fastest", fastest_exploration=0.0)  # type: ignore[arg-type]
+    fleet = WorkerFleet(settings, httpx.AsyncClient(), GatewayMetrics())
+    for worker in fleet.workers.values():
+        worker.healthy = True
+    assert fleet.speeds is not None
+    for _ in range(10):
+        fleet.speeds.observe("fast", "k", 1.0, 200.0)
+        fleet.speeds.observe("slow", "k", 1.0, 100.0)
+
+    def pools_picked() -> set[str]:
+        return {fleet.pick("m", None, set(), "k").pool for _ in range(20)}  # type: ignore[union-attr]
+
+    assert pools_picked() == {"fast"}
+    fleet.weights["fast"] = 0.0
+    assert pools_picked() == {"slow"}
+    fleet.weights["slow"] = 0.0
+    assert pools_picked() == {"fast"}
 
 
 def test_exact_ties_spread_over_the_pool() -> None:

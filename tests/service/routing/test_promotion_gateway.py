@@ -63,11 +63,7 @@ def canary_pools(base: str, canary: str) -> list[dict[str, Any]]:
 def test_a_faster_canary_is_promoted_to_all_the_traffic() -> None:
     with fake_worker(speed_worker(100.0, 1)) as base, fake_worker(speed_worker(130.0, 2)) as canary:
         pools = canary_pools(base.url, canary.url)
-        with (
-            running_gateway(pools=pools, engine_check=None)
-            if False
-            else running_gateway(pools=pools) as gw
-        ):
+        with running_gateway(pools=pools) as gw:
             assert gw.metric("dflash_pool_weight", pool="canary") == 10.0
             body = {
                 "model": MODEL,
@@ -101,6 +97,14 @@ def test_a_faster_canary_is_promoted_to_all_the_traffic() -> None:
                 assert bad.status_code == 400 and "weight" in bad.json()["error"]["message"]
                 missing = client.put(gw.base_url + "/admin/pools/nope", json={"weight": 5})
                 assert missing.status_code == 404
+                # Draining one pool is fine; draining the last weighted one is refused (the
+                # split would offer every pool again), and changes nothing.
+                drained = client.put(gw.base_url + "/admin/pools/canary", json={"weight": 0})
+                assert drained.status_code == 200 and drained.json()["weight"] == 0
+                last = client.put(gw.base_url + "/admin/pools/base", json={"weight": 0})
+                assert last.status_code == 400 and last.json()["error"]["param"] == "weight"
+                assert "every pool of model" in last.json()["error"]["message"]
+                assert gw.metric("dflash_pool_weight", pool="base") == 50.0
 
 
 def test_pinning_needs_an_admin_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
