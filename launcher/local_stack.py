@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from launcher.processes import free_port, healthy, stop_all
 from service.capture.policy import CaptureShare
+from service.capture.writer import dataset_problem
 from service.cli import (
     GatewayServer,
     configure_logging,
@@ -404,6 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         if problem is not None:
             print(f"dflash-serve: {problem}", file=sys.stderr)
             return 2
+    capture = dataset_problem(str(Path(args.capture).resolve())) if args.capture else None
+    if capture is not None:
+        print(f"dflash-serve: --capture: {capture}", file=sys.stderr)
+        return 2
     configure_logging(args.log_level)
     env = worker_env()
     pools = [pool for gateway in gateways for pool in gateway.pools]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from pydantic import ValidationError
 
 from service.api import GatewayState
 from service.app import create_app
+from service.capture.writer import dataset_problem
 from service.http_server import guarded_protocol, listening_socket
 from service.metrics import MULTIPROC_ENV
 from service.proxy import Proxy
@@ -30,6 +32,10 @@ from service.tenancy.tenants import KeyFileError
 from wire.http import DrainingServer, run_servers, tune_gc_for_serving
 
 log = logging.getLogger("dflash.gateway")
+
+
+# Flags whose values are no secret and which their own errors must name (a file's path).
+PUBLIC_FLAGS = frozenset({"--pools"})
 
 
 class SecretSafeParser(argparse.ArgumentParser):
@@ -43,7 +49,10 @@ class SecretSafeParser(argparse.ArgumentParser):
     def parse_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:  # type: ignore[override]
         argv = list(sys.argv[1:] if args is None else args)
         values = [a.partition("=")[2] if a.startswith("-") else a for a in argv]
-        self.values = sorted({v for v in values if v and not v.startswith("-")}, key=len)[::-1]
+        public = {v for flag, v in itertools.pairwise(argv) if flag in PUBLIC_FLAGS}
+        public |= {a.partition("=")[2] for a in argv if a.partition("=")[0] in PUBLIC_FLAGS}
+        kept = {v for v in values if v and not v.startswith("-")} - public
+        self.values = sorted(kept, key=len)[::-1]
         return super().parse_args(argv, namespace)
 
     def error(self, message: str) -> NoReturn:
@@ -137,9 +146,18 @@ def read_pools(path: str) -> list[Any]:
     except (OSError, yaml.YAMLError) as exc:
         raise argparse.ArgumentTypeError(f"cannot read pools file {path}: {exc}") from None
     if isinstance(loaded, dict):
+        unknown = sorted(str(key) for key in loaded if key != "pools")
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"pools file {path}: unknown top-level key(s) {', '.join(unknown)}: it holds "
+                "`pools:` only (routing and the other settings are flags or "
+                "DFLASH_GATEWAY_* variables)"
+            )
         loaded = loaded.get("pools")
     if not isinstance(loaded, list):
-        raise argparse.ArgumentTypeError(f"pools file {path}: expected a list of pools")
+        raise argparse.ArgumentTypeError(
+            f"pools file {path}: expected a list of pools, or `pools:` with one"
+        )
     return loaded
 
 
@@ -279,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
     refusal = key_file_problem(settings)
     if refusal is not None:
         print(f"dflash-gateway: {refusal}", file=sys.stderr)
+        return 2
+    capture = None if settings.capture_uri is None else dataset_problem(settings.capture_uri)
+    if capture is not None:
+        print(f"dflash-gateway: invalid settings:\n  capture_uri: {capture}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, settings.log_levels)
     if settings.processes > 1 and os.environ.get(CHILD_ENV) is None:

@@ -14,6 +14,7 @@ from service.capture.writer import CaptureConfig
 from service.routing.promotion import PromotionSpec
 from service.tenancy.redis_client import MAX_BULK, RedisAddress, TlsFiles
 from service.tenancy.tenants import KeyRing, parse_key_file
+from wire.capture import dataset_scheme_problem
 from wire.tracing import TracingSettings
 
 # fastest: each request to the pool expected fastest for it (service/routing/fastest.py),
@@ -275,6 +276,16 @@ class GatewaySettings(BaseSettings):
                 raise ValueError(f"expected logger=level, got {part!r}")
             levels[name.strip()] = level.strip().lower()
         return levels
+
+    @field_validator("capture_uri")
+    @classmethod
+    def _check_capture_uri(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None  # an empty variable (a template's) is capture off, as unset is
+        problem = dataset_scheme_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @field_validator("redis_url")
     @classmethod

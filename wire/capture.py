@@ -265,6 +265,19 @@ def redact_uri(uri: str) -> str:
     return f"{scheme}://{host}{slash}{path}"
 
 
+# The stores a dataset lives in (docs/capture.md): a folder (a path, or file://), S3, GCS.
+DATASET_SCHEMES = frozenset({"file", "s3", "gs", "gcs"})
+
+
+def dataset_scheme_problem(uri: str) -> str | None:
+    """Why `uri` names no store a dataset can live in, or None: fsspec opens many more
+    (ftp://, http://) that were never meant to hold captured prompts."""
+    scheme, sep, _ = uri.partition("://")
+    if not sep or scheme.lower() in DATASET_SCHEMES:
+        return None
+    return f"unsupported scheme {scheme}://: a folder, s3:// or gs://"
+
+
 def open_store(uri: str) -> tuple[Any, str]:
     """The fsspec filesystem and root path of a dataset URI (s3:// needs s3fs, gs:// gcsfs:
     the `capture-s3` and `capture-gcs` extras)."""

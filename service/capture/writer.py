@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import tempfile
 import threading
 import time
 from collections import deque
@@ -21,7 +22,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 from service.capture.record import RawCapture, Unusable, sample_line
-from wire.capture import SHARD_PREFIX, SHARD_SUFFIX, compress_shard, is_shard, open_store
+from wire.capture import (
+    SHARD_PREFIX,
+    SHARD_SUFFIX,
+    CaptureDataError,
+    compress_shard,
+    is_shard,
+    open_store,
+    redact_uri,
+)
 
 log = logging.getLogger("dflash.gateway.capture")
 
@@ -57,6 +66,28 @@ class CaptureConfig:
 # (an outcome, "shards" or "cpu_seconds", how many): "cpu_seconds" is the writer thread's own
 # CPU time, what capture costs the gateway beyond the event loop's share.
 Count = Callable[[str, float], None]
+
+
+def dataset_problem(uri: str) -> str | None:
+    """Why captured samples cannot be written to `uri`, found before serving: a store whose
+    extra is not installed, or a local folder that cannot be made or written (a file in its
+    place, a parent that is read-only or cannot hold one). A remote store that does not answer
+    is not one: its samples wait, then drop, counted (docs/capture.md)."""
+    try:
+        fs, root = open_store(uri)
+    except CaptureDataError as exc:
+        return redact_uri(str(exc))
+    if "file" not in fs.protocol:
+        return None
+    if fs.isfile(root):
+        return f"{uri}: a file, not a folder"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as exc:
+        return f"{uri}: cannot write captured samples there: {exc.strerror or exc}"
+    return None
 
 
 class CaptureWriter:

@@ -239,6 +239,8 @@ def test_the_example_pools_file_loads_and_bad_files_are_refused(tmp_path: Path) 
             load_pools(bad)
     bad.write_text("pools: [{name: a}]")
     assert main(["--pools", str(bad), "--workers", "2"]) == 2  # set per pool, not ignored
+    # A capture folder that cannot be made: refused before any worker starts.
+    assert main(["--capture", str(bad / "capture")]) == 2
 
 
 def test_the_tracing_page_s_dflash_serve_command_gives_one_trace(tiny_checkpoint: Any) -> None:

@@ -59,6 +59,20 @@ def test_bad_settings_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
     assert gateway_main(["--worker", "http://a:1"]) == 2
 
 
+def test_a_capture_dataset_that_cannot_be_written_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before serving, not as a traceback from the app's startup (a user's review)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for uri, said in ((a_file, "a file, not a folder"), (a_file / "x", "cannot write")):
+        assert gateway_main(["--worker", "http://a:1", "--capture-uri", str(uri)]) == 2
+        err = capsys.readouterr().err
+        assert "capture_uri" in err and said in err and "Traceback" not in err, err
+    assert gateway_main(["--worker", "http://a:1", "--capture-uri", "ftp://x/y"]) == 2
+    assert "unsupported scheme ftp://" in capsys.readouterr().err
+
+
 def test_serve_plans_one_pool_or_two_side_by_side() -> None:
     (one,) = plan(build_parser().parse_args(["--workers", "2", "--no-speculation"]))
     (pool,) = one.pools
@@ -203,7 +217,12 @@ def test_a_bad_pools_file_is_refused_at_startup_naming_the_value(
             "every pool of model m has weight 0"
         ),
         "- {name: a, model: m, engine: tgi, workers: ['http://w:1']}\n": "pools.0.engine",
-        "name: a\n": "expected a list of pools",
+        "name: a\n": "unknown top-level key(s) name",
+        "routing: fastest\npools:\n- {name: a, model: m, workers: ['http://w:1']}\n": (
+            "unknown top-level key(s) routing"
+        ),
+        "poolz: []\n": "unknown top-level key(s) poolz",
+        "pools: {name: a}\n": "expected a list of pools",
         "[unclosed\n": "cannot read pools file",
     }
     for text, named in cases.items():
@@ -213,7 +232,10 @@ def test_a_bad_pools_file_is_refused_at_startup_naming_the_value(
         except SystemExit as exc:  # argparse's own exit for a file it cannot read
             code = exc.code  # type: ignore[assignment]
         assert code == 2
-        assert named in capsys.readouterr().err, text
+        err = capsys.readouterr().err
+        assert named in err, text
+        if "settings" not in err:  # the file's own shape: its path named, not masked
+            assert f"pools file {pools}" in err, err
     pools.write_text("- {name: a, model: m, workers: ['http://w:1']}\n")
     assert gateway_main(["--pools", str(pools), "--worker", "http://w:9"]) == 2
     assert "not both" in capsys.readouterr().err

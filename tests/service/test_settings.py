@@ -41,6 +41,21 @@ def test_bad_values_are_refused(field: str, value: object) -> None:
         GatewaySettings(**{field: value})  # type: ignore[arg-type]
 
 
+def test_an_empty_capture_uri_is_capture_off_and_a_foreign_scheme_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An empty variable (a template's `CAPTURE_URI: ""`) is capture off, as docs/gateway.md
+    says unset is: it was a dataset in the working directory. A scheme no dataset lives in
+    (ftp://) is refused naming capture_uri."""
+    monkeypatch.setenv("DFLASH_GATEWAY_CAPTURE_URI", "")
+    assert GatewaySettings().capture_uri is None and GatewaySettings().capture_config() is None
+    assert GatewaySettings(capture_uri="  ").capture_uri is None
+    for uri in ("/var/lib/capture", "file:///tmp/x", "s3://b/p", "gs://b/p", "GS://b/p"):
+        assert GatewaySettings(capture_uri=uri).capture_uri == uri
+    with pytest.raises(ValidationError, match=r"capture_uri\n.*unsupported scheme ftp://"):
+        GatewaySettings(capture_uri="ftp://x/y")
+
+
 def test_single_loggers_levels_come_as_name_equals_level(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DFLASH_GATEWAY_LOG_LEVELS", "dflash.gateway.fastest=DEBUG, uvicorn=warning")
     assert GatewaySettings().log_levels == {"dflash.gateway.fastest": "debug", "uvicorn": "warning"}

@@ -4,6 +4,7 @@ and every sample counted, written or dropped, without ever blocking the caller."
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -13,7 +14,13 @@ from typing import Any
 import pytest
 
 from service.capture.record import RawCapture
-from service.capture.writer import QUEUED_OVERHEAD_BYTES, CaptureConfig, CaptureWriter, shard_time
+from service.capture.writer import (
+    QUEUED_OVERHEAD_BYTES,
+    CaptureConfig,
+    CaptureWriter,
+    dataset_problem,
+    shard_time,
+)
 from tests.service.conftest import wait_until
 from wire.capture import read_samples
 
@@ -175,3 +182,22 @@ def test_a_failed_local_write_leaves_no_partial_file(
     w.close()
     assert list((tmp_path / "data").iterdir()) == []
     assert counts.seen["store_error"] == 1
+
+
+def test_a_dataset_that_cannot_be_written_is_found_before_serving(tmp_path: Path) -> None:
+    """dataset_problem, which dflash-gateway and dflash-serve run before they serve (a clean
+    exit 2 naming capture_uri, not a traceback from the writer's start)."""
+    folder = tmp_path / "new" / "capture"
+    assert dataset_problem(str(folder)) is None and folder.is_dir()  # made, and writable
+    assert list(folder.iterdir()) == []  # its probe left nothing
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert dataset_problem(str(a_file)) == f"{a_file}: a file, not a folder"
+    under_a_file = dataset_problem(str(a_file / "capture"))
+    assert under_a_file is not None and "cannot write captured samples there" in under_a_file
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        assert dataset_problem(str(read_only / "capture")) is not None
+    # A remote store is not probed: one that does not answer drops samples, counted.
+    assert dataset_problem("s3://bucket/prefix") is None
