@@ -49,6 +49,9 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def describe(self) -> str:
+        return self.engine.describe()
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncGenerator[RequestOutput, None]:

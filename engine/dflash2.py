@@ -238,6 +238,8 @@ class DFlash2Drafter(DFlashDrafter):
     """DFlashDrafter with DFlash2Layer layers, an embedding scale and the selector's
     proposals. Own weights add layers.N.{attention,mlp}_conv.* and candidate_selector.*."""
 
+    kind = "DFlash2"
+
     def __init__(
         self,
         config: DrafterConfig,

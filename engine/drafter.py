@@ -131,6 +131,8 @@ ContextKV = Callable[[int, DecoderLayer], tuple[Tensor, Tensor]]
 class DFlashDrafter(nn.Module):
     """Own weights: layers.N.*, fc, hidden_norm, norm. Borrowed: embed_tokens, lm_head."""
 
+    kind = "DFlash"  # as logs name it
+
     def __init__(
         self, config: DrafterConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear
     ) -> None:

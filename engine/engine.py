@@ -103,6 +103,17 @@ class Engine:
     def has_work(self) -> bool:
         return self._scheduler.has_work
 
+    def describe(self) -> str:
+        """What it decodes with, for the worker's ready line."""
+        kind = self.runner.drafter_kind
+        if kind is None:
+            return "plain decoding"
+        how = "k chosen per step" if self.config.adaptive else "every step"
+        return (
+            f"{kind} drafter {self.config.drafter_path}, up to {self.num_spec_tokens} "
+            f"drafts a step ({how})"
+        )
+
     # ---- requests -------------------------------------------------------------------
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -95,6 +95,7 @@ class ModelRunner:
         if self.block_size == 1:
             drafter = None  # zero speculative tokens is plain decoding
         self.num_spec_tokens: int | None = None if drafter is None else self.block_size - 1
+        self.drafter_kind: str | None = None if drafter is None else drafter.kind
         self.vocab_size: int = target.config.vocab_size
         self._state = SpecState.create(
             target,

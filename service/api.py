@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.metrics import GatewayMetrics, code_label
 from service.proxy import Proxy, ProxyCall
@@ -393,6 +393,18 @@ class PoolPin(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
     weight: float | None = Field(ge=0, le=100, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_keys_first(cls, data: Any) -> Any:
+        """`{"wieght": 5}` names the typo, not only the `weight` it lacks."""
+        if isinstance(data, dict):
+            unknown = sorted(str(key) for key in data if key != "weight")
+            if unknown:
+                raise InvalidRequest(
+                    f"{unknown[0]}: unknown field; a pin takes `weight` only", param=unknown[0]
+                )
+        return data
 
 
 @router.get(ADMIN_POOLS_PATH, summary="Pools, their weights, and canaries' promotion evidence")

@@ -38,7 +38,7 @@ from service.metrics import GatewayMetrics, code_label
 from service.openapi import served_openapi
 from service.proxy import CLIENT_CLOSED, Proxy
 from service.routing.fleet import WorkerFleet
-from service.routing.promotion import Promotions, rollouts_of
+from service.routing.promotion import Promotions, Rollout, rollouts_of
 from service.routing.promotion_store import SharedPromotions
 from service.routing.upstream import ConnectionPool
 from service.settings import GatewaySettings
@@ -352,6 +352,15 @@ async def tear_down(*steps: TeardownStep | None) -> list[str]:
     return failed
 
 
+def describe_pools(fleet: WorkerFleet) -> str:
+    """Each pool for the startup log: its model, weight and workers."""
+    return ", ".join(
+        f"{name} (model {spec.model or 'as served'}, weight {fleet.weights[name]:g}, "
+        f"{sum(w.pool == name for w in fleet.workers.values())} worker(s))"
+        for name, spec in fleet.specs.items()
+    )
+
+
 def open_promotions(fleet: WorkerFleet, metrics: GatewayMetrics) -> Promotions:
     """The canaries' rollouts (pools with `promotion:`) and operators' pins, applying their
     weights to the fleet's split and to dflash_pool_weight."""
@@ -368,6 +377,7 @@ def open_promotions(fleet: WorkerFleet, metrics: GatewayMetrics) -> Promotions:
         return all(w.routable(now) for w in fleet.workers.values() if w.pool == pool)
 
     for rollout in rollouts:
+        metrics.describe_rollout(rollout.model, rollout.canary)
         log.info(
             "promotion: canary %s against %s, stages %s",
             rollout.canary,
@@ -375,7 +385,11 @@ def open_promotions(fleet: WorkerFleet, metrics: GatewayMetrics) -> Promotions:
             "/".join(f"{share:g}" for share in rollout.spec.stages),
         )
     weights = {name: spec.weight for name, spec in fleet.specs.items()}
-    return Promotions(rollouts, weights, apply, healthy, metrics.count_decision)
+
+    def count(rollout: Rollout, decision: str) -> None:
+        metrics.count_decision(rollout.model, rollout.canary, decision)
+
+    return Promotions(rollouts, weights, apply, healthy, count)
 
 
 def open_capture(
@@ -447,7 +461,11 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         proxy = Proxy(settings, fleet, upstream, metrics, capture)
         state.runtime = Runtime(client, upstream, fleet, proxy)
         log.info(
-            "gateway ready: %d of %d workers healthy", len(fleet.routable()), len(fleet.workers)
+            "gateway ready: %d of %d workers healthy; routing %s; pools: %s",
+            len(fleet.routable()),
+            len(fleet.workers),
+            settings.routing,
+            describe_pools(fleet),
         )
         reloader = None
         if settings.api_key_file is not None:

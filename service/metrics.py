@@ -274,12 +274,11 @@ class GatewayMetrics(TenancySeries):
         self._capture_series(r)
         self.promotion_decisions = Counter(
             "dflash_promotion_decisions",
-            "Canary rollouts' decisions: promote (a stage up) or rollback (to 0)",
-            ["decision"],
+            "Canary rollouts' decisions: promote (a stage up) or rollback (to 0), by the "
+            "canary's model and pool",
+            ["model", "pool", "decision"],
             registry=r,
         )
-        for decision in ("promote", "rollback"):
-            self.child(self.promotion_decisions, decision)
 
     def _capture_series(self, r: CollectorRegistry) -> None:
         """docs/capture.md: every captured sample ends written or dropped, and why."""
@@ -299,9 +298,14 @@ class GatewayMetrics(TenancySeries):
             registry=r,
         )
 
-    def count_decision(self, decision: str) -> None:
+    def describe_rollout(self, model: str, canary: str) -> None:
+        """A canary's decision series, at 0 from the start."""
+        for decision in ("promote", "rollback"):
+            self.child(self.promotion_decisions, model, canary, decision)
+
+    def count_decision(self, model: str, canary: str, decision: str) -> None:
         """A rollout's promote or rollback (service/routing/promotion.py)."""
-        self.child(self.promotion_decisions, decision).inc()
+        self.child(self.promotion_decisions, model, canary, decision).inc()
 
     def count_capture(self, outcome: str, count: float) -> None:
         """The capture writer's counts (its thread calls this; the counters are thread-safe)."""

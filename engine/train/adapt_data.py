@@ -137,6 +137,8 @@ def load_traffic(uri: str, tok: Tokenizer, vocab_size: int, max_len: int) -> Tra
     """`build_sequences` over the dataset at `uri`; CaptureDataError when it has no shard."""
     fs, root = open_store(uri)
     if not shard_paths(fs, root):
+        if not fs.exists(root):
+            raise CaptureDataError(f"{uri}: does not exist")
         raise CaptureDataError(f"{uri}: no capture shards (capture-*.jsonl.zst or .jsonl.gz) in it")
     return build_sequences(read_samples(uri), tok, vocab_size, max_len)
 

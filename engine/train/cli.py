@@ -148,8 +148,15 @@ def build_adapt_parser() -> argparse.ArgumentParser:
 def adapt_main(argv: list[str]) -> int:
     parser = build_adapt_parser()
     args = parser.parse_args(argv)
-    if min(args.steps, args.batch_seqs, args.eval_prompts, args.eval_tokens) < 1:
-        parser.error("--steps, --batch-seqs, --eval-prompts and --eval-tokens must be positive")
+    counts = {
+        "--steps": args.steps,
+        "--batch-seqs": args.batch_seqs,
+        "--eval-prompts": args.eval_prompts,
+        "--eval-tokens": args.eval_tokens,
+    }
+    for flag, count in counts.items():
+        if count < 1:
+            parser.error(f"{flag} must be positive, not {count}")
     if args.minutes is not None and args.minutes <= 0:
         parser.error("--minutes must be positive")
     if args.recipe_samples < 0:
@@ -165,7 +172,8 @@ def adapt_main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = AdaptConfig(
-            data=args.data,
+            # A folder as an absolute path (the manifest records where the data came from).
+            data=args.data if "://" in args.data else str(Path(args.data).resolve()),
             out=args.out,
             target=args.target,
             drafter=args.drafter,

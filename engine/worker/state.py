@@ -96,7 +96,9 @@ class WorkerState:
             if self.on_ready is not None:
                 self.on_ready()
             self.ready = True
-            log.info("worker ready: serving %s", self.settings.model_name)
+            log.info(
+                "worker ready: serving %s (%s)", self.settings.model_name, self.engine.describe()
+            )
         except Exception as exc:
             log.exception("the engine failed to load")
             self.load_error = f"{type(exc).__name__}: {exc}"

@@ -230,7 +230,7 @@ class Promotions:
         base_weights: dict[str, float],
         apply: Apply,
         healthy: Callable[[str], bool],
-        count: Callable[[Decision], None],
+        count: Callable[[Rollout, Decision], None],  # a decision, for the canary's series
     ) -> None:
         self.rollouts = {r.canary: r for r in rollouts}
         self._base_weights = base_weights  # every pool's configured weight (pins fall back)
@@ -309,7 +309,7 @@ class Promotions:
             record["to"],
             ", ".join(f"{k}={v}" for k, v in record.items() if k not in ("time", "decision")),
         )
-        self._count(decision)
+        self._count(rollout, decision)
         rollout.stage, rollout.status = stage, status
         rollout.decisions = [*rollout.decisions, record][-self.KEEP_DECISIONS :]
         rollout.tally = Tally()

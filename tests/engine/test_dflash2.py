@@ -222,7 +222,7 @@ def test_checkpoint_layout_and_round_trip(ckpt: TinyCheckpoint, tmp_path: Path) 
     assert weights["candidate_selector.hidden_projection.weight"].shape == (4, 32)
     target = load_target(ckpt.target_dir)
     drafter = load_drafter(ckpt.drafter_dir, target)
-    assert isinstance(drafter, DFlash2Drafter)
+    assert isinstance(drafter, DFlash2Drafter) and drafter.kind == "DFlash2"
     save_drafter(drafter, tmp_path)
     again = load_file(str(tmp_path / "model.safetensors"))
     assert again.keys() == weights.keys()

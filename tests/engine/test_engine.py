@@ -126,6 +126,14 @@ def reference(
     return {rid: o.token_ids_delta for rid, o in out.items()}
 
 
+def test_an_engine_says_what_it_decodes_with(ckpt: TinyCheckpoint) -> None:
+    """The worker's ready line: the drafter's kind and folder, its drafts and its policy."""
+    assert make_engine(ckpt).describe() == "plain decoding"
+    assert make_engine(ckpt, 7, adaptive=True).describe() == (
+        f"DFlash drafter {ckpt.drafter_dir}, up to 7 drafts a step (k chosen per step)"
+    )
+
+
 def test_plain_batched_matches_plain_alone(
     ckpt: TinyCheckpoint,
     requests: list[tuple[list[int], SamplingParams]],

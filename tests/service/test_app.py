@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 from starlette.testclient import TestClient
 
-from service.app import create_app, tear_down
+from service.app import create_app, describe_pools, tear_down
+from service.metrics import GatewayMetrics
 from service.routing.fleet import WorkerFleet
-from service.settings import GatewaySettings
+from service.settings import GatewaySettings, PoolSpec
 from service.tenancy.limits import RateLimiter
 from service.tenancy.response_store import MemoryResponseStore
 
@@ -101,3 +103,14 @@ def test_the_gateway_closes_its_ledger_and_store_when_the_fleet_stop_fails(
         pass
     assert closed == ["RateLimiter.close", "MemoryResponseStore.close"]
     assert "could not stop the fleet's health checks" in caplog.text
+
+
+def test_the_startup_log_names_each_pool_s_model_weight_and_workers() -> None:
+    pools = [
+        PoolSpec(name="base", model="m", weight=90, workers=["http://a:1", "http://a:2"]),
+        PoolSpec(name="canary", model="m", weight=10, workers=["http://b:1"]),
+    ]
+    fleet = WorkerFleet(GatewaySettings(pools=pools), httpx.AsyncClient(), GatewayMetrics())
+    assert describe_pools(fleet) == (
+        "base (model m, weight 90, 2 worker(s)), canary (model m, weight 10, 1 worker(s))"
+    )

@@ -223,8 +223,21 @@ def test_a_truncated_shard_is_named(
 
 
 def test_an_empty_dataset_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run_cli(tmp_path / "nothing", tmp_path) == 1
+    (tmp_path / "empty").mkdir()
+    assert run_cli(tmp_path / "empty", tmp_path) == 1
     assert "no capture shards" in capsys.readouterr().err
+    assert run_cli(tmp_path / "nothing", tmp_path) == 1
+    assert "nothing: does not exist" in capsys.readouterr().err
+
+
+def test_a_count_that_is_not_positive_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--steps", "--eval-tokens"):
+        with pytest.raises(SystemExit) as exited:
+            run_cli(tmp_path, tmp_path, flag, "0")
+        assert exited.value.code == 2
+        assert f"{flag} must be positive, not 0" in capsys.readouterr().err
 
 
 def test_a_dataset_of_only_too_long_samples_names_them(

@@ -50,7 +50,9 @@ def replay(factor: float, seed: int, requests: int, **spec: Any) -> tuple[Replay
     weights: dict[str, float] = {}
     decisions: list[str] = []
     rollout = Rollout("m", "canary", "base", PromotionSpec(baseline="base", **spec))
-    promotions = Promotions([rollout], BASE, weights.update, lambda pool: True, decisions.append)
+    promotions = Promotions(
+        [rollout], BASE, weights.update, lambda pool: True, lambda _, d: decisions.append(d)
+    )
     shares = []
     classes, shares_of = list(CLASSES), [share for share, _ in CLASSES.values()]
     for _ in range(requests):
@@ -117,7 +119,7 @@ def test_a_failing_or_unhealthy_canary_is_never_promoted() -> None:
 def test_a_pin_wins_over_the_decisions() -> None:
     weights: dict[str, float] = {}
     rollout = trace_rollout()
-    promotions = Promotions([rollout], BASE, weights.update, lambda p: True, lambda d: None)
+    promotions = Promotions([rollout], BASE, weights.update, lambda p: True, lambda r, d: None)
     promotions.pin("canary", 3.0)
     assert weights == {"canary": 3.0, "base": 90.0}
     rng = random.Random(2)

@@ -85,7 +85,8 @@ def test_a_faster_canary_is_promoted_to_all_the_traffic() -> None:
                 assert [d["decision"] for d in rollout["decisions"]] == ["promote"] * 3
                 assert 1.2 < rollout["decisions"][0]["speedup"] < 1.4
                 assert gw.metric("dflash_pool_weight", pool="canary") == 100.0
-                assert gw.metric("dflash_promotion_decisions_total", decision="promote") == 3
+                promoted = {"model": MODEL, "pool": "canary", "decision": "promote"}
+                assert gw.metric("dflash_promotion_decisions_total", **promoted) == 3
                 pinned = client.put(gw.base_url + "/admin/pools/base", json={"weight": 50})
                 assert pinned.status_code == 200 and pinned.json()["pinned"] is True
                 assert gw.metric("dflash_pool_weight", pool="base") == 50.0
@@ -97,6 +98,8 @@ def test_a_faster_canary_is_promoted_to_all_the_traffic() -> None:
                 assert bad.status_code == 400 and "weight" in bad.json()["error"]["message"]
                 missing = client.put(gw.base_url + "/admin/pools/nope", json={"weight": 5})
                 assert missing.status_code == 404
+                typo = client.put(gw.base_url + "/admin/pools/base", json={"wieght": 5})
+                assert typo.status_code == 400 and typo.json()["error"]["param"] == "wieght"
                 # Draining one pool is fine; draining the last weighted one is refused (the
                 # split would offer every pool again), and changes nothing.
                 drained = client.put(gw.base_url + "/admin/pools/canary", json={"weight": 0})
