@@ -61,6 +61,9 @@ from wire.capture import open_store, shard_paths
 
 TrainOn = Literal["greedy", "captured"]
 EXIT_NOT_IMPROVED = 3
+# Fewer held-out requests than this and the write gate's tau (before and after) is warned
+# about: a rise on a handful of requests says little about the traffic.
+FEW_HELD_OUT = 20
 MANIFEST = "manifest.json"
 
 
@@ -398,6 +401,12 @@ def run_adapt(cfg: AdaptConfig) -> AdaptResult:
         f"adapt: {traffic.num_samples} samples, {len(train_ids)} requests to train on "
         f"({len(train_seqs)} sequences), {len(held_ids)} held out"
     )
+    if len(held_ids) < FEW_HELD_OUT:
+        print(
+            f"adapt: warning: only {len(held_ids)} requests held out; the gate below (held-out "
+            f"tau rose) rests on them alone: capture more traffic ({FEW_HELD_OUT} or more held "
+            "out) before trusting it"
+        )
     examples = [
         traffic_example(target, s, layer_ids, cfg.train_on, stops)
         for s in tqdm(train_seqs, desc="features")

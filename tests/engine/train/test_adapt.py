@@ -112,8 +112,8 @@ def adapted(
     traffic: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[AdaptConfig, AdaptResult, str]:
     cfg = config(traffic, tmp_path_factory.mktemp("adapt"))
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
+    err = io.StringIO()  # its progress (stdout) and its warnings (stderr)
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(err):
         result = run_adapt(cfg)
     return cfg, result, err.getvalue()
 
@@ -130,6 +130,8 @@ def test_heldout_traffic_tau_rises_and_the_drafter_is_written_with_its_manifest(
     assert manifest["data"] == cfg.data and manifest["seed"] == 0 and manifest["steps"] == 30
     assert manifest["requests"]["train"] + manifest["requests"]["heldout"] == 2 * len(TOPICS)
     assert manifest["requests"]["heldout"] >= 1 and manifest["samples"]["skipped"] == 1
+    held = manifest["requests"]["heldout"]
+    assert f"warning: only {held} requests held out" in err  # a few dozen requests captured
     tau = manifest["tau"]
     assert tau["traffic"]["after"] > tau["traffic"]["before"]
     assert tau["recipe"]["before"] >= 1.0 and tau["recipe"]["after"] >= 1.0
