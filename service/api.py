@@ -413,6 +413,14 @@ async def admin_pools(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": pool_cards(runtime.fleet)}
 
 
+@router.get(ADMIN_POOLS_PATH + "/{pool}", summary="One pool's weight and promotion evidence")
+async def admin_pool(request: Request, pool: str) -> dict[str, Any]:
+    fleet = gateway(request).live().fleet
+    if pool not in fleet.specs:
+        raise NotFound(f"No pool `{pool}`.", param="pool")
+    return next(card for card in pool_cards(fleet) if card["pool"] == pool)
+
+
 @router.put(
     ADMIN_POOLS_PATH + "/{pool}",
     openapi_extra={

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 
 class ApiError(Exception):
@@ -219,6 +220,24 @@ def from_http_exception(exc: StarletteHTTPException) -> ApiError:
     return kind(str(exc.detail), headers=dict(exc.headers or {}))
 
 
+# The methods a 405's Allow header may name.
+HTTP_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route of the path takes: the router's 405 names only the first
+    route's (a path with a GET and a PUT route answered a DELETE with `Allow: GET`). Asked
+    of the routes' own matching, as the router asks it (included routers too)."""
+    return [
+        method
+        for method in HTTP_METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] == Match.FULL
+            for route in request.app.router.routes
+        )
+    ]
+
+
 def install_handlers(app: FastAPI, log: logging.Logger) -> None:
     """Route every exception through `render` so clients only ever see OpenAI bodies."""
 
@@ -235,7 +254,10 @@ def install_handlers(app: FastAPI, log: logging.Logger) -> None:
 
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
-        return render(from_http_exception(exc), rid(request))
+        error = from_http_exception(exc)
+        if exc.status_code == 405:
+            error.headers["Allow"] = ", ".join(allowed_methods(request))
+        return render(error, rid(request))
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error", exc_info=exc)

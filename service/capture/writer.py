@@ -170,8 +170,13 @@ class CaptureWriter:
             if batch or due:  # an idle look does nothing, and counts nothing
                 self._count("cpu_seconds", time.thread_time() - started)
         started = time.thread_time()
-        self._flush()
+        last = self._samples
+        written = self._flush()
         self._count("cpu_seconds", time.thread_time() - started)
+        if written == last:
+            log.info("capture: stopped; the last shard (%d samples) written", last)
+        else:
+            log.warning("capture: stopped; the last %d samples could not be written", last)
 
     def _next_batch(self) -> list[RawCapture] | None:
         """What is queued, after at most POLL_S; None once stopping with nothing left. The
@@ -207,11 +212,12 @@ class CaptureWriter:
             self._first_at is not None and time.monotonic() - self._first_at >= self.config.flush_s
         )
 
-    def _flush(self) -> None:
+    def _flush(self) -> int:
+        """The shard being built, to the store: the samples written (0 when it failed)."""
         body, samples = self._shard, self._samples
         self._shard, self._samples, self._first_at = bytearray(), 0, None
         if not samples:
-            return
+            return 0
         try:
             data = compress_shard(body)
             del body  # only the compressed shard is held while the store takes it
@@ -227,13 +233,14 @@ class CaptureWriter:
                     self.config.uri,
                     exc,
                 )
-            return
+            return 0
         self._count("written", samples)
         self._count("shards", 1)
         try:
             self._enforce_limits()
         except Exception as exc:
             log.warning("capture: applying the dataset's limits failed: %s", exc)
+        return samples
 
     def _write(self, data: bytes) -> None:
         """One shard, whole or not at all: a local file is renamed into place; an object

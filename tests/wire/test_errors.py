@@ -87,6 +87,12 @@ def test_sdk_raises_typed_errors(gateway: Gateway) -> None:
 
 def test_unknown_route_method_and_size(gateway: Gateway) -> None:
     assert_openai_error(httpx.get(gateway.v1 + "/embeddings"), 404)
-    assert_openai_error(httpx.get(gateway.v1 + "/chat/completions"), 405)
+    wrong = httpx.get(gateway.v1 + "/chat/completions")
+    assert_openai_error(wrong, 405)
+    assert wrong.headers["allow"] == "POST"
+    # A path with two routes (GET and PUT): a 405 names both, not only the first route's.
+    both = httpx.delete(gateway.base_url + "/admin/pools/some-pool")
+    assert_openai_error(both, 405)
+    assert both.headers["allow"] == "GET, PUT"
     huge = b'{"model": "tiny", "prompt": "' + b"x" * (5 * 1024 * 1024) + b'"}'
     assert_openai_error(httpx.post(gateway.v1 + "/completions", content=huge, timeout=30), 413)

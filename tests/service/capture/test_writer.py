@@ -4,7 +4,9 @@ and every sample counted, written or dropped, without ever blocking the caller."
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -57,14 +59,18 @@ def writer(tmp_path: Path, **config: Any) -> tuple[CaptureWriter, Counts]:
     return CaptureWriter(CaptureConfig(uri=str(tmp_path / "data"), **config), counts), counts
 
 
-def test_samples_roll_into_whole_shards_and_close_writes_the_rest(tmp_path: Path) -> None:
+def test_samples_roll_into_whole_shards_and_close_writes_the_rest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     w, counts = writer(tmp_path, shard_bytes=2000, flush_s=3600)
     w.start()
     for n in range(20):
         w.offer(raw(n))
     wait_until(lambda: counts.seen["written"] >= 15)
     w.offer(raw(20))
-    w.close()
+    with caplog.at_level(logging.INFO, logger="dflash.gateway.capture"):
+        w.close()
+    assert re.search(r"capture: stopped; the last shard \([1-9]\d* samples\) written", caplog.text)
     names = sorted(p.name for p in (tmp_path / "data").iterdir())
     assert all(name.startswith("capture-") and name.endswith(".jsonl.zst") for name in names)
     assert len(names) >= 5  # ~330 bytes a line, 2000 a shard

@@ -98,6 +98,9 @@ def test_a_faster_canary_is_promoted_to_all_the_traffic() -> None:
                 assert bad.status_code == 400 and "weight" in bad.json()["error"]["message"]
                 missing = client.put(gw.base_url + "/admin/pools/nope", json={"weight": 5})
                 assert missing.status_code == 404
+                one = client.get(gw.base_url + "/admin/pools/base").json()
+                assert one["pool"] == "base" and one["weight"] == 50.0 and one["pinned"]
+                assert client.get(gw.base_url + "/admin/pools/nope").status_code == 404
                 typo = client.put(gw.base_url + "/admin/pools/base", json={"wieght": 5})
                 assert typo.status_code == 400 and typo.json()["error"]["param"] == "wieght"
                 # Draining one pool is fine; draining the last weighted one is refused (the
