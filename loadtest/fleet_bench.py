@@ -285,7 +285,9 @@ async def run_cell(urls: Sequence[str], n: int, c: int, stream: Stream, offset: 
 
 
 def pin(base_url: str, dflash_share: float) -> None:
-    for pool, weight in (("dflash", dflash_share), ("plain", 100.0 - dflash_share)):
+    shares = (("dflash", dflash_share), ("plain", 100.0 - dflash_share))
+    # The weighted pool first: a pin to 0 that would leave both pools at 0 is refused.
+    for pool, weight in sorted(shares, key=lambda share: share[1] == 0):
         reply = httpx.put(f"{base_url}/admin/pools/{pool}", json={"weight": weight}, timeout=10)
         reply.raise_for_status()
 

@@ -158,7 +158,7 @@ import bisect
 import logging
 import math
 import random
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -602,6 +602,19 @@ def drawn_by_weight(weights: Mapping[str, float], draw: Callable[[], float]) -> 
         if point < 0:
             return pool
     return sorted(offered)[-1]
+
+
+def fastest_pool(
+    speeds: SpeedMap, klass: str, workers: Sequence[Loaded], weights: Mapping[str, float]
+) -> str:
+    """The pool of `workers` for a request of `klass` (SpeedMap.choose). A pool at weight 0
+    (an operator's pin, or a canary rolled back) is not offered while a weighted one is: a
+    drain holds under `fastest` too. The positive weights steer its exploring share."""
+    offered = effective_weights(weights)
+    if len(offered) == 1:
+        return next(iter(offered))
+    eligible = [w for w in workers if w.pool in offered]
+    return speeds.choose(klass, pool_loads(eligible), offered)
 
 
 def pool_loads(workers: Iterable[Loaded]) -> dict[str, PoolLoad]:

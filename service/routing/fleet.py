@@ -18,9 +18,9 @@ import httpx
 
 from service.metrics import GatewayMetrics
 from service.routing.engines import WIRES, Wire
-from service.routing.fastest import pool_loads, speed_map
+from service.routing.fastest import fastest_pool, speed_map
 from service.routing.promotion import Promotions
-from service.routing.split import SmoothWeighted, effective_weights, pool_of
+from service.routing.split import SmoothWeighted, pool_of
 from service.settings import DEFAULT_POOL, GatewaySettings, PoolSpec
 
 log = logging.getLogger("dflash.gateway.pool")
@@ -446,14 +446,8 @@ class WorkerFleet:
         if self.speeds is None:
             chosen = pool_of(model, offered, self.weights, affinity, self._turns)
         else:
-            # A pool at weight 0 (pinned, or a canary rolled back) takes no traffic here
-            # either while a weighted one is offered: an operator's drain holds under
-            # `fastest`. The positive weights steer its exploring share.
-            weights = effective_weights({pool: self.weights[pool] for pool in offered})
-            if len(weights) == 1:
-                return [w for w in candidates if w.pool in weights]
-            eligible = [w for w in candidates if w.pool in weights]
-            chosen = self.speeds.choose(klass, pool_loads(eligible), weights)
+            weights = {pool: self.weights[pool] for pool in offered}
+            chosen = fastest_pool(self.speeds, klass, candidates, weights)
         return [w for w in candidates if w.pool == chosen]
 
     def _by_affinity(self, candidates: list[Worker], key: str) -> Worker:
