@@ -273,6 +273,9 @@ def key_file_problem(settings: GatewaySettings) -> str | None:
         return f"cannot read the API key file: {exc.strerror}"
     except KeyFileError as exc:
         return f"API key file {settings.api_key_file}: {exc}"
+    if settings.api_key_file is not None and not ring.by_digest:
+        # Auth would be off: a file given to hold keys that holds none is a mistake.
+        return f"API key file {settings.api_key_file}: no key in it (auth would be off)"
     if ring.tenancy and settings.processes > 1 and settings.redis_url is None:
         return (
             "tenants' limits with --processes > 1 need a store the processes share: "

@@ -24,9 +24,12 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
+import time
 from typing import Any, cast
 
 from service.routing.promotion import Promotions, Rollout, Status, Tally, decide
+from service.tenancy.limits import WARN_EVERY_S
 from service.tenancy.redis_client import RedisClient, RedisUnavailable, ReplyError, Script
 
 log = logging.getLogger("dflash.gateway.promotion")
@@ -89,6 +92,8 @@ class SharedPromotions:
         promotions.share_pin = self.share_pin
         self._epochs: dict[str, int] = {}  # canary -> the epoch last read (-1: none yet)
         self._task: asyncio.Task[None] | None = None
+        self._failing_since: float | None = None  # the first failed sync of a spell
+        self._warned_at = -math.inf
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -108,7 +113,20 @@ class SharedPromotions:
                 await self.sync()
             except (RedisUnavailable, ReplyError) as exc:
                 # Routing goes on by the last weights read; the evidence waits for Redis.
-                log.warning("promotion: Redis sync failed: %s", exc)
+                # Logged once per WARN_EVERY_S, not every sync (twice a second).
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                if now - self._warned_at >= WARN_EVERY_S:
+                    self._warned_at = now
+                    log.warning(
+                        "promotion: Redis sync failing for %.0f s: %s",
+                        now - self._failing_since,
+                        exc,
+                    )
+            else:
+                if self._failing_since is not None:
+                    log.warning("promotion: Redis sync works again")
+                self._failing_since, self._warned_at = None, -math.inf
             await asyncio.sleep(self.interval_s)
 
     async def sync(self) -> None:

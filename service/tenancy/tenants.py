@@ -49,7 +49,9 @@ class Limits(BaseModel):
     """Per-tenant limits; None is no limit. Tokens are prompt + completion, as the worker
     reported them."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Strict: YAML's own types only (`admin: 'yes'` is not true, `requests_per_minute: true`
+    # not 1), as the chart's schema checks them.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     requests_per_minute: int | None = Field(default=None, ge=1)
     tokens_per_minute: int | None = Field(default=None, ge=1)
@@ -76,7 +78,7 @@ class TenantSpec(Limits):
 
 
 class TenantFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     defaults: Limits = Field(default_factory=Limits)
     tenants: list[TenantSpec] = Field(default_factory=list)
@@ -125,8 +127,16 @@ def parse_key_file(text: str, extra_keys: list[str]) -> KeyRing:
     document = _yaml_mapping(text)
     if document is None:
         lines = [line.strip() for line in text.splitlines()]
-        keys = [line for line in lines if line and not line.startswith("#")]
-        return KeyRing.plain([*extra_keys, *keys])
+        numbered = [(n, line) for n, line in enumerate(lines, 1) if line and line[0] != "#"]
+        for n, line in numbered:
+            # A key is one token: a line with a space or a trailing colon is a tenant file
+            # YAML could not read (one misindented line), never a key to let in.
+            if line.split()[0] != line or line.endswith(":"):
+                raise KeyFileError(
+                    f"line {n}: neither a key (one per line) nor valid tenant YAML"
+                    f"{_yaml_problem(text)}"
+                )
+        return KeyRing.plain([*extra_keys, *(line for _, line in numbered)])
     try:
         spec = TenantFile.model_validate(document)
     except ValidationError as exc:
@@ -174,6 +184,18 @@ def _yaml_mapping(text: str) -> dict[str, Any] | None:
     except yaml.YAMLError:
         return None
     return document if isinstance(document, dict) else None
+
+
+def _yaml_problem(text: str) -> str:
+    """Where YAML's parser stopped, for a file that was meant as tenant YAML: never the
+    line's text (it may hold a key)."""
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or "not YAML"
+        return f" (YAML: {problem}" + (f" at line {mark.line + 1})" if mark else ")")
+    return ""
 
 
 def describe(exc: ValidationError, document: dict[str, Any]) -> str:

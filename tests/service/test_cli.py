@@ -73,6 +73,22 @@ def test_a_capture_dataset_that_cannot_be_written_exits_2_naming_it(
     assert "unsupported scheme ftp://" in capsys.readouterr().err
 
 
+def test_a_key_file_without_keys_or_that_does_not_parse_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It would turn auth off (no key), or let its lines in as keys (a misindented tenant
+    file): refused at startup, as a reload refuses it (a user's review)."""
+    keys = tmp_path / "keys.yaml"
+    for text, said in (
+        ("tenants: []\n", "no key in it (auth would be off)"),
+        ("# rotated weekly\n", "no key in it"),
+        ("tenants:\n  - name: a\n    keys: [sk-a]\n   admin: true\n", "nor valid tenant YAML"),
+    ):
+        keys.write_text(text)
+        assert gateway_main(["--worker", "http://a:1", "--api-key-file", str(keys)]) == 2
+        assert said in capsys.readouterr().err, text
+
+
 def test_serve_plans_one_pool_or_two_side_by_side() -> None:
     (one,) = plan(build_parser().parse_args(["--workers", "2", "--no-speculation"]))
     (pool,) = one.pools

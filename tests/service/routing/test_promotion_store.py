@@ -5,6 +5,8 @@ pin set on one replica routes the other."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -12,6 +14,9 @@ from typing import Any
 import httpx
 import pytest
 
+from service.routing.promotion import Promotions
+from service.routing.promotion_store import SharedPromotions
+from service.tenancy.redis_client import RedisUnavailable
 from tests.fixtures.redis import RedisServer, running_redis
 from tests.service.conftest import running_gateway, wait_until
 from tests.service.fake_upstream import MODEL, fake_worker
@@ -64,3 +69,43 @@ def test_two_replicas_route_by_the_same_weights(redis_server: RedisServer) -> No
                 wait_until(lambda: weights(client, two.base_url)["base"] == 40.0, timeout=5)
                 client.put(one.base_url + "/admin/pools/base", json={"weight": None})
                 wait_until(lambda: weights(client, two.base_url)["base"] == 0.0, timeout=5)
+
+
+class FlakyRedis:
+    """Down for the first `down` calls, then an empty pins hash."""
+
+    def __init__(self, down: int) -> None:
+        self.down, self.calls = down, 0
+        self.seen_40 = asyncio.Event()
+
+    async def call(self, *args: Any) -> Any:
+        self.calls += 1
+        if self.calls >= 40:
+            self.seen_40.set()
+        if self.calls <= self.down:
+            raise RedisUnavailable("connection refused")
+        return []
+
+    async def close(self) -> None:
+        return None
+
+
+def test_a_store_that_is_down_is_logged_once_per_interval_not_per_sync(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Synced every 10 ms, down for 30 syncs: one warning (it was one every sync, twice a
+    second at the default interval), then one when it works again."""
+    promotions = Promotions([], {}, lambda weights: None, lambda pool: True, lambda r, d: None)
+    client = FlakyRedis(down=30)
+    shared = SharedPromotions(promotions, client, 0.01)  # type: ignore[arg-type]
+
+    async def run() -> None:
+        shared.start()
+        await client.seen_40.wait()
+        await shared.close()
+
+    with caplog.at_level(logging.WARNING, logger="dflash.gateway.promotion"):
+        asyncio.run(run())
+    failing = [m for m in caplog.messages if "Redis sync failing" in m]
+    assert len(failing) == 1 and "connection refused" in failing[0]
+    assert caplog.messages.count("promotion: Redis sync works again") == 1

@@ -72,6 +72,18 @@ def test_keys_from_env_join_the_tenant_file_as_tenant_default() -> None:
         ("tenants:\n  - {keys: [k1]}\n", "tenants.#1.name: Field required"),
         ("defaults: {rpm: 3}\n", "defaults.rpm: Extra inputs are not permitted"),
         ("tenant: []\n", "tenant: Extra inputs are not permitted"),
+        # YAML's own types only, as the chart's schema: a quoted "yes" is not an admin.
+        ("tenants:\n  - {name: a, keys: [k1], admin: 'yes'}\n", "tenants.'a'.admin"),
+        ("tenants:\n  - {name: a, keys: [k1], requests_per_minute: true}\n", "minute"),
+        ("tenants:\n  - {name: a, keys: [k1], requests_per_minute: '10'}\n", "minute"),
+        # One misindented line: not YAML, and not keys either (each line would have been a
+        # key: `tenants:` let in, the real keys locked out, every limit gone).
+        (
+            "tenants:\n  - name: a\n    keys: [k1]\n    requests_per_minute: 3\n"
+            "   tokens_per_minute: 40\n",
+            "line 1: neither a key (one per line) nor valid tenant YAML (YAML:",
+        ),
+        ("sk-one\nsk two\n", "line 2: neither a key"),
     ],
 )
 def test_a_bad_tenant_file_is_refused_naming_the_entry_and_field(text: str, message: str) -> None:
