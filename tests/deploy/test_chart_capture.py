@@ -137,6 +137,12 @@ def test_what_the_chart_refuses(sets: tuple[str, ...], message: str) -> None:
     assert message in proc.stderr
 
 
+def test_the_adapt_job_without_capture_is_refused() -> None:
+    """It would render nothing and say nothing: the job trains on the captured dataset."""
+    proc = helm(*template_args(sets=("capture.adapt.enabled=true", *SHARED)))
+    assert proc.returncode != 0 and "capture.adapt.enabled needs capture.enabled" in proc.stderr
+
+
 def test_the_ci_examples_capture_on_gke_and_eks() -> None:
     gke = render(PRESETS["ci/capture-gke-values.yaml"])
     assert settings(gke)["DFLASH_GATEWAY_CAPTURE_URI"] == "gs://my-project-dflash/capture"

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from service.tenancy.ledger import Charge, TenantUsage, month_of
 from service.tenancy.redis_client import RedisClient, RedisUnavailable, ReplyError
 from service.tenancy.redis_ledger import RedisLedger
-from service.tenancy.tenants import Limits, Tenant, parse_key_file
+from service.tenancy.tenants import KeyFileError, Limits, Tenant, parse_key_file
 from tests.deploy.chart import find, helm, render, template_args
 from tests.deploy.test_gateway_config import gateway_settings
 from tests.fixtures.redis import running_redis
@@ -253,3 +254,32 @@ async def usage_once_loaded(store: RedisLedger, who: Tenant) -> TenantUsage:
         except (RedisUnavailable, ReplyError):
             await asyncio.sleep(0.1)
     raise AssertionError("Redis never came back")
+
+
+@pytest.mark.parametrize(
+    ("tenants", "message"),
+    [
+        (
+            [{"name": "a", "keys": ["sk-aaaa-0001"]}, {"name": "a", "keys": ["sk-aaaa-0002"]}],
+            "duplicate tenant name a",
+        ),
+        (
+            [{"name": "a", "keys": ["sk-aaaa-0001"]}, {"name": "b", "keys": ["sk-aaaa-0001"]}],
+            "a key of tenant b is given twice",
+        ),
+        ([{"name": "a", "keys": ["sk-aaaa-0001", "sk-aaaa-0001"]}], "a key of tenant a"),
+    ],
+)
+def test_tenants_the_gateway_would_refuse_are_refused_at_template_time(
+    tenants: list[dict[str, Any]], message: str
+) -> None:
+    """Else a rollout's new gateway pods crash-loop on the key file (a user's review)."""
+    args = template_args(
+        sets=("gateway.rateLimits.redis.deploy=true",),
+        set_json=(f"gateway.apiKeys.tenants={json.dumps(tenants)}",),
+    )
+    done = helm(*args)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert "sk-aaaa" not in done.stderr  # never a key's value
+    with pytest.raises(KeyFileError):  # the gateway's own verdict on the same tenants
+        parse_key_file(yaml.safe_dump({"tenants": tenants}), [])

@@ -83,4 +83,23 @@ same name would be a second, conflicting key. */ -}}
 {{- if and (eq $w.modelCache.type "hostPath") (not $w.modelCache.hostPath) -}}
 {{- fail "worker.modelCache.hostPath is required with worker.modelCache.type=hostPath" -}}
 {{- end -}}
+{{- /* What the gateway refuses at startup (service/tenancy/tenants.py), refused here: a
+   rollout would otherwise crash-loop its new pods. No key's value in a message. */ -}}
+{{- $names := list -}}
+{{- $keys := list -}}
+{{- range $t := $g.apiKeys.tenants -}}
+{{- if has $t.name $names -}}
+{{- fail (printf "gateway.apiKeys.tenants: duplicate tenant name %s" $t.name) -}}
+{{- end -}}
+{{- $names = append $names $t.name -}}
+{{- range $k := $t.keys -}}
+{{- if has $k $keys -}}
+{{- fail (printf "gateway.apiKeys.tenants: a key of tenant %s is given twice (each key belongs to one tenant, once)" $t.name) -}}
+{{- end -}}
+{{- $keys = append $keys $k -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.capture.adapt.enabled (not .Values.capture.enabled) -}}
+{{- fail "capture.adapt.enabled needs capture.enabled: the adapt job trains on the captured dataset" -}}
+{{- end -}}
 {{- end -}}
