@@ -39,8 +39,11 @@ RESPONSES_REFUSED: dict[str, Refused] = {
     "prompt_cache_retention": Refused((), "24h", "no prompt cache here"),
     "reasoning": Refused(({},), {"effort": "high"}, "the bundled models do not reason"),
     "safety_identifier": Refused((), "u-1", "no safety system here"),
-    "service_tier": Refused(("auto", "default"), "flex", "one service tier"),
-    "stream_options": Refused(({},), {"include_obfuscation": True}, VLLM),
+    "service_tier": Refused(("auto", "default"), "flex", "one service tier here: auto or default"),
+    # Obfuscation pads a stream's deltas: none is added here, so only `false` asks nothing.
+    "stream_options": Refused(
+        ({}, {"include_obfuscation": False}), {"include_obfuscation": True}, VLLM
+    ),
     "tool_choice": Refused(("none", "auto"), "required", NO_TOOLS),
     "tools": Refused(([],), [{"type": "function", "name": "f"}], NO_TOOLS),
     "top_logprobs": Refused((0,), 2, VLLM),

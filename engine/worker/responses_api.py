@@ -51,7 +51,9 @@ def check_response_fields(req: ResponsesRequest, payload: dict[str, Any]) -> Non
     if fmt is not None and fmt.type not in RESPONSES_TEXT_FORMATS:
         raise InvalidRequest(f"text.format: {fmt.type} is {VLLM}", param="text.format")
     if req.text is not None and req.text.verbosity is not None:
-        raise InvalidRequest("text.verbosity: the bundled models have one", param="text.verbosity")
+        raise InvalidRequest(
+            "text.verbosity: the bundled models have one verbosity", param="text.verbosity"
+        )
 
 
 def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:

@@ -81,7 +81,8 @@ class ResponseFormatter:
             "metadata": req.metadata or {},
             "model": self.model,
             "output": output,
-            "parallel_tool_calls": False,
+            # As asked (vLLM 0.33 echoes it, default true); moot without tools.
+            "parallel_tool_calls": req.parallel_tool_calls is not False,
             "previous_response_id": None,
             "store": False,
             "temperature": 1.0 if req.temperature is None else req.temperature,

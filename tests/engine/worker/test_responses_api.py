@@ -88,6 +88,12 @@ def test_greedy_output_equals_chat_completions(client: openai.OpenAI) -> None:
         "incomplete" if chat.choices[0].finish_reason == "length" else "completed"
     )
     assert resp.metadata == {"case": "greedy"} and resp.store is False
+    # Echoed as vLLM 0.33 echoes it: as asked, default true (it said false whatever was asked).
+    assert resp.parallel_tool_calls is True
+    asked_not = client.responses.create(
+        model=NAME, input="x", max_output_tokens=2, parallel_tool_calls=False
+    )
+    assert asked_not.parallel_tool_calls is False
     assert resp.id.startswith("resp_") and resp.output[0].type == "message"
     spec = (resp.model_extra or {})["metrics"]["speculative_decoding"]
     assert spec["num_spec_steps"] >= 1
