@@ -170,8 +170,40 @@ def from_validation_errors(errors: list[Any]) -> InvalidRequest:
         return InvalidRequest("invalid request")
     first = _most_telling(errors)
     param = _param_path(first.get("loc", ())) or None
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    msg = _union_types(errors, first) or str(first.get("msg", "invalid value"))
+    msg = msg.removeprefix("Value error, ")
     return InvalidRequest(f"{param}: {msg}" if param else msg, param=param)
+
+
+# What a type complaint asks for, as a client reads JSON.
+_TYPE_NAMES = {
+    "string_type": "a string",
+    "list_type": "a list",
+    "int_type": "an integer",
+    "float_type": "a number",
+    "bool_type": "a boolean",
+    "dict_type": "an object",
+    "model_type": "an object",
+}
+
+
+def _union_types(errors: list[Any], first: Any) -> str | None:
+    """A value of the wrong type for a union field: every type its branches take (`input:
+    123` said only "should be a valid list", while a string is valid too)."""
+    if first.get("type") not in _TYPE_NAMES:
+        return None
+    field = _field(first.get("loc", ()))
+    kinds = [
+        _TYPE_NAMES[e.get("type")]
+        for e in errors
+        if e.get("type") in _TYPE_NAMES
+        and _field(e.get("loc", ())) == field
+        and tuple(e.get("loc", ()))[len(field) + 1 :] == ()
+    ]
+    wanted = list(dict.fromkeys(kinds))
+    if len(wanted) < 2:
+        return None
+    return f"Input should be {', '.join(wanted[:-1])} or {wanted[-1]}"
 
 
 def _most_telling(errors: list[Any]) -> Any:

@@ -167,6 +167,8 @@ def tenant_ring(spec: TenantFile, extra_keys: list[str]) -> KeyRing:
             found = key_digest(key)
             if not key.strip():
                 raise KeyFileError(f"tenants: {entry.name!r} has an empty key")
+            if owners.get(found) == entry.name:
+                raise KeyFileError(f"tenants: {entry.name!r} lists one key twice")
             if found in owners:
                 raise KeyFileError(
                     f"tenants: one key belongs to both {owners[found]!r} and {entry.name!r}"

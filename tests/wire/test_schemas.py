@@ -85,7 +85,7 @@ def test_an_empty_prompt_of_token_ids_is_refused(prompt: Any, param: str) -> Non
     [
         ([-1], "prompt[0]", "greater than or equal to 0"),
         ([[1, -2]], "prompt[0][1]", "greater than or equal to 0"),
-        (5, "prompt", "valid string"),  # no branch's type: the first branch's complaint
+        (5, "prompt", "should be a string or a list"),  # no branch's type: every branch's
         (["a", 1], "prompt", "valid string"),
     ],
 )

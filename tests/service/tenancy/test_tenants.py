@@ -62,6 +62,7 @@ def test_keys_from_env_join_the_tenant_file_as_tenant_default() -> None:
     [
         ("tenants:\n  - {name: a, keys: [k1]}\n  - {name: a, keys: [k2]}\n", "duplicate tenant"),
         ("tenants:\n  - {name: a, keys: [k1]}\n  - {name: b, keys: [k1]}\n", "both 'a' and 'b'"),
+        ("tenants:\n  - {name: a, keys: [k1, k1]}\n", "'a' lists one key twice"),
         (
             "tenants:\n  - {name: a, keys: [k1], requests_per_minte: 3}\n",
             "tenants.'a'.requests_per_minte: Extra inputs are not permitted",
