@@ -415,10 +415,7 @@ async def admin_pools(request: Request) -> dict[str, Any]:
 
 @router.get(ADMIN_POOLS_PATH + "/{pool}", summary="One pool's weight and promotion evidence")
 async def admin_pool(request: Request, pool: str) -> dict[str, Any]:
-    fleet = gateway(request).live().fleet
-    if pool not in fleet.specs:
-        raise NotFound(f"No pool `{pool}`.", param="pool")
-    return next(card for card in pool_cards(fleet) if card["pool"] == pool)
+    return pool_card(gateway(request).live().fleet, pool)
 
 
 @router.put(
@@ -441,8 +438,7 @@ async def pin_pool(request: Request, pool: str) -> dict[str, Any]:
     _, payload = await read_json(request, state.settings.max_body_bytes)
     pin = validate_request(PoolPin, payload)
     fleet = state.live().fleet
-    if pool not in fleet.specs:
-        raise NotFound(f"No pool `{pool}`.", param="pool")
+    require_pool(fleet, pool)
     if pin.weight == 0:
         refuse_draining_every_pool(fleet, pool)
     assert fleet.promotions is not None  # made with the fleet (service/app.py)
@@ -451,7 +447,7 @@ async def pin_pool(request: Request, pool: str) -> dict[str, Any]:
         log.warning("pool %s: unpinned by %s", pool, caller_name(caller))
     else:
         log.warning("pool %s: weight pinned to %g by %s", pool, pin.weight, caller_name(caller))
-    return next(card for card in pool_cards(fleet) if card["pool"] == pool)
+    return pool_card(fleet, pool)
 
 
 def refuse_draining_every_pool(fleet: WorkerFleet, pool: str) -> None:
@@ -471,6 +467,17 @@ def refuse_draining_every_pool(fleet: WorkerFleet, pool: str) -> None:
 
 def caller_name(caller: Tenant | None) -> str:
     return f"tenant {caller.name}" if caller is not None else "a caller (auth off)"
+
+
+def require_pool(fleet: WorkerFleet, pool: str) -> None:
+    if pool not in fleet.specs:
+        raise NotFound(f"No pool `{pool}`.", param="pool")
+
+
+def pool_card(fleet: WorkerFleet, pool: str) -> dict[str, Any]:
+    """One pool's card (pool_cards); a 404 naming it when there is no such pool."""
+    require_pool(fleet, pool)
+    return next(card for card in pool_cards(fleet) if card["pool"] == pool)
 
 
 def pool_cards(fleet: WorkerFleet) -> list[dict[str, Any]]:

@@ -124,7 +124,7 @@ class KeyRing:
 def parse_key_file(text: str, extra_keys: list[str]) -> KeyRing:
     """The key file's text (either format) plus keys given outside it (env: tenant `default`).
     Raises KeyFileError naming what is wrong."""
-    document = _yaml_mapping(text)
+    document, problem = _yaml_mapping(text)
     if document is None:
         lines = [line.strip() for line in text.splitlines()]
         numbered = [(n, line) for n, line in enumerate(lines, 1) if line and line[0] != "#"]
@@ -133,8 +133,7 @@ def parse_key_file(text: str, extra_keys: list[str]) -> KeyRing:
             # YAML could not read (one misindented line), never a key to let in.
             if line.split()[0] != line or line.endswith(":"):
                 raise KeyFileError(
-                    f"line {n}: neither a key (one per line) nor valid tenant YAML"
-                    f"{_yaml_problem(text)}"
+                    f"line {n}: neither a key (one per line) nor valid tenant YAML{problem}"
                 )
         return KeyRing.plain([*extra_keys, *(line for _, line in numbered)])
     try:
@@ -178,26 +177,18 @@ def tenant_ring(spec: TenantFile, extra_keys: list[str]) -> KeyRing:
     return KeyRing(ring, tuple(tenants), tenancy=True)
 
 
-def _yaml_mapping(text: str) -> dict[str, Any] | None:
-    """The parsed document when the file is in the tenant format (a YAML mapping); None for
-    one key per line (a line of keys is a YAML string, or not YAML at all)."""
+def _yaml_mapping(text: str) -> tuple[dict[str, Any] | None, str]:
+    """The parsed document when the file is in the tenant format (a YAML mapping), else None
+    (one key per line: a line of keys is a YAML string, or not YAML at all); and where YAML's
+    parser stopped, for the error of a file meant as tenant YAML (never the line's text: it
+    may hold a key)."""
     try:
         document = yaml.safe_load(text)
-    except yaml.YAMLError:
-        return None
-    return document if isinstance(document, dict) else None
-
-
-def _yaml_problem(text: str) -> str:
-    """Where YAML's parser stopped, for a file that was meant as tenant YAML: never the
-    line's text (it may hold a key)."""
-    try:
-        yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         problem = getattr(exc, "problem", None) or "not YAML"
-        return f" (YAML: {problem}" + (f" at line {mark.line + 1})" if mark else ")")
-    return ""
+        return None, f" (YAML: {problem}" + (f" at line {mark.line + 1})" if mark else ")")
+    return (document if isinstance(document, dict) else None), ""
 
 
 def describe(exc: ValidationError, document: dict[str, Any]) -> str:
