@@ -168,6 +168,10 @@ def test_responses_through_the_gateway_on_vllm_match_the_embedded_worker(
     assert first.output_text == same.output_text and first.store is True
     assert first.usage is not None and same.usage is not None
     assert first.usage.input_tokens == same.usage.input_tokens
+    # The echoes vLLM 0.33 gives without tools: parallel_tool_calls as asked (default true),
+    # tool_choice "none".
+    assert (first.parallel_tool_calls, first.tool_choice) == (True, "none")
+    assert (same.parallel_tool_calls, same.tool_choice) == (True, "none")
     events = list(gateway.responses.create(input=PROMPTS[1], stream=True, **ask))
     assert events[0].type == "response.created"
     final = events[-1].response  # type: ignore[union-attr]
